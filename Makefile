@@ -1,0 +1,61 @@
+# clusterctl — two set-up commands on a fresh Debian machine:
+#   make demo   start a local testbed cluster and run clusterctl against it
+#   make test   run the test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEMO_DIR ?= .demo
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: all deps venv install test lint demo demo-down llama-server bench clean
+
+all: test
+
+# System packages (root only; a non-root user installs openssh-server once by hand).
+deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  need=""; \
+	  [ -x /usr/sbin/sshd ] || need="$$need openssh-server"; \
+	  command -v ip >/dev/null || need="$$need iproute2"; \
+	  command -v cmake >/dev/null || need="$$need cmake"; \
+	  command -v g++ >/dev/null || need="$$need g++"; \
+	  $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || need="$$need python3-venv"; \
+	  if [ -n "$$need" ]; then \
+	    echo "installing:$$need" >&2; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need >/dev/null; \
+	  fi; \
+	fi
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+venv: $(PY)
+
+install: deps $(PY)
+	@$(PY) -m pip install -q -e '.[test]'
+
+lint: install
+	$(VENV)/bin/ruff check cluster_cli testbed tests bench
+
+llama-server: install
+	@bash scripts/install-llama-server.sh >/dev/null
+
+test: install llama-server
+	$(VENV)/bin/ruff check cluster_cli testbed tests bench
+	LLAMA_SERVER="$$(bash scripts/install-llama-server.sh)" $(PY) -m pytest -q -p no:cacheprovider
+
+demo: install
+	@bash scripts/demo.sh
+
+demo-down:
+	-$(PY) -m testbed down --dir $(DEMO_DIR)
+
+bench: install
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/discover.py
+	$(PY) bench/placement.py
+
+clean: demo-down
+	rm -rf $(VENV) .clusterctl build *.egg-info

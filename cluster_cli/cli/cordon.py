@@ -1,0 +1,62 @@
+"""``clusterctl cordon`` / ``uncordon``: keep new work off a node, or allow it again.
+
+Cordons live in their own table, so a later ``discover`` never clears them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from cluster_cli.cli import ui
+from cluster_cli.cli.common import INVENTORY_HELP, inventory_or_abort, open_store
+from cluster_cli.cli.main import App, app
+
+CORDON_EXAMPLE = """
+Example:
+
+  clusterctl cordon gpu-03 -i inventory.yaml --reason "ECC storm, RMA ticket 4411"
+"""
+UNCORDON_EXAMPLE = """
+Example:
+
+  clusterctl uncordon gpu-03 -i inventory.yaml
+"""
+
+
+def _check_node(inventory: Path, node: str) -> None:
+    inv = inventory_or_abort(inventory)
+    if inv.node(node) is None:
+        ui.abort(f"{inventory}: no node named {node!r} in the inventory")
+
+
+@app.command(epilog=CORDON_EXAMPLE)
+def cordon(
+    ctx: typer.Context,
+    node: str = typer.Argument(..., help="Node name, as in the inventory."),
+    reason: str = typer.Option(..., "--reason", "-r", help="Why (shown by discover and place)."),
+    inventory: Path = typer.Option(..., "--inventory", "-i", help=INVENTORY_HELP),
+) -> None:
+    """Cordon a node: placement puts nothing new on it. Survives re-discovery."""
+    if not reason.strip():
+        ui.abort("--reason must not be empty")
+    _check_node(inventory, node)
+    state: App = ctx.obj
+    with open_store(state.state_path) as store:
+        store.cordon(node, reason.strip())
+    ui.info(f"{node} cordoned: {reason.strip()}")
+
+
+@app.command(epilog=UNCORDON_EXAMPLE)
+def uncordon(
+    ctx: typer.Context,
+    node: str = typer.Argument(..., help="Node name, as in the inventory."),
+    inventory: Path = typer.Option(..., "--inventory", "-i", help=INVENTORY_HELP),
+) -> None:
+    """Lift a node's cordon."""
+    _check_node(inventory, node)
+    state: App = ctx.obj
+    with open_store(state.state_path) as store:
+        was = store.uncordon(node)
+    ui.info(f"{node} uncordoned" if was else f"{node} was not cordoned")

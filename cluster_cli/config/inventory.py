@@ -1,0 +1,155 @@
+"""The inventory: which nodes exist and how to reach them over SSH.
+
+```yaml
+defaults: {user: root, port: 22, identity_file: ~/.ssh/id_ed25519, known_hosts: ~/.ssh/known_hosts}
+ssh_config: ~/.ssh/config
+gpu_classes: {H100: ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"]}
+fabrics: {ib-a: {}, ib-b: {}}
+nodes:
+  - {name: gpu-01, host: 10.0.0.11, fabric: ib-a, hca_fabrics: {mlx5_4: ib-b}, labels: {rack: r1}}
+```
+
+Relative paths are resolved against the inventory file's folder; ``~`` is expanded.
+``known_hosts: accept-new`` trusts a node's key on first use and pins it in
+``.clusterctl/known_hosts`` next to the state; host keys are never left unchecked.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster_cli.config.load import load_model
+
+ACCEPT_NEW = "accept-new"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SSHDefaults(_Strict):
+    user: str = "root"
+    port: int = Field(default=22, ge=1, le=65535)
+    identity_file: str | None = "~/.ssh/id_ed25519"
+    known_hosts: str = "~/.ssh/known_hosts"
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    command_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class Fabric(_Strict):
+    description: str | None = None
+    subnet_prefix: str | None = None
+
+
+class Node(_Strict):
+    name: str
+    host: str
+    port: int | None = Field(default=None, ge=1, le=65535)
+    user: str | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    fabric: str | None = None
+    hca_fabrics: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"invalid node name {v!r}: use letters, digits, '.', '_', '-'")
+        return v
+
+
+class Inventory(_Strict):
+    defaults: SSHDefaults = Field(default_factory=SSHDefaults)
+    ssh_config: str | None = None
+    gpu_classes: dict[str, list[str]] = Field(default_factory=dict)
+    fabrics: dict[str, Fabric | None] = Field(default_factory=dict)
+    nodes: list[Node] = Field(default_factory=list)
+    # Not part of the YAML: the folder relative paths are resolved against.
+    base_dir: str = Field(default=".", exclude=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> Inventory:
+        seen: dict[str, int] = {}
+        for i, n in enumerate(self.nodes):
+            if n.name in seen:
+                raise ValueError(f"nodes.{i}.name: duplicate node name {n.name!r} (also nodes.{seen[n.name]})")
+            seen[n.name] = i
+            declared = [("fabric", n.fabric)] + [(f"hca_fabrics.{k}", v) for k, v in n.hca_fabrics.items()]
+            for field, fab in declared:
+                if fab is not None and self.fabrics and fab not in self.fabrics:
+                    raise ValueError(
+                        f"nodes.{i}.{field}: unknown fabric {fab!r} (declared: {', '.join(sorted(self.fabrics))})"
+                    )
+        products: dict[str, str] = {}
+        for cls_name, names in self.gpu_classes.items():
+            for p in names:
+                if p in products and products[p] != cls_name:
+                    raise ValueError(f"gpu_classes: {p!r} is listed under both {products[p]!r} and {cls_name!r}")
+                products[p] = cls_name
+        return self
+
+    # ---- resolved views -------------------------------------------------
+    def node(self, name: str) -> Node | None:
+        return next((n for n in self.nodes if n.name == name), None)
+
+    def resolve_path(self, p: str | None) -> str | None:
+        if p is None:
+            return None
+        expanded = os.path.expanduser(p)
+        if os.path.isabs(expanded):
+            return expanded
+        return str(Path(self.base_dir) / expanded)
+
+    def ssh_target(self, n: Node) -> SSHTarget:
+        d = self.defaults
+        kh = n.known_hosts or d.known_hosts
+        return SSHTarget(
+            name=n.name,
+            host=n.host,
+            port=n.port or d.port,
+            user=n.user or d.user,
+            identity_file=self.resolve_path(n.identity_file or d.identity_file),
+            known_hosts=kh if kh == ACCEPT_NEW else self.resolve_path(kh),
+            ssh_config=self.resolve_path(self.ssh_config),
+            connect_timeout_s=d.connect_timeout_s,
+            command_timeout_s=d.command_timeout_s,
+        )
+
+    def gpu_class(self, product: str) -> str:
+        """The alias whose list names ``product``, else the product without 'NVIDIA '."""
+        for cls_name, names in self.gpu_classes.items():
+            if product in names:
+                return cls_name
+        return product.removeprefix("NVIDIA ").strip()
+
+    def fabric_for(self, n: Node, ca: str) -> str | None:
+        return n.hca_fabrics.get(ca, n.fabric)
+
+
+class SSHTarget(BaseModel):
+    """Everything needed to open one SSH connection, paths already resolved."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    host: str
+    port: int
+    user: str
+    identity_file: str | None
+    known_hosts: str
+    ssh_config: str | None = None
+    connect_timeout_s: float = 10.0
+    command_timeout_s: float = 30.0
+
+
+def load_inventory(path: Path | str) -> Inventory:
+    path = Path(path)
+    inv = load_model(path, Inventory)
+    return inv.model_copy(update={"base_dir": str(path.resolve().parent)})

@@ -1,0 +1,82 @@
+"""Load YAML files into pydantic models with one-line, located errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from cluster_cli.errors import ConfigError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate mapping keys instead of keeping the last."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            mark = key_node.start_mark
+            raise ConfigError(f"line {mark.line + 1}: duplicate key {key!r}")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_yaml(path: Path) -> object:
+    """Parse a YAML file; any problem becomes ConfigError naming the file and line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e.message}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"{path}: {where}invalid YAML: {e.problem}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+
+
+def format_validation_error(path: Path | str, err: ValidationError) -> str:
+    """First pydantic error as ``file: field.path: message`` on one line."""
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    msg = str(e["msg"]).removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    if not loc:
+        loc, _, rest = msg.partition(": ") if ": " in msg else ("(top level)", "", msg)
+        msg = rest
+    more = len(err.errors()) - 1
+    suffix = f" (and {more} more error{'s' if more > 1 else ''})" if more else ""
+    return f"{path}: {loc}: {msg}{suffix}"
+
+
+def load_model(path: Path | str, model: type[M]) -> M:
+    """Read YAML at ``path`` and validate it as ``model``."""
+    path = Path(path)
+    data = read_yaml(path)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(path, e)) from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e.message}") from None

@@ -1,0 +1,108 @@
+"""The engine adapter interface: what clusterctl needs to know about an inference engine.
+
+An adapter validates a profile, builds the command line and environment of one
+replica shard, names the health path, and maps the engine's Prometheus metric names
+onto the three load signals the router balances on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# vLLM's names, the default for an empty mapping (as the router config promises).
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_CACHE = "vllm:kv_cache_usage_perc"
+VLLM_KV_CACHE_LEGACY = "vllm:gpu_cache_usage_perc"  # vLLM < 0.10
+
+METRIC_KEYS = ("running", "waiting", "kv_cache_usage")
+
+
+@dataclass(frozen=True)
+class MetricMapping:
+    """Metric names for the load signals; ``None`` means the engine does not export it.
+
+    A signal whose name is ``None`` is *unknown*, never zero.
+    ``fallbacks`` lists alternative names per signal, tried in order when the primary
+    name is absent from a scrape (e.g. vLLM's pre-0.10 KV-cache gauge).
+    """
+
+    running: str | None
+    waiting: str | None
+    kv_cache_usage: str | None
+    fallbacks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def vllm(cls) -> MetricMapping:
+        return cls(VLLM_RUNNING, VLLM_WAITING, VLLM_KV_CACHE, {"kv_cache_usage": (VLLM_KV_CACHE_LEGACY,)})
+
+    @classmethod
+    def from_config(cls, mapping: Mapping[str, str | None] | None) -> MetricMapping:
+        """Resolve a config mapping.
+
+        Empty -> vLLM's names. A mapping that names its own ``running`` metric is a
+        complete statement: what it leaves out stays unknown. A mapping without
+        ``running`` overrides single names on top of vLLM's.
+        """
+        mapping = dict(mapping or {})
+        unknown = set(mapping) - set(METRIC_KEYS)
+        if unknown:
+            raise ValueError(f"unknown metric key(s): {', '.join(sorted(unknown))}; use {', '.join(METRIC_KEYS)}")
+        if not mapping:
+            return cls.vllm()
+        if mapping.get("running"):
+            return cls(mapping.get("running"), mapping.get("waiting") or None, mapping.get("kv_cache_usage") or None)
+        base = cls.vllm()
+        return cls(
+            base.running,
+            mapping.get("waiting", base.waiting) or None,
+            mapping.get("kv_cache_usage", base.kv_cache_usage) or None,
+            {} if "kv_cache_usage" in mapping else base.fallbacks,
+        )
+
+    def names(self, signal: str) -> tuple[str, ...]:
+        primary = getattr(self, signal)
+        if primary is None:
+            return ()
+        return (primary, *self.fallbacks.get(signal, ()))
+
+    def to_config(self) -> dict[str, str]:
+        return {k: v for k in METRIC_KEYS if (v := getattr(self, k)) is not None}
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One shard of one replica, as the launcher starts it."""
+
+    model: str  # path or hub id the engine loads
+    served_name: str  # the model id clients ask for
+    host: str
+    port: int
+    gpus: tuple[int, ...] = ()
+    tensor_parallel: int = 1
+    nodes: int = 1
+    node_rank: int = 0
+    head_address: str | None = None  # multi-node: the rank-0 shard's address
+    cpus: int | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+class Engine(Protocol):
+    name: str
+    supports_cpu: bool
+    health_path: str
+    metrics: MetricMapping
+
+    def validate_profile(self, *, gpu_class: str | None, gpus: int, nodes: int) -> str | None:
+        """Return a one-line reason the profile cannot run on this engine, or None."""
+        ...
+
+    def command(self, spec: LaunchSpec, *, binary: str) -> list[str]:
+        """argv of the engine process."""
+        ...
+
+    def env(self, spec: LaunchSpec) -> dict[str, str]:
+        """Extra environment of the engine process."""
+        ...

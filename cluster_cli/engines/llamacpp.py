@@ -1,0 +1,48 @@
+"""llama.cpp ``llama-server`` adapter: CPU or one GPU, one node.
+
+llama.cpp splits a model over local GPUs by its own mechanism, which this adapter does
+not drive; a multi-node or multi-GPU profile would start and then serve from a single
+device while the catalog believed otherwise, so such profiles are refused.
+"""
+
+from __future__ import annotations
+
+from cluster_cli.engines.base import LaunchSpec, MetricMapping
+
+# Exported with --metrics. Current builds no longer export llamacpp:kv_cache_usage_ratio.
+LLAMACPP_RUNNING = "llamacpp:requests_processing"
+LLAMACPP_WAITING = "llamacpp:requests_deferred"
+
+
+class LlamaCpp:
+    name = "llamacpp"
+    supports_cpu = True
+    health_path = "/health"
+    metrics = MetricMapping(LLAMACPP_RUNNING, LLAMACPP_WAITING, None)
+
+    def validate_profile(self, *, gpu_class: str | None, gpus: int, nodes: int) -> str | None:
+        if nodes > 1:
+            return f"llamacpp cannot serve one replica from several nodes (nodes: {nodes})"
+        if gpus > 1:
+            return f"llamacpp profiles are limited to one GPU (gpus: {gpus}); tensor parallel is not supported"
+        if gpus == 1 and not gpu_class:
+            return "a profile that asks for a GPU must name its gpu_class"
+        return None
+
+    def command(self, spec: LaunchSpec, *, binary: str = "llama-server") -> list[str]:
+        argv = [
+            binary,
+            "-m", spec.model,
+            "--alias", spec.served_name,
+            "--host", spec.host,
+            "--port", str(spec.port),
+            "--metrics",
+        ]  # fmt: skip
+        if spec.cpus:
+            argv += ["-t", str(spec.cpus)]
+        if spec.gpus:
+            argv += ["-ngl", "999"]
+        return argv + list(spec.extra_args)
+
+    def env(self, spec: LaunchSpec) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in spec.gpus)} if spec.gpus else {}

@@ -1,0 +1,300 @@
+"""Plain, immutable facts about nodes: what the probes learn and placement reads.
+
+These are the lingua franca between stages (probe -> state -> placement). They hold
+no behaviour beyond derived properties and JSON conversion, so every stage can be
+tested with hand-made instances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A compute process on a GPU, from ``nvidia-smi --query-compute-apps``."""
+
+    pid: int
+    name: str
+    gpu_uuid: str
+    used_mib: int | None = None
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU of a node.
+
+    ``problems`` holds every reason the GPU is not free, as short human strings
+    whose first word is a stable key (``ecc``, ``retired-pages``, ``remap``, ``lost``,
+    ``foreign-process``, ``mig``).
+    """
+
+    index: int
+    uuid: str
+    product: str
+    gpu_class: str
+    memory_total_mib: int | None = None
+    memory_used_mib: int | None = None
+    pci_bus_id: str | None = None
+    ecc_uncorrected: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_pending: bool | None = None
+    mig_mode: bool | None = None
+    lost: bool = False
+    processes: tuple[GpuProcess, ...] = ()
+    problems: tuple[str, ...] = ()
+
+    @property
+    def healthy(self) -> bool:
+        """Hardware is usable: not lost, no ECC fault, nothing pending retirement or remap."""
+        return not any(p.split(" ", 1)[0] in _HEALTH_KEYS for p in self.problems)
+
+    @property
+    def free(self) -> bool:
+        """Healthy and nobody else is computing on it."""
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "uuid": self.uuid,
+            "product": self.product,
+            "class": self.gpu_class,
+            "memory_total_mib": self.memory_total_mib,
+            "memory_used_mib": self.memory_used_mib,
+            "pci_bus_id": self.pci_bus_id,
+            "ecc_uncorrected": self.ecc_uncorrected,
+            "retired_pages_pending": self.retired_pages_pending,
+            "remapped_rows_pending": self.remapped_rows_pending,
+            "mig_mode": self.mig_mode,
+            "lost": self.lost,
+            "healthy": self.healthy,
+            "free": self.free,
+            "problems": list(self.problems),
+            "processes": [
+                {"pid": p.pid, "name": p.name, "gpu_uuid": p.gpu_uuid, "used_mib": p.used_mib}
+                for p in self.processes
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Gpu:
+        return cls(
+            index=int(d["index"]),
+            uuid=str(d.get("uuid") or ""),
+            product=str(d.get("product") or ""),
+            gpu_class=str(d.get("class") or d.get("gpu_class") or ""),
+            memory_total_mib=d.get("memory_total_mib"),
+            memory_used_mib=d.get("memory_used_mib"),
+            pci_bus_id=d.get("pci_bus_id"),
+            ecc_uncorrected=d.get("ecc_uncorrected"),
+            retired_pages_pending=d.get("retired_pages_pending"),
+            remapped_rows_pending=d.get("remapped_rows_pending"),
+            mig_mode=d.get("mig_mode"),
+            lost=bool(d.get("lost", False)),
+            processes=tuple(
+                GpuProcess(int(p["pid"]), str(p.get("name", "")), str(p.get("gpu_uuid", "")), p.get("used_mib"))
+                for p in d.get("processes") or ()
+            ),
+            problems=tuple(d.get("problems") or ()),
+        )
+
+
+# Problem keys that make a GPU unhealthy (as opposed to merely busy).
+_HEALTH_KEYS = frozenset({"lost", "ecc", "retired-pages", "remap"})
+
+
+@dataclass(frozen=True)
+class HcaPort:
+    """One port of an RDMA adapter, from ``ibstat``."""
+
+    ca: str
+    port: int
+    state: str  # Active, Down, Initializing, ...
+    physical_state: str = ""  # LinkUp, Disabled, Polling, ...
+    link_layer: str = ""  # InfiniBand or Ethernet
+    rate_gbps: float | None = None
+    port_guid: int | None = None
+    base_lid: int | None = None
+    sm_lid: int | None = None
+    ca_type: str | None = None
+    sm_guid: int | None = None  # master SM port GUID seen from this port (sminfo), if known
+    fabric: str | None = None  # from the inventory (node default or per-HCA override)
+
+    @property
+    def is_ib_attachment(self) -> bool:
+        """Only Active InfiniBand ports attach a node to a fabric."""
+        return self.state == "Active" and self.link_layer == "InfiniBand"
+
+    def to_dict(self) -> dict[str, Any]:
+        rate: float | int | None = self.rate_gbps
+        if rate is not None and float(rate).is_integer():
+            rate = int(rate)
+        return {
+            "name": self.ca,
+            "port": self.port,
+            "state": self.state,
+            "physical_state": self.physical_state,
+            "link_layer": self.link_layer,
+            "rate_gbps": rate,
+            "port_guid": None if self.port_guid is None else f"0x{self.port_guid:016x}",
+            "base_lid": self.base_lid,
+            "sm_lid": self.sm_lid,
+            "ca_type": self.ca_type,
+            "sm_guid": None if self.sm_guid is None else f"0x{self.sm_guid:016x}",
+            "fabric": self.fabric,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HcaPort:
+        guid = d.get("port_guid")
+        return cls(
+            ca=str(d["name"]),
+            port=int(d["port"]),
+            state=str(d.get("state") or ""),
+            physical_state=str(d.get("physical_state") or ""),
+            link_layer=str(d.get("link_layer") or ""),
+            rate_gbps=None if d.get("rate_gbps") is None else float(d["rate_gbps"]),
+            port_guid=int(guid, 16) if isinstance(guid, str) else guid,
+            base_lid=d.get("base_lid"),
+            sm_lid=d.get("sm_lid"),
+            ca_type=d.get("ca_type"),
+            sm_guid=int(d["sm_guid"], 16) if isinstance(d.get("sm_guid"), str) else d.get("sm_guid"),
+            fabric=d.get("fabric"),
+        )
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """Everything known about one node at one moment.
+
+    ``nvlink_domains`` is ``None`` when the topology is unknown (never guessed);
+    an empty tuple means "known: no NVLink". ``gpus`` is empty for CPU-only nodes.
+    """
+
+    name: str
+    host: str = ""
+    reachable: bool = True
+    error: str | None = None
+    cpus: int | None = None
+    memory_mib: int | None = None
+    gpus: tuple[Gpu, ...] = ()
+    nvlink_domains: tuple[tuple[int, ...], ...] | None = None
+    hcas: tuple[HcaPort, ...] = ()
+    fabric: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    cordoned: bool = False
+    cordon_reason: str | None = None
+    problems: tuple[str, ...] = ()
+    probed_at: float | None = None
+
+    @property
+    def fabrics(self) -> frozenset[str]:
+        """Fabrics this node is attached to through Active InfiniBand ports."""
+        return frozenset(h.fabric for h in self.hcas if h.is_ib_attachment and h.fabric)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "host": self.host,
+            "reachable": self.reachable,
+            "error": self.error,
+            "cordoned": self.cordoned,
+            "cordon_reason": self.cordon_reason,
+            "cpus": self.cpus,
+            "memory_mib": self.memory_mib,
+            "fabric": self.fabric,
+            "labels": dict(self.labels),
+            "gpus": [g.to_dict() for g in self.gpus],
+            "nvlink_domains": None
+            if self.nvlink_domains is None
+            else [list(d) for d in self.nvlink_domains],
+            "hcas": [h.to_dict() for h in self.hcas],
+            "fabrics": sorted(self.fabrics),
+            "problems": list(self.problems),
+            "probed_at": self.probed_at,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NodeFacts:
+        doms = d.get("nvlink_domains")
+        return cls(
+            name=str(d["name"]),
+            host=str(d.get("host") or ""),
+            reachable=bool(d.get("reachable", True)),
+            error=d.get("error"),
+            cpus=d.get("cpus"),
+            memory_mib=d.get("memory_mib"),
+            gpus=tuple(Gpu.from_dict(g) for g in d.get("gpus") or ()),
+            nvlink_domains=None if doms is None else tuple(tuple(int(i) for i in x) for x in doms),
+            hcas=tuple(HcaPort.from_dict(h) for h in d.get("hcas") or ()),
+            fabric=d.get("fabric"),
+            labels=dict(d.get("labels") or {}),
+            cordoned=bool(d.get("cordoned", False)),
+            cordon_reason=d.get("cordon_reason"),
+            problems=tuple(d.get("problems") or ()),
+            probed_at=d.get("probed_at"),
+        )
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a replica that runs on one node."""
+
+    node: str
+    gpus: tuple[int, ...] = ()
+    hcas: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "gpus": list(self.gpus), "hcas": list(self.hcas)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Shard:
+        return cls(str(d["node"]), tuple(int(g) for g in d.get("gpus") or ()), tuple(d.get("hcas") or ()))
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One placed replica of a model: all its shards are allocated and released together."""
+
+    model: str
+    replica: int
+    profile: str
+    engine: str
+    shards: tuple[Shard, ...]
+    fabric: str | None = None
+    gpu_class: str | None = None
+    cpus: int | None = None
+    memory_mib: int | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.model, self.replica)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "replica": self.replica,
+            "profile": self.profile,
+            "engine": self.engine,
+            "fabric": self.fabric,
+            "gpu_class": self.gpu_class,
+            "cpus": self.cpus,
+            "memory_mib": self.memory_mib,
+            "shards": [s.to_dict() for s in self.shards],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Replica:
+        return cls(
+            model=str(d["model"]),
+            replica=int(d["replica"]),
+            profile=str(d["profile"]),
+            engine=str(d["engine"]),
+            shards=tuple(Shard.from_dict(s) for s in d.get("shards") or ()),
+            fabric=d.get("fabric"),
+            gpu_class=d.get("gpu_class"),
+            cpus=d.get("cpus"),
+            memory_mib=d.get("memory_mib"),
+        )

@@ -1,0 +1,195 @@
+"""Fan discover out over the nodes: one SSH connection each, probes in parallel on it.
+
+The effectful part (``discover``) only moves text; turning command outputs into
+``NodeFacts`` is the pure ``facts_from_outputs``, tested without any SSH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+
+from cluster_cli.config.inventory import Inventory, Node
+from cluster_cli.errors import SSHError
+from cluster_cli.facts import HcaPort, NodeFacts
+from cluster_cli.probe.commands import PROBES, sminfo_command
+from cluster_cli.probe.parsers.host import parse_meminfo, parse_nproc
+from cluster_cli.probe.parsers.ibstat import parse_ibstat, parse_sminfo
+from cluster_cli.probe.parsers.nvidia_smi import (
+    build_gpus,
+    classify_failure,
+    parse_compute_apps,
+    parse_query_gpu,
+)
+from cluster_cli.probe.parsers.topology import parse_topo
+from cluster_cli.probe.runner import AsyncsshConnector, CommandResult, Connector, Session
+
+OnDone = Callable[[NodeFacts], None]
+
+
+def _missing(r: CommandResult | None) -> bool:
+    return r is None or r.rc == 127 or (r.rc != 0 and "not found" in r.output.lower())
+
+
+def facts_from_outputs(
+    inv: Inventory,
+    node: Node,
+    outputs: Mapping[str, CommandResult],
+    *,
+    own_pids: frozenset[int] = frozenset(),
+    sm_guids: Mapping[tuple[str, int], int | None] | None = None,
+    probed_at: float | None = None,
+) -> NodeFacts:
+    """Pure: the raw outputs of the probe commands of one node -> its facts."""
+    problems: list[str] = []
+
+    # CPU and memory
+    cpus = parse_nproc(outputs["cpus"].stdout) if "cpus" in outputs and outputs["cpus"].rc == 0 else None
+    mem = parse_meminfo(outputs["meminfo"].stdout) if "meminfo" in outputs and outputs["meminfo"].rc == 0 else None
+    if cpus is None:
+        problems.append("cpu: could not read the CPU count")
+    if mem is None:
+        problems.append("memory: could not read /proc/meminfo")
+
+    # GPUs
+    gpus: tuple = ()
+    nvlink: tuple[tuple[int, ...], ...] | None = None
+    smi = outputs.get("gpus")
+    if smi is None or _missing(smi):
+        nvlink = ()  # no nvidia-smi: a CPU node, no GPUs and so no NVLink
+    else:
+        rows, lost = parse_query_gpu(smi.output)
+        failure = classify_failure(smi.rc, smi.output)
+        if failure is not None and not rows and not lost:
+            problems.append(f"nvidia-smi: {failure.message}")
+        else:
+            apps = outputs.get("apps")
+            procs = parse_compute_apps(apps.stdout) if apps is not None and apps.rc == 0 else []
+            if apps is not None and apps.rc != 0:
+                problems.append("nvidia-smi: could not list compute processes; GPUs treated as busy")
+            gpus = build_gpus(rows, procs, lost, gpu_class=inv.gpu_class, own_pids=own_pids)
+            if apps is not None and apps.rc != 0:
+                gpus = tuple(replace(g, problems=(*g.problems, "foreign-process: unknown (query failed)")) for g in gpus)
+            topo = outputs.get("topo")
+            if not gpus:
+                nvlink = ()
+            elif topo is not None and topo.rc == 0:
+                nvlink = parse_topo(topo.stdout)
+            if lost:
+                problems.append(f"gpu: {len(lost)} GPU(s) lost")
+
+    # InfiniBand
+    hcas: list[HcaPort] = []
+    ib = outputs.get("ibstat")
+    if ib is not None and ib.rc == 0:
+        for p in parse_ibstat(ib.stdout):
+            fab = inv.fabric_for(node, p.ca) if p.is_ib_attachment else None
+            guid = (sm_guids or {}).get((p.ca, p.port))
+            hcas.append(replace(p, fabric=fab, sm_guid=guid))
+    elif ib is not None and not _missing(ib) and node.fabric:
+        problems.append(f"ibstat: failed (rc {ib.rc}): {ib.output.strip().splitlines()[0] if ib.output.strip() else ''}")
+    if node.fabric and not any(h.is_ib_attachment for h in hcas):
+        problems.append(f"fabric: declared on {node.fabric} but no Active InfiniBand port")
+
+    return NodeFacts(
+        name=node.name,
+        host=node.host,
+        reachable=True,
+        error=None,
+        cpus=cpus,
+        memory_mib=mem,
+        gpus=tuple(gpus),
+        nvlink_domains=nvlink,
+        hcas=tuple(hcas),
+        fabric=node.fabric,
+        labels=dict(node.labels),
+        problems=tuple(problems),
+        probed_at=probed_at,
+    )
+
+
+async def _run_all(session: Session, timeout: float) -> dict[str, CommandResult]:
+    names = list(PROBES)
+    results = await asyncio.gather(*(session.run(PROBES[n], timeout=timeout) for n in names))
+    return dict(zip(names, results, strict=True))
+
+
+async def probe_node(
+    inv: Inventory,
+    node: Node,
+    connector: Connector,
+    *,
+    own_pids: frozenset[int] = frozenset(),
+) -> NodeFacts:
+    """Probe one node; never raises for node-level failures (they become ``error``)."""
+    target = inv.ssh_target(node)
+    started = time.time()
+    try:
+        async with connector.session(target) as session:
+            outputs = await _run_all(session, target.command_timeout_s)
+            sm: dict[tuple[str, int], int | None] = {}
+            ib = outputs.get("ibstat")
+            if ib is not None and ib.rc == 0:
+                ports = [p for p in parse_ibstat(ib.stdout) if p.is_ib_attachment]
+                res = await asyncio.gather(
+                    *(session.run(sminfo_command(p.ca, p.port), timeout=target.command_timeout_s) for p in ports)
+                )
+                for p, r in zip(ports, res, strict=True):
+                    sm[(p.ca, p.port)] = parse_sminfo(r.stdout) if r.rc == 0 else None
+        return facts_from_outputs(inv, node, outputs, own_pids=own_pids, sm_guids=sm, probed_at=started)
+    except SSHError as e:
+        return unreachable(node, e.message.removeprefix(f"{node.name}: "), started)
+
+
+def unreachable(node: Node, error: str, at: float | None = None) -> NodeFacts:
+    return NodeFacts(
+        name=node.name,
+        host=node.host,
+        reachable=False,
+        error=error,
+        fabric=node.fabric,
+        labels=dict(node.labels),
+        probed_at=at,
+    )
+
+
+async def discover(
+    inv: Inventory,
+    nodes: Sequence[Node] | None = None,
+    *,
+    connector: Connector | None = None,
+    parallel: int = 64,
+    node_timeout_s: float | None = None,
+    own_pids: Mapping[str, frozenset[int]] | None = None,
+    on_done: OnDone | None = None,
+) -> list[NodeFacts]:
+    """Probe ``nodes`` (default: all) with at most ``parallel`` at once.
+
+    Each node gets a hard deadline (connect + command timeouts unless given), so a
+    frozen or black-holed node is reported, never waited on forever. Results come
+    back in inventory order.
+    """
+    connector = connector or AsyncsshConnector()
+    nodes = list(inv.nodes if nodes is None else nodes)
+    sem = asyncio.Semaphore(max(1, parallel))
+
+    async def one(n: Node) -> NodeFacts:
+        t = inv.ssh_target(n)
+        deadline = node_timeout_s or (t.connect_timeout_s + t.command_timeout_s + 2)
+        async with sem:
+            try:
+                f = await asyncio.wait_for(
+                    probe_node(inv, n, connector, own_pids=(own_pids or {}).get(n.name, frozenset())),
+                    timeout=deadline,
+                )
+            except TimeoutError:
+                f = unreachable(n, f"no answer within {deadline:g}s", time.time())
+            except Exception as e:  # a failing node never takes the run down
+                f = unreachable(n, f"probe failed: {type(e).__name__}: {e}", time.time())
+        if on_done is not None:
+            on_done(f)
+        return f
+
+    return list(await asyncio.gather(*(one(n) for n in nodes)))

@@ -1,0 +1,48 @@
+"""The exact remote commands discover runs, one SSH channel each.
+
+Every command is a fixed string built from constants (no user input), so quoting is
+trivial; anything that does take user input goes through ``shlex.quote``. Output is
+read with ``LC_ALL=C`` so field names are never localized.
+
+The simulated tools of the testbed answer exactly these argument lists.
+"""
+
+from __future__ import annotations
+
+# Column order of --query-gpu; parsers map by position, never by header name.
+GPU_FIELDS: tuple[str, ...] = (
+    "index",
+    "uuid",
+    "name",
+    "memory.total",
+    "memory.used",
+    "pci.bus_id",
+    "ecc.errors.uncorrected.volatile.total",
+    "mig.mode.current",
+    "retired_pages.pending",
+    "remapped_rows.pending",
+)
+
+# process_name goes last: it can contain ", " and is split from the right of the fixed columns.
+APP_FIELDS: tuple[str, ...] = ("gpu_uuid", "pid", "used_memory", "process_name")
+
+QUERY_GPU_ARGS = f"--query-gpu={','.join(GPU_FIELDS)} --format=csv,noheader,nounits"
+QUERY_APPS_ARGS = f"--query-compute-apps={','.join(APP_FIELDS)} --format=csv,noheader,nounits"
+
+ENV = "LC_ALL=C"
+
+PROBES: dict[str, str] = {
+    "gpus": f"{ENV} nvidia-smi {QUERY_GPU_ARGS}",
+    "apps": f"{ENV} nvidia-smi {QUERY_APPS_ARGS}",
+    "topo": f"{ENV} nvidia-smi topo -m",
+    "ibstat": f"{ENV} ibstat",
+    "cpus": f"{ENV} nproc --all",
+    "meminfo": "cat /proc/meminfo",
+}
+
+
+def sminfo_command(ca: str, port: int) -> str:
+    """Ask the master SM's identity through one local port (needs umad access; may fail)."""
+    import shlex
+
+    return f"{ENV} sminfo -C {shlex.quote(ca)} -P {int(port)}"

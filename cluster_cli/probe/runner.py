@@ -1,0 +1,160 @@
+"""Running commands on nodes over SSH (asyncssh), with one-line error messages.
+
+One connection per node; commands run as parallel channels on it. Host keys are
+always verified: against the configured known_hosts file, or with ``accept-new``
+against a pinned file that learns a node's key on first contact and never again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import asyncssh
+
+from cluster_cli.config.inventory import ACCEPT_NEW, SSHTarget
+from cluster_cli.errors import SSHError
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What a remote command did. ``rc`` is None when the connection died under it."""
+
+    rc: int | None
+    stdout: str
+    stderr: str = ""
+
+    @property
+    def output(self) -> str:
+        return self.stdout + (("\n" + self.stderr) if self.stderr else "")
+
+
+class Session(Protocol):
+    async def run(self, command: str, *, timeout: float) -> CommandResult: ...
+
+
+class Connector(Protocol):
+    def session(self, target: SSHTarget) -> AsyncIterator[Session]: ...
+
+
+class AsyncsshSession:
+    def __init__(self, conn: asyncssh.SSHClientConnection, name: str) -> None:
+        self._conn = conn
+        self._name = name
+
+    async def run(self, command: str, *, timeout: float) -> CommandResult:
+        try:
+            r = await self._conn.run(command, check=False, timeout=timeout, encoding="utf-8", errors="replace")
+        except asyncssh.TimeoutError as e:
+            raise SSHError(f"{self._name}: command timed out after {timeout:g}s: {command.split()[1:2]}") from e
+        except (asyncssh.Error, OSError) as e:
+            raise SSHError(f"{self._name}: {ssh_error_message(e)}") from e
+        if r.exit_status is None and r.exit_signal is None:
+            # asyncssh reports a connection that died mid-command this way, not as an exception.
+            raise SSHError(f"{self._name}: connection lost while running a command")
+        rc = r.exit_status if r.exit_status is not None else 128 + 9
+        return CommandResult(rc, str(r.stdout or ""), str(r.stderr or ""))
+
+
+class AsyncsshConnector:
+    """Opens verified SSH connections. ``pinned_known_hosts`` backs ``accept-new``."""
+
+    def __init__(self, pinned_known_hosts: Path | None = None) -> None:
+        self.pinned = pinned_known_hosts
+        self._pin_lock = asyncio.Lock()
+
+    @asynccontextmanager
+    async def session(self, target: SSHTarget) -> AsyncIterator[Session]:
+        known_hosts = await self._known_hosts(target)
+        try:
+            conn = await asyncio.wait_for(
+                asyncssh.connect(
+                    target.host,
+                    port=target.port,
+                    username=target.user,
+                    client_keys=[target.identity_file] if target.identity_file else None,
+                    known_hosts=known_hosts,
+                    config=[target.ssh_config] if target.ssh_config else (),
+                    agent_path=None,
+                    connect_timeout=target.connect_timeout_s,
+                    login_timeout=target.connect_timeout_s,
+                    keepalive_interval=max(1.0, target.command_timeout_s / 3),
+                    keepalive_count_max=3,
+                ),
+                timeout=target.connect_timeout_s + 1,
+            )
+        except TimeoutError:
+            raise SSHError(f"{target.name}: connect timed out after {target.connect_timeout_s:g}s") from None
+        except (asyncssh.Error, OSError, ValueError) as e:
+            raise SSHError(f"{target.name}: {ssh_error_message(e, target)}") from e
+        try:
+            yield AsyncsshSession(conn, target.name)
+        finally:
+            conn.close()
+            with suppress(TimeoutError, asyncio.TimeoutError, OSError, asyncssh.Error):
+                await asyncio.wait_for(conn.wait_closed(), timeout=1.0)
+
+    async def _known_hosts(self, target: SSHTarget) -> str:
+        if target.known_hosts != ACCEPT_NEW:
+            if not os.path.exists(target.known_hosts):
+                raise SSHError(f"{target.name}: known_hosts file not found: {target.known_hosts}")
+            return target.known_hosts
+        if self.pinned is None:
+            raise SSHError(f"{target.name}: known_hosts is accept-new but no pinned file is configured")
+        async with self._pin_lock:
+            self.pinned.parent.mkdir(parents=True, exist_ok=True)
+            self.pinned.touch(exist_ok=True)
+            names = _known_host_names(target.host, target.port)
+            for line in self.pinned.read_text().splitlines():
+                if line.split(" ", 1)[0] in names:
+                    return str(self.pinned)
+        # First contact: learn the key, pin it, then connect verifying against the pin.
+        try:
+            key = await asyncio.wait_for(
+                asyncssh.get_server_host_key(target.host, target.port, config=(), connect_timeout=target.connect_timeout_s),
+                timeout=target.connect_timeout_s + 1,
+            )
+        except TimeoutError:
+            raise SSHError(f"{target.name}: connect timed out after {target.connect_timeout_s:g}s") from None
+        except (asyncssh.Error, OSError) as e:
+            raise SSHError(f"{target.name}: {ssh_error_message(e, target)}") from e
+        if key is None:
+            raise SSHError(f"{target.name}: server offered no host key")
+        async with self._pin_lock:
+            with self.pinned.open("a") as f:
+                f.write(f"{names[0]} {key.export_public_key('openssh').decode().strip()}\n")
+        return str(self.pinned)
+
+
+def _known_host_names(host: str, port: int) -> list[str]:
+    return [host] if port == 22 else [f"[{host}]:{port}"]
+
+
+def ssh_error_message(e: BaseException, target: SSHTarget | None = None) -> str:
+    """A short, actionable description of an SSH failure."""
+    if isinstance(e, asyncssh.HostKeyNotVerifiable):
+        where = f" in {target.known_hosts}" if target else ""
+        return f"host key not verifiable{where} (unknown or changed host key): {e.reason}"
+    if isinstance(e, asyncssh.PermissionDenied):
+        key = f" with {target.identity_file}" if target and target.identity_file else ""
+        return f"authentication failed{key}: {e.reason}"
+    if isinstance(e, asyncssh.ConnectionLost):
+        return f"connection lost: {e.reason}"
+    if isinstance(e, asyncssh.DisconnectError):
+        return f"disconnected: {e.reason}"
+    if isinstance(e, asyncssh.ChannelOpenError):
+        return f"cannot open a channel: {e.reason}"
+    if isinstance(e, asyncssh.KeyImportError):
+        return f"cannot load identity file: {e}"
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        return "timed out"
+    if isinstance(e, OSError):
+        return e.strerror or str(e) or type(e).__name__
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

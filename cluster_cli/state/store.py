@@ -1,0 +1,236 @@
+"""The local state store: SQLite in WAL mode, every write one transaction.
+
+Several clusterctl processes share one database (a long-running ``supervise`` and an
+operator's ``cordon``, say). Writes take the lock up front (``BEGIN IMMEDIATE``) and
+touch only their own rows, so neither loses the other's work:
+
+* ``nodes``    facts from the last discover, one row per node (JSON).
+* ``cordons``  operator cordons, a separate table that discover never writes.
+* ``replicas`` placed replicas, whole (all shards in one row), with their status.
+* ``events``   an append-only audit trail.
+* ``meta``     schema version and a state version bumped by every write, so a plan
+               computed from one version can be checked before it is applied.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from cluster_cli.errors import StateError
+from cluster_cli.facts import NodeFacts, Replica
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS nodes (
+    name TEXT PRIMARY KEY,
+    host TEXT NOT NULL DEFAULT '',
+    reachable INTEGER NOT NULL,
+    error TEXT,
+    facts TEXT NOT NULL,
+    probed_at REAL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS cordons (
+    node TEXT PRIMARY KEY,
+    reason TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS replicas (
+    model TEXT NOT NULL,
+    replica INTEGER NOT NULL,
+    spec TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'planned',
+    endpoint TEXT,
+    detail TEXT,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (model, replica)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    node TEXT,
+    message TEXT NOT NULL
+);
+"""
+
+
+class Store:
+    """A handle on the state database. Cheap to open; use as a context manager."""
+
+    def __init__(self, path: Path | str, *, create: bool = True, timeout_s: float = 30.0) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            if not create:
+                raise StateError(f"{self.path}: no state yet (run 'clusterctl discover' first)")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StateError(f"{self.path}: cannot create state folder: {e.strerror or e}") from None
+        try:
+            self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
+            with self._tx():
+                for stmt in _SCHEMA.split(";"):
+                    if stmt.strip():
+                        self._db.execute(stmt)
+                row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+                if row is None:
+                    self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                    self._db.execute("INSERT INTO meta VALUES ('state_version', '0')")
+                elif int(row[0]) > SCHEMA_VERSION:
+                    raise StateError(
+                        f"{self.path}: state schema {row[0]} is newer than this clusterctl understands "
+                        f"({SCHEMA_VERSION}); upgrade clusterctl"
+                    )
+        except sqlite3.DatabaseError as e:
+            raise StateError(f"{self.path}: not a usable state database: {e}") from None
+
+    # ---- plumbing ---------------------------------------------------------
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        else:
+            self._db.execute("COMMIT")
+
+    @contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; bumps the state version."""
+        with self._tx() as db:
+            db.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'state_version'")
+            yield db
+
+    def version(self) -> int:
+        row = self._db.execute("SELECT value FROM meta WHERE key='state_version'").fetchone()
+        return int(row[0]) if row else 0
+
+    def _event(self, db: sqlite3.Connection, kind: str, node: str | None, message: str) -> None:
+        db.execute("INSERT INTO events(at, kind, node, message) VALUES (?,?,?,?)", (time.time(), kind, node, message))
+
+    # ---- nodes ------------------------------------------------------------
+    def save_discovery(self, facts: Iterable[NodeFacts]) -> None:
+        """Upsert the facts of one discover run in one transaction.
+
+        A node that did not answer keeps its last known hardware facts but is marked
+        unreachable with the error. Cordons are never touched here.
+        """
+        now = time.time()
+        with self.write() as db:
+            for f in facts:
+                if not f.reachable:
+                    row = db.execute("SELECT facts FROM nodes WHERE name=?", (f.name,)).fetchone()
+                    if row is not None:
+                        old = NodeFacts.from_dict(json.loads(row[0]))
+                        f = replace(old, host=f.host, reachable=False, error=f.error, labels=f.labels, fabric=f.fabric)
+                doc = f.to_dict()
+                doc.pop("cordoned", None)
+                doc.pop("cordon_reason", None)
+                db.execute(
+                    "INSERT INTO nodes(name, host, reachable, error, facts, probed_at, updated_at) "
+                    "VALUES (?,?,?,?,?,?,?) ON CONFLICT(name) DO UPDATE SET host=excluded.host, "
+                    "reachable=excluded.reachable, error=excluded.error, facts=excluded.facts, "
+                    "probed_at=excluded.probed_at, updated_at=excluded.updated_at",
+                    (f.name, f.host, int(f.reachable), f.error, json.dumps(doc), f.probed_at, now),
+                )
+            self._event(db, "discover", None, "facts saved")
+
+    def nodes(self, names: Iterable[str] | None = None) -> list[NodeFacts]:
+        """Stored facts with cordons applied, sorted by name (optionally only ``names``)."""
+        cordons = self.cordons()
+        wanted = None if names is None else set(names)
+        out = []
+        for name, facts in self._db.execute("SELECT name, facts FROM nodes ORDER BY name"):
+            if wanted is not None and name not in wanted:
+                continue
+            f = NodeFacts.from_dict(json.loads(facts))
+            c = cordons.get(name)
+            out.append(replace(f, cordoned=c is not None, cordon_reason=c["reason"] if c else None))
+        return out
+
+    # ---- cordons ----------------------------------------------------------
+    def cordon(self, node: str, reason: str) -> None:
+        with self.write() as db:
+            db.execute(
+                "INSERT INTO cordons(node, reason, created_at) VALUES (?,?,?) "
+                "ON CONFLICT(node) DO UPDATE SET reason=excluded.reason",
+                (node, reason, time.time()),
+            )
+            self._event(db, "cordon", node, reason)
+
+    def uncordon(self, node: str) -> bool:
+        with self.write() as db:
+            n = db.execute("DELETE FROM cordons WHERE node=?", (node,)).rowcount
+            self._event(db, "uncordon", node, "cordon lifted" if n else "was not cordoned")
+        return n > 0
+
+    def cordons(self) -> dict[str, dict[str, Any]]:
+        return {
+            node: {"reason": reason, "created_at": at}
+            for node, reason, at in self._db.execute("SELECT node, reason, created_at FROM cordons")
+        }
+
+    # ---- replicas ---------------------------------------------------------
+    def replicas(self) -> list[Replica]:
+        return [
+            Replica.from_dict(json.loads(spec))
+            for (spec,) in self._db.execute("SELECT spec FROM replicas ORDER BY model, replica")
+        ]
+
+    def replica_rows(self) -> list[dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT spec, status, endpoint, detail, updated_at FROM replicas ORDER BY model, replica"
+        ).fetchall()
+        return [
+            {"replica": Replica.from_dict(json.loads(s)), "status": st, "endpoint": ep, "detail": d, "updated_at": u}
+            for s, st, ep, d, u in rows
+        ]
+
+    def put_replica(self, r: Replica, *, status: str = "planned", endpoint: str | None = None,
+                    detail: str | None = None) -> None:  # fmt: skip
+        with self.write() as db:
+            db.execute(
+                "INSERT INTO replicas(model, replica, spec, status, endpoint, detail, updated_at) "
+                "VALUES (?,?,?,?,?,?,?) ON CONFLICT(model, replica) DO UPDATE SET spec=excluded.spec, "
+                "status=excluded.status, endpoint=excluded.endpoint, detail=excluded.detail, "
+                "updated_at=excluded.updated_at",
+                (r.model, r.replica, json.dumps(r.to_dict()), status, endpoint, detail, time.time()),
+            )
+
+    def release_replica(self, model: str, replica: int) -> bool:
+        """Free every shard of a replica at once."""
+        with self.write() as db:
+            n = db.execute("DELETE FROM replicas WHERE model=? AND replica=?", (model, replica)).rowcount
+            if n:
+                self._event(db, "release", None, f"{model}/{replica} released")
+        return n > 0
+
+    def events(self, limit: int = 100) -> list[dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT at, kind, node, message FROM events ORDER BY id DESC LIMIT ?", (limit,)
+        ).fetchall()
+        return [{"at": a, "kind": k, "node": n, "message": m} for a, k, n, m in rows]

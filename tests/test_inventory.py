@@ -1,0 +1,72 @@
+"""Inventory loading: valid files, and every kind of bad input as a one-line located error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster_cli.config.inventory import ACCEPT_NEW, load_inventory
+from cluster_cli.errors import ConfigError
+
+GOOD = """
+defaults: {user: root, port: 22, identity_file: keys/id, known_hosts: ~/.ssh/known_hosts}
+ssh_config: ssh_config
+gpu_classes: {H100: ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"]}
+fabrics: {ib-a: {}, ib-b: {}}
+nodes:
+  - {name: gpu-01, host: 10.0.0.11, port: 2222, user: ops, identity_file: /abs/id, fabric: ib-a, labels: {rack: r1}}
+  - {name: gpu-02, host: 10.0.0.12, fabric: ib-b, hca_fabrics: {mlx5_3: ib-a}, known_hosts: accept-new}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "inventory.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_good_inventory_resolves_paths_and_defaults(tmp_path: Path) -> None:
+    inv = load_inventory(write(tmp_path, GOOD))
+    a, b = (inv.ssh_target(n) for n in inv.nodes)
+    assert (a.port, a.user, a.identity_file) == (2222, "ops", "/abs/id")
+    assert b.port == 22 and b.user == "root"
+    assert b.identity_file == str(tmp_path / "keys/id")
+    assert b.known_hosts == ACCEPT_NEW
+    assert a.known_hosts.endswith("/.ssh/known_hosts") and not a.known_hosts.startswith("~")
+    assert a.ssh_config == str(tmp_path / "ssh_config")
+    assert inv.gpu_class("NVIDIA H100 PCIe") == "H100"
+    assert inv.gpu_class("NVIDIA A100 80GB PCIe") == "A100 80GB PCIe"
+    assert inv.fabric_for(inv.nodes[1], "mlx5_3") == "ib-a"
+    assert inv.fabric_for(inv.nodes[1], "mlx5_0") == "ib-b"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("nodes: [{name: a, host: h}\n", "invalid YAML"),
+        ("nodes:\n  - {name: a, host: h, colour: red}\n", "nodes.0.colour: unknown key"),
+        ("nodez: []\n", "nodez: unknown key"),
+        ("nodes:\n  - {name: a, host: h}\n  - {name: a, host: g}\n", "duplicate node name 'a'"),
+        ("nodes:\n  - {name: a}\n", "nodes.0.host: Field required"),
+        ("nodes:\n  - {name: a, host: h, port: 70000}\n", "nodes.0.port"),
+        ("fabrics: {ib-a: {}}\nnodes:\n  - {name: a, host: h, fabric: ib-z}\n", "unknown fabric 'ib-z'"),
+        ("nodes:\n  - {name: 'bad name', host: h}\n", "invalid node name"),
+        ("- just\n- a list\n", "expected a mapping"),
+        ("defaults: {user: a}\ndefaults: {user: b}\n", "duplicate key 'defaults'"),
+        ("gpu_classes: {A: [X], B: [X]}\n", "listed under both"),
+    ],
+)
+def test_bad_inventory_is_one_located_line(tmp_path: Path, text: str, needle: str) -> None:
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as ei:
+        load_inventory(p)
+    msg = str(ei.value)
+    assert needle in msg
+    assert msg.startswith(str(p))
+    assert "\n" not in msg
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="file not found"):
+        load_inventory(tmp_path / "nope.yaml")

@@ -1,0 +1,78 @@
+"""State store: transactions, cordons surviving discovery, concurrent writers."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+from cluster_cli.facts import Gpu, NodeFacts, Replica, Shard
+from cluster_cli.state.store import Store
+
+
+def node(name: str, **kw: object) -> NodeFacts:
+    g = Gpu(index=0, uuid=f"GPU-{name}", product="NVIDIA H100 PCIe", gpu_class="H100", memory_total_mib=81559)
+    return NodeFacts(name=name, host="198.18.0.10", cpus=8, memory_mib=1024, gpus=(g,), nvlink_domains=(), **kw)  # type: ignore[arg-type]
+
+
+def test_discovery_never_clears_a_cordon(tmp_path: Path) -> None:
+    with Store(tmp_path / "s.db") as s:
+        s.save_discovery([node("a"), node("b")])
+        s.cordon("a", "bad fan")
+        s.save_discovery([node("a"), node("b")])
+        by = {f.name: f for f in s.nodes()}
+        assert by["a"].cordoned and by["a"].cordon_reason == "bad fan"
+        assert not by["b"].cordoned
+        assert s.uncordon("a") is True
+        assert s.uncordon("a") is False
+        assert not any(f.cordoned for f in s.nodes())
+
+
+def test_unreachable_keeps_last_known_hardware(tmp_path: Path) -> None:
+    with Store(tmp_path / "s.db") as s:
+        s.save_discovery([node("a")])
+        s.save_discovery([NodeFacts(name="a", host="198.18.0.10", reachable=False, error="connection refused")])
+        (f,) = s.nodes()
+        assert not f.reachable and f.error == "connection refused"
+        assert len(f.gpus) == 1 and f.cpus == 8
+
+
+def test_versions_and_replicas_released_whole(tmp_path: Path) -> None:
+    with Store(tmp_path / "s.db") as s:
+        v0 = s.version()
+        r = Replica("m", 0, "p", "vllm", (Shard("a", (0, 1), ("mlx5_0",)), Shard("b", (0, 1), ("mlx5_0",))), "ib-a")
+        s.put_replica(r, status="running", endpoint="http://x:1")
+        assert s.version() > v0
+        assert s.replicas() == [r]
+        assert s.release_replica("m", 0)
+        assert s.replicas() == []
+
+
+def _cordon_many(path: str, prefix: str, n: int) -> None:
+    with Store(path) as s:
+        for i in range(n):
+            s.cordon(f"{prefix}{i}", "r")
+
+
+def _discover_many(path: str, n: int) -> None:
+    with Store(path) as s:
+        for _ in range(n):
+            s.save_discovery([node(f"n{i}") for i in range(20)])
+
+
+def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.db")
+    Store(path).close()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_cordon_many, args=(path, "x", 40)),
+        ctx.Process(target=_cordon_many, args=(path, "y", 40)),
+        ctx.Process(target=_discover_many, args=(path, 15)),
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    with Store(path) as s:
+        assert len(s.cordons()) == 80
+        assert len(s.nodes()) == 20
