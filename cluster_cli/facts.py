@@ -48,7 +48,7 @@ class Gpu:
     @property
     def healthy(self) -> bool:
         """Hardware is usable: not lost, no ECC fault, nothing pending retirement or remap."""
-        return not any(p.split(" ", 1)[0] in _HEALTH_KEYS for p in self.problems)
+        return not any(problem_key(p) in _HEALTH_KEYS for p in self.problems)
 
     @property
     def free(self) -> bool:
@@ -103,6 +103,11 @@ class Gpu:
 
 # Problem keys that make a GPU unhealthy (as opposed to merely busy).
 _HEALTH_KEYS = frozenset({"lost", "ecc", "retired-pages", "remap"})
+
+
+def problem_key(problem: str) -> str:
+    """The stable key of a problem string: ``"ecc: 3 uncorrected"`` -> ``"ecc"``."""
+    return problem.split(":", 1)[0].split(" ", 1)[0].strip()
 
 
 @dataclass(frozen=True)

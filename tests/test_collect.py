@@ -1,0 +1,113 @@
+"""facts_from_outputs: raw probe outputs of one node -> NodeFacts (no SSH involved)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster_cli.config.inventory import Inventory, Node
+from cluster_cli.probe.collect import facts_from_outputs
+from cluster_cli.probe.runner import CommandResult
+
+FIX = Path(__file__).parent / "fixtures" / "probes"
+
+INV = Inventory(
+    gpu_classes={"A100": ["NVIDIA A100 80GB PCIe"]},
+    fabrics={"ib-a": None, "ib-b": None},
+    nodes=[Node(name="gpu-01", host="198.18.0.10", fabric="ib-a", hca_fabrics={"mlx5_1": "ib-b"})],
+)
+NODE = INV.nodes[0]
+
+GPUS = (
+    "0, GPU-aaaa0000-0000-0000-0000-000000000000, NVIDIA A100 80GB PCIe, 81920, 5, 00000000:17:00.0, 0, Disabled, No, No\n"
+    "1, GPU-aaaa0000-0000-0000-0000-000000000001, NVIDIA A100 80GB PCIe, 81920, 5, 00000000:31:00.0, 2, Disabled, No, No\n"
+    "2, GPU-aaaa0000-0000-0000-0000-000000000002, NVIDIA A100 80GB PCIe, 81920, 4101, 00000000:B1:00.0, 0, Disabled, No, No\n"
+    "3, GPU-aaaa0000-0000-0000-0000-000000000003, NVIDIA A100 80GB PCIe, 81920, 5, 00000000:CA:00.0, 0, Disabled, No, Yes\n"
+)
+APPS = "GPU-aaaa0000-0000-0000-0000-000000000002, 4411, 4096, python3 train.py, --lr 1e-4\n"
+IBSTAT = (
+    "CA 'mlx5_0'\n\tCA type: MT4123\n\tNumber of ports: 1\n\tPort 1:\n\t\tState: Active\n"
+    "\t\tPhysical state: LinkUp\n\t\tRate: 200\n\t\tBase lid: 12\n\t\tSM lid: 1\n"
+    "\t\tPort GUID: 0x0c42a10300aa0001\n\t\tLink layer: InfiniBand\n"
+    "CA 'mlx5_1'\n\tCA type: MT4123\n\tNumber of ports: 1\n\tPort 1:\n\t\tState: Active\n"
+    "\t\tPhysical state: LinkUp\n\t\tRate: 200\n\t\tBase lid: 40\n\t\tSM lid: 7\n"
+    "\t\tPort GUID: 0x0c42a10300aa0002\n\t\tLink layer: InfiniBand\n"
+    "CA 'mlx5_2'\n\tCA type: MT4125\n\tNumber of ports: 1\n\tPort 1:\n\t\tState: Active\n"
+    "\t\tPhysical state: LinkUp\n\t\tRate: 100\n\t\tBase lid: 0\n\t\tSM lid: 0\n"
+    "\t\tPort GUID: 0x0000000000000000\n\t\tLink layer: Ethernet\n"
+)
+MEMINFO = (FIX / "proc-meminfo.16gb-host.txt").read_text()
+
+
+def ok(text: str) -> CommandResult:
+    return CommandResult(0, text, "")
+
+
+def outputs(**over: CommandResult) -> dict[str, CommandResult]:
+    base = {
+        "gpus": ok(GPUS),
+        "apps": ok(APPS),
+        "topo": ok((FIX / "nvidia-smi-topo-m.4xa100-pcie-nvlink-bridge-pairs.txt").read_text()),
+        "ibstat": ok(IBSTAT),
+        "cpus": ok("208\n"),
+        "meminfo": ok(MEMINFO),
+    }
+    base.update(over)
+    return base
+
+
+def test_full_node() -> None:
+    f = facts_from_outputs(INV, NODE, outputs(), sm_guids={("mlx5_0", 1): 0xABC})
+    assert f.reachable and f.cpus == 208
+    assert f.memory_mib == 16201888 // 1024
+    assert [g.gpu_class for g in f.gpus] == ["A100"] * 4
+    free = [g.index for g in f.gpus if g.free]
+    assert free == [0]
+    by = {g.index: g for g in f.gpus}
+    assert not by[1].healthy and by[1].problems[0].startswith("ecc")
+    assert by[2].healthy and not by[2].free and "4411" in by[2].problems[0]
+    assert by[3].problems[0].startswith("remap")
+    assert f.nvlink_domains == ((0, 1), (2, 3))
+    fabrics = {h.ca: h.fabric for h in f.hcas}
+    assert fabrics == {"mlx5_0": "ib-a", "mlx5_1": "ib-b", "mlx5_2": None}  # RoCE port attaches to no fabric
+    assert f.fabrics == {"ib-a", "ib-b"}
+    assert {h.ca: h.sm_guid for h in f.hcas}["mlx5_0"] == 0xABC
+    assert f.problems == ()
+
+
+def test_cpu_only_node_has_no_gpus_and_no_nvlink() -> None:
+    missing = CommandResult(127, "", "bash: line 1: nvidia-smi: command not found\n")
+    f = facts_from_outputs(
+        INV, NODE, outputs(gpus=missing, apps=missing, topo=missing, ibstat=CommandResult(127, "", "not found"))
+    )
+    assert f.gpus == () and f.nvlink_domains == ()
+    assert any(p.startswith("fabric:") for p in f.problems)  # declared on ib-a, nothing Active
+    assert not any(p.startswith("nvidia-smi") for p in f.problems)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "rc", "word"),
+    [
+        ("nvidia-smi.err.no-driver.txt", 9, "driver"),
+        ("nvidia-smi.err.driver-library-mismatch.drv535.txt", 18, "mismatch"),
+        ("nvidia-smi.err.no-devices.txt", 6, "devices"),
+    ],
+)
+def test_nvidia_smi_failures_are_node_problems(fixture: str, rc: int, word: str) -> None:
+    text = (FIX / fixture).read_text()
+    f = facts_from_outputs(INV, NODE, outputs(gpus=CommandResult(rc, text, ""), apps=CommandResult(rc, text, "")))
+    assert f.gpus == ()
+    assert f.nvlink_domains is None  # unknown, never guessed
+    (p,) = [p for p in f.problems if p.startswith("nvidia-smi")]
+    assert word in p.lower() and "\n" not in p
+
+
+def test_lost_gpu_is_recorded() -> None:
+    lost = "Unable to determine the device handle for GPU 0000:CA:00.0: GPU is lost. Reboot the system to recover this GPU\n"
+    text = "".join(GPUS.splitlines(keepends=True)[:3]) + lost
+    f = facts_from_outputs(INV, NODE, outputs(gpus=CommandResult(15, text, "")))
+    lost_gpus = [g for g in f.gpus if g.lost]
+    assert len(lost_gpus) == 1 and not lost_gpus[0].healthy
+    assert lost_gpus[0].pci_bus_id == "0000:ca:00.0"
+    assert len(f.gpus) == 4
