@@ -30,7 +30,11 @@ OnDone = Callable[[NodeFacts], None]
 
 
 def _missing(r: CommandResult | None) -> bool:
-    return r is None or r.rc == 127 or (r.rc != 0 and "not found" in r.output.lower())
+    """The tool is not installed on the node (as opposed to installed and failing)."""
+    if r is None:
+        return True
+    failure = classify_failure(r.rc, r.output)
+    return failure is not None and failure.kind == "missing"
 
 
 def facts_from_outputs(
@@ -77,8 +81,9 @@ def facts_from_outputs(
                 nvlink = ()
             elif topo is not None and topo.rc == 0:
                 nvlink = parse_topo(topo.stdout)
-            if lost:
-                problems.append(f"gpu: {len(lost)} GPU(s) lost")
+            n_lost = sum(g.lost for g in gpus)
+            if n_lost:
+                problems.append(f"gpu: {n_lost} GPU(s) lost")
 
     # InfiniBand
     hcas: list[HcaPort] = []

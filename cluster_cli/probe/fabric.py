@@ -1,0 +1,131 @@
+"""Cross-check declared InfiniBand fabrics against what each port sees (pure).
+
+The evidence per Active InfiniBand port is the master SM it sees: ``sm_guid`` when
+known (strong), else ``sm_lid`` (weak: small per-subnet integers collide across
+fabrics and change on failover). So:
+
+* within one declared fabric, different SM GUIDs, or different SM lids, are a conflict;
+* across declared fabrics, the same SM GUID is a conflict; the same SM lid is not.
+
+Comparison is per port (rail), never per node.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cluster_cli.facts import NodeFacts
+
+__all__ = ["fabric_conflicts"]
+
+
+@dataclass(frozen=True)
+class _Seen:
+    node: str
+    ca: str
+    port: int
+    fabric: str
+    sm_guid: int | None
+    sm_lid: int | None
+
+    @property
+    def label(self) -> str:
+        return f"{self.node} {self.ca}" if self.port == 1 else f"{self.node} {self.ca} port {self.port}"
+
+
+def _natural(s: str) -> tuple[object, ...]:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"([0-9]+)", s))
+
+
+def _sort_key(s: _Seen) -> tuple[object, ...]:
+    return (_natural(s.node), s.node, _natural(s.ca), s.ca, s.port)
+
+
+def _guid(g: int) -> str:
+    return f"0x{g:016x}"
+
+
+def _group(ports: list[_Seen], key: str) -> dict[int, list[_Seen]]:
+    groups: dict[int, list[_Seen]] = {}
+    for p in ports:
+        groups.setdefault(getattr(p, key), []).append(p)
+    return groups
+
+
+def _largest(groups: dict[int, list[_Seen]]) -> list[_Seen]:
+    return max(groups.values(), key=len)  # first of the largest: groups are in sorted-port order
+
+
+def _same_fabric(fabric: str, ports: list[_Seen]) -> list[str]:
+    out: list[str] = []
+    ref: _Seen | None = None
+    by_guid = _group([p for p in ports if p.sm_guid is not None], "sm_guid")
+    if by_guid:
+        ref_group = _largest(by_guid)
+        ref = ref_group[0]
+        for grp in by_guid.values():
+            if grp is not ref_group:
+                a, b = ref, grp[0]
+                out.append(
+                    f"fabric {fabric}: {a.label} sees SM {_guid(a.sm_guid or 0)} but {b.label} "
+                    f"sees SM {_guid(b.sm_guid or 0)} (declared the same fabric)"
+                )
+    by_lid = _group([p for p in ports if p.sm_guid is None and p.sm_lid is not None], "sm_lid")
+    if by_lid and (ref is None or ref.sm_lid is None):
+        ref = _largest(by_lid)[0]
+    if ref is not None and ref.sm_lid is not None:
+        for lid, grp in by_lid.items():
+            if lid != ref.sm_lid:
+                b = grp[0]
+                out.append(
+                    f"fabric {fabric}: {ref.label} sees SM lid {ref.sm_lid} but {b.label} "
+                    f"sees SM lid {lid} (declared the same fabric)"
+                )
+    return out
+
+
+def _cross_fabric(ports: list[_Seen]) -> list[str]:
+    out: list[str] = []
+    by_guid = _group([p for p in ports if p.sm_guid is not None], "sm_guid")
+    for guid in sorted(by_guid):
+        first_per_fabric: dict[str, _Seen] = {}
+        for p in by_guid[guid]:
+            first_per_fabric.setdefault(p.fabric, p)
+        fabrics = sorted(first_per_fabric)
+        a = first_per_fabric[fabrics[0]]
+        for f in fabrics[1:]:
+            b = first_per_fabric[f]
+            out.append(
+                f"{a.label} (fabric {a.fabric}) and {b.label} (fabric {b.fabric}) "
+                f"see the same SM {_guid(guid)} (declared different fabrics)"
+            )
+    return out
+
+
+def fabric_conflicts(nodes: Sequence[NodeFacts]) -> list[str]:
+    """One line per contradiction between declared fabrics and observed subnet managers.
+
+    Only Active InfiniBand ports of reachable nodes with a declared ``fabric`` count;
+    SM lid 0 counts as unknown. Same-fabric conflicts come first (by fabric name),
+    then cross-fabric ones (by SM GUID).
+    """
+    seen: list[_Seen] = []
+    for node in nodes:
+        if not node.reachable:
+            continue
+        for h in node.hcas:
+            if not h.is_ib_attachment or not h.fabric:
+                continue
+            seen.append(_Seen(node.name, h.ca, h.port, h.fabric, h.sm_guid or None, h.sm_lid or None))
+    seen.sort(key=_sort_key)
+
+    out: list[str] = []
+    by_fabric: dict[str, list[_Seen]] = {}
+    for s in seen:
+        by_fabric.setdefault(s.fabric, []).append(s)
+    for fabric in sorted(by_fabric):
+        out.extend(_same_fabric(fabric, by_fabric[fabric]))
+    out.extend(_cross_fabric(seen))
+    return out

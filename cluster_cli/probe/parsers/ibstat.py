@@ -1,0 +1,117 @@
+"""Pure parsers for ``ibstat`` and ``sminfo`` output.
+
+``key: value`` lines are read after stripping, so tab- and space-indented copies parse
+alike. GUIDs become ints (0 means "none"); LIDs are decimal. Nothing here raises.
+"""
+
+from __future__ import annotations
+
+import re
+
+from cluster_cli.facts import HcaPort
+
+__all__ = ["parse_guid", "parse_ibstat", "parse_sminfo"]
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]")
+_CA = re.compile(r"CA\s+'([^']*)'")
+_PORT = re.compile(r"Port\s+([0-9]{1,6})\s*:")
+_KEY_VALUE = re.compile(r"([A-Za-z][A-Za-z ]*):(.*)")
+_HEX_GUID = re.compile(r"0[xX]([0-9A-Fa-f]{1,16})")
+_COLON_GUID = re.compile(r"[0-9A-Fa-f]{1,4}(?::[0-9A-Fa-f]{1,4}){3}")
+_RATE = re.compile(r"([0-9]{1,6}(?:\.[0-9]{1,6})?)(?:\s|\(|$)")  # "400", "2.5", "40 (FDR10)"
+_LID = re.compile(r"(?:0[xX]([0-9A-Fa-f]{1,8})|([0-9]{1,8}))")
+_SMINFO = re.compile(r"sm\s+lid\s+\S+\s+sm\s+guid\s+0[xX]([0-9A-Fa-f]{1,16})\b(?P<rest>.*)", re.IGNORECASE)
+_SM_STATE = re.compile(r"\bstate\s+[0-9]+\s+(SMINFO_[A-Z_]+)", re.IGNORECASE)
+
+
+def parse_guid(value: str | None) -> int | None:
+    """``0x58a2e103001b2576``, ``0x2c90200259201`` or ``c470:bd03:00cf:4964`` -> int; 0/junk -> None."""
+    if not isinstance(value, str):
+        return None
+    v = value.strip()
+    m = _HEX_GUID.fullmatch(v)
+    if m:
+        guid = int(m.group(1), 16)
+    elif _COLON_GUID.fullmatch(v):
+        guid = int("".join(part.rjust(4, "0") for part in v.split(":")), 16)
+    else:
+        return None
+    return guid or None
+
+
+def _rate(value: str) -> float | None:
+    m = _RATE.match(value.strip())
+    return float(m.group(1)) if m else None
+
+
+def _lid(value: str) -> int | None:
+    m = _LID.fullmatch(value.strip())
+    if not m:
+        return None
+    return int(m.group(1), 16) if m.group(1) is not None else int(m.group(2))
+
+
+def parse_ibstat(text: str) -> list[HcaPort]:
+    """Every port of every CA in ``ibstat`` output, in output order (``fabric``/``sm_guid`` unset)."""
+    if not isinstance(text, str):
+        return []
+    ports: list[HcaPort] = []
+    ca: str | None = None
+    ca_type: str | None = None
+    port: dict[str, str] | None = None
+    port_no = 0
+
+    def flush() -> None:
+        if ca is not None and port is not None:
+            ports.append(
+                HcaPort(
+                    ca=ca,
+                    port=port_no,
+                    state=port.get("state", ""),
+                    physical_state=port.get("physical state", ""),
+                    link_layer=port.get("link layer", ""),
+                    rate_gbps=_rate(port.get("rate", "")),
+                    port_guid=parse_guid(port.get("port guid")),
+                    base_lid=_lid(port.get("base lid", "")),
+                    sm_lid=_lid(port.get("sm lid", "")),
+                    ca_type=ca_type,
+                )
+            )
+
+    for raw in _ANSI.sub("", text).replace("\r", "").split("\n"):
+        line = raw.strip()
+        m = _CA.fullmatch(line)
+        if m:
+            flush()
+            ca, ca_type, port = m.group(1), None, None
+            continue
+        m = _PORT.fullmatch(line)
+        if m:
+            flush()
+            port, port_no = ({} if ca is not None else None), int(m.group(1))
+            continue
+        m = _KEY_VALUE.fullmatch(line)
+        if not m or ca is None:
+            continue
+        key, value = m.group(1).strip().lower(), m.group(2).strip()
+        if port is not None:
+            port.setdefault(key, value)
+        elif key == "ca type":
+            ca_type = value or None
+    flush()
+    return ports
+
+
+def parse_sminfo(text: str) -> int | None:
+    """Master SM port GUID from ``sminfo`` (None if absent, zero, or the SM is not MASTER)."""
+    if not isinstance(text, str):
+        return None
+    for line in _ANSI.sub("", text).replace("\r", "").split("\n"):
+        m = _SMINFO.search(line)
+        if not m:
+            continue
+        state = _SM_STATE.search(m.group("rest"))
+        if state and state.group(1).upper() != "SMINFO_MASTER":
+            return None
+        return int(m.group(1), 16) or None
+    return None

@@ -1,0 +1,199 @@
+"""Tests for cluster_cli.probe.fabric.fabric_conflicts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster_cli.facts import HcaPort, NodeFacts
+from cluster_cli.probe.fabric import fabric_conflicts
+from cluster_cli.probe.parsers.ibstat import parse_ibstat, parse_sminfo
+
+FIXTURES = Path(__file__).parent / "fixtures" / "probes"
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+HGX = parse_ibstat((FIXTURES / "ibstat.hgx-h100-12ca-ib-plus-roce.txt").read_text())
+SM_A = parse_sminfo((FIXTURES / "sminfo.master.txt").read_text())
+assert SM_A is not None
+SM_B = 0x0002C90200259202
+SM_C = 0x0002C90200259203
+IB_CAS = [p.ca for p in HGX if p.is_ib_attachment]
+
+
+def node(
+    name: str,
+    *,
+    fabric: str | None = "ib-a",
+    sm: int | None = SM_A,
+    reachable: bool = True,
+    overrides: dict[str, dict[str, object]] | None = None,
+) -> NodeFacts:
+    """An HGX node from the real ibstat capture, every port declared `fabric` and seeing `sm`."""
+    overrides = overrides or {}
+    hcas = tuple(replace(p, **{"fabric": fabric, "sm_guid": sm, **overrides.get(p.ca, {})}) for p in HGX)
+    return NodeFacts(name=name, hcas=hcas, reachable=reachable)
+
+
+def test_consistent_fabric_has_no_conflicts() -> None:
+    assert fabric_conflicts([node("gpu-01"), node("gpu-02")]) == []
+    assert fabric_conflicts([]) == []
+
+
+def test_same_fabric_different_sm() -> None:
+    nodes = [node("gpu-01"), node("gpu-02", overrides={"mlx5_3": {"sm_guid": SM_B}})]
+    assert fabric_conflicts(nodes) == [
+        "fabric ib-a: gpu-01 mlx5_0 sees SM 0x0002c90200259201 but gpu-02 mlx5_3 sees SM 0x0002c90200259202 "
+        "(declared the same fabric)"
+    ]
+
+
+def test_different_fabrics_same_sm() -> None:
+    nodes = [node("gpu-01"), node("gpu-05", fabric="ib-b")]
+    assert fabric_conflicts(nodes) == [
+        "gpu-01 mlx5_0 (fabric ib-a) and gpu-05 mlx5_0 (fabric ib-b) see the same SM 0x0002c90200259201 "
+        "(declared different fabrics)"
+    ]
+
+
+def test_different_fabrics_different_sms_is_fine() -> None:
+    assert fabric_conflicts([node("gpu-01"), node("gpu-05", fabric="ib-b", sm=SM_B)]) == []
+
+
+def test_equal_sm_lid_across_fabrics_is_not_a_conflict() -> None:
+    """Every IB port of the capture has SM lid 1024: lids collide across fabrics."""
+    assert {p.sm_lid for p in HGX if p.is_ib_attachment} == {1024}
+    assert fabric_conflicts([node("gpu-01", sm=None), node("gpu-05", fabric="ib-b", sm=None)]) == []
+
+
+def test_differing_sm_lid_within_fabric_is_a_conflict() -> None:
+    seven = {ca: {"sm_lid": 7} for ca in IB_CAS}
+    assert fabric_conflicts([node("gpu-01", sm=None), node("gpu-02", sm=None, overrides=seven)]) == [
+        "fabric ib-a: gpu-01 mlx5_0 sees SM lid 1024 but gpu-02 mlx5_0 sees SM lid 7 (declared the same fabric)"
+    ]
+
+
+def test_lid_only_ports_compare_with_guid_ports_lid() -> None:
+    nodes = [
+        node("gpu-01"),
+        node("gpu-02", sm=None),  # same lid 1024: consistent
+        node("gpu-03", sm=None, overrides={"mlx5_9": {"sm_lid": 5}}),
+    ]
+    assert fabric_conflicts(nodes) == [
+        "fabric ib-a: gpu-01 mlx5_0 sees SM lid 1024 but gpu-03 mlx5_9 sees SM lid 5 (declared the same fabric)"
+    ]
+
+
+def test_per_port_not_per_node() -> None:
+    """Rails on separate fabrics: each node has ports on both; nothing conflicts."""
+    rails = {ca: {"fabric": "ib-b", "sm_guid": SM_B} for ca in IB_CAS[4:]}
+    nodes = [node("gpu-01", overrides=rails), node("gpu-02", overrides=rails)]
+    assert fabric_conflicts(nodes) == []
+    # ... but one rail port of gpu-02 seeing ib-a's SM is flagged on that port only.
+    bad = dict(rails, **{IB_CAS[7]: {"fabric": "ib-b", "sm_guid": SM_A}})
+    assert fabric_conflicts([node("gpu-01", overrides=rails), node("gpu-02", overrides=bad)]) == [
+        f"fabric ib-b: gpu-01 {IB_CAS[4]} sees SM 0x0002c90200259202 but gpu-02 {IB_CAS[7]} sees SM "
+        "0x0002c90200259201 (declared the same fabric)",
+        f"gpu-01 mlx5_0 (fabric ib-a) and gpu-02 {IB_CAS[7]} (fabric ib-b) see the same SM 0x0002c90200259201 "
+        "(declared different fabrics)",
+    ]
+
+
+def test_three_sms_in_one_fabric_reference_is_majority() -> None:
+    nodes = [
+        node("gpu-01", overrides={"mlx5_0": {"sm_guid": SM_C}}),
+        node("gpu-02", sm=SM_B),
+        node("gpu-03", sm=SM_B),
+    ]
+    # SM_B is seen by 16 ports, so gpu-02 mlx5_0 is the reference; groups follow port order.
+    assert fabric_conflicts(nodes) == [
+        "fabric ib-a: gpu-02 mlx5_0 sees SM 0x0002c90200259202 but gpu-01 mlx5_0 sees SM 0x0002c90200259203 "
+        "(declared the same fabric)",
+        "fabric ib-a: gpu-02 mlx5_0 sees SM 0x0002c90200259202 but gpu-01 mlx5_3 sees SM 0x0002c90200259201 "
+        "(declared the same fabric)",
+    ]
+
+
+def test_ignored_ports_and_nodes() -> None:
+    roce = {ca: {"sm_guid": SM_B} for ca in ("mlx5_1", "mlx5_2", "mlx5_7", "mlx5_8")}
+    nodes = [
+        node("gpu-01", overrides=roce),  # Ethernet / Down ports never attach
+        node("gpu-02", sm=SM_C, reachable=False),
+        node("gpu-03", fabric=None, sm=SM_C),
+        node("gpu-04", sm=SM_C, overrides={ca: {"state": "Down"} for ca in IB_CAS}),
+    ]
+    assert fabric_conflicts(nodes) == []
+
+
+def test_zero_guid_and_zero_lid_are_unknown() -> None:
+    assert fabric_conflicts([node("gpu-01"), node("gpu-02", sm=0)]) == []
+    zero = {ca: {"sm_lid": 0} for ca in IB_CAS}
+    assert fabric_conflicts([node("gpu-01", sm=None), node("gpu-02", sm=None, overrides=zero)]) == []
+
+
+def test_multi_port_label_and_natural_order() -> None:
+    p1 = HcaPort("mlx4_0", 1, "Active", "LinkUp", "InfiniBand", 40.0, 1, 3, 1, fabric="f", sm_guid=SM_A)
+    nodes = [
+        NodeFacts("node-10", hcas=(p1,)),
+        NodeFacts("node-9", hcas=(replace(p1, port=2, sm_guid=SM_B),)),
+        NodeFacts("node-2", hcas=(p1,)),
+    ]
+    assert fabric_conflicts(nodes) == [
+        "fabric f: node-2 mlx4_0 sees SM 0x0002c90200259201 but node-9 mlx4_0 port 2 sees SM 0x0002c90200259202 "
+        "(declared the same fabric)"
+    ]
+
+
+# ----------------------------------------------------------------------------- properties
+
+_fabrics = st.sampled_from(["ib-a", "ib-b", "ib-c", None])
+_sms = st.one_of(st.none(), st.sampled_from([SM_A, SM_B, SM_C]))
+
+
+@st.composite
+def fleets(draw: st.DrawFn) -> list[NodeFacts]:
+    out = []
+    for i in range(draw(st.integers(0, 5))):
+        hcas = []
+        for p in HGX:
+            hcas.append(
+                replace(
+                    p,
+                    fabric=draw(_fabrics),
+                    sm_guid=draw(_sms),
+                    sm_lid=draw(st.sampled_from([0, 1, 1024, p.sm_lid])),
+                    state=draw(st.sampled_from(["Active", p.state])),
+                )
+            )
+        out.append(NodeFacts(name=f"gpu-{i:02d}", hcas=tuple(hcas), reachable=draw(st.booleans())))
+    return out
+
+
+@FUZZ
+@given(fleets(), st.randoms(use_true_random=False))
+def test_order_independent(nodes: list[NodeFacts], rnd: object) -> None:
+    shuffled = [replace(n, hcas=tuple(rnd.sample(n.hcas, len(n.hcas)))) for n in nodes]  # type: ignore[attr-defined]
+    rnd.shuffle(shuffled)  # type: ignore[attr-defined]
+    result = fabric_conflicts(nodes)
+    assert fabric_conflicts(shuffled) == result
+    assert all(isinstance(m, str) and "\n" not in m for m in result)
+    assert len(result) == len(set(result))
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(["ib-a", "ib-b", "ib-c"]), st.booleans()), min_size=1, max_size=6))
+def test_one_sm_per_fabric_is_consistent(layout: list[tuple[str, bool]]) -> None:
+    sm_of = {"ib-a": SM_A, "ib-b": SM_B, "ib-c": SM_C}
+    nodes = [node(f"n{i}", fabric=f, sm=sm_of[f] if known else None) for i, (f, known) in enumerate(layout)]
+    assert fabric_conflicts(nodes) == []
+
+
+@FUZZ
+@given(st.lists(st.sampled_from(["ib-a", "ib-b", "ib-c"]), min_size=2, max_size=6, unique=True))
+def test_one_sm_shared_by_fabrics_is_flagged(fabrics: list[str]) -> None:
+    nodes = [node(f"n{i}", fabric=f) for i, f in enumerate(fabrics)]
+    result = fabric_conflicts(nodes)
+    assert len(result) == len(fabrics) - 1
+    assert all(m.endswith("(declared different fabrics)") for m in result)
