@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import typer
+from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -96,30 +97,44 @@ def gpu_summary(f: NodeFacts) -> str:
     return ", ".join(f"{free[c]}/{n} {c}" for c, n in sorted(total.items()))
 
 
+def _ranges(ids: tuple[int, ...]) -> str:
+    ids = tuple(sorted(ids))
+    if len(ids) > 2 and ids == tuple(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
+
+
 def nvlink_summary(f: NodeFacts) -> str:
     if f.nvlink_domains is None:
-        return "unknown"
+        return "unknown" if f.reachable else "?"
     if not f.nvlink_domains:
         return "-"
-    return " ".join("[" + ",".join(map(str, d)) + "]" for d in f.nvlink_domains)
+    return " ".join("{" + _ranges(d) + "}" for d in f.nvlink_domains)
+
+
+def node_problems(f: NodeFacts) -> list[str]:
+    return [f"gpu{g.index} {x}" for g in f.gpus for x in g.problems] + list(f.problems)
 
 
 def render(facts: list[NodeFacts]) -> None:
-    t = Table(title=None, header_style="bold", show_lines=False)
-    for col in ("node", "reachable", "GPUs free/total", "NVLink domains", "fabrics", "cpus", "mem GiB",
-                "cordon", "problems"):  # fmt: skip
-        t.add_column(col, overflow="fold")
+    t = Table(header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("NODE", "UP", "GPUS FREE/TOTAL", "NVLINK", "FABRICS", "CPUS", "MEM GiB", "CORDON", "PROBLEMS"):
+        t.add_column(col, no_wrap=col != "PROBLEMS")
     for f in facts:
-        problems = [p for g in f.gpus for p in (f"gpu{g.index}: {x}" for x in g.problems)] + list(f.problems)
         t.add_row(
             f.name,
-            "[green]yes[/]" if f.reachable else f"[red]no[/] ({f.error})",
+            "[green]yes[/]" if f.reachable else "[red]no[/]",
             gpu_summary(f),
             nvlink_summary(f),
             ", ".join(sorted(f.fabrics)) or "-",
             str(f.cpus) if f.cpus is not None else "?",
             f"{f.memory_mib / 1024:.0f}" if f.memory_mib else "?",
-            f"[yellow]yes[/]: {f.cordon_reason}" if f.cordoned else "-",
-            "; ".join(problems) or "-",
+            "[yellow]cordoned[/]" if f.cordoned else "-",
+            str(len(node_problems(f))) if node_problems(f) else "-",
         )
     ui.out.print(t)
+    for f in facts:
+        if f.cordoned:
+            ui.out.print(f"[yellow]{f.name}[/] cordoned: {f.cordon_reason}", highlight=False)
+        for p in node_problems(f):
+            ui.out.print(f"[bold]{f.name}[/] {p}", highlight=False)

@@ -78,4 +78,7 @@ def run() -> None:
 
 
 if __name__ == "__main__":
-    run()
+    # Run through the imported module so commands registered on ``app`` are found.
+    from cluster_cli.cli.main import run as _run
+
+    _run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from enum import StrEnum
 from typing import Any, NoReturn
@@ -13,8 +14,10 @@ from rich.console import Console
 
 from cluster_cli.errors import ClusterctlError
 
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
+# Not a terminal (a pipe, a file, CI): keep tables readable instead of squeezing them into 80 columns.
+_WIDTH = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+out = Console(soft_wrap=True, width=_WIDTH)
+err = Console(stderr=True, soft_wrap=True, width=_WIDTH)
 
 
 class Output(StrEnum):

@@ -1,0 +1,38 @@
+"""Placement: where each replica runs, and why the others cannot.
+
+Public API::
+
+    from cluster_cli.placement import plan
+    result = plan(nodes, catalog, current)      # pure: NodeFacts, Catalog, Replica -> Plan
+    result.starts, result.keeps, result.stops   # Placement(replica, action, note, attempts)
+    result.unplaced                             # Unplaced(model, replica, attempts, reasons)
+    render_plan(result)                         # nomad-job-plan-like text lines
+    result.to_dict()                            # the JSON of 'place --dry-run -o json'
+"""
+
+from __future__ import annotations
+
+from cluster_cli.placement.constraints import CHAIN, Constraint, NodeState, Request
+from cluster_cli.placement.explain import explain_request, filter_lines, fit_message, render_plan
+from cluster_cli.placement.placer import Attempt, Placement, Plan, Unplaced, plan
+from cluster_cli.placement.verdict import Kind, PlacementMetrics, Reason, Verdict
+
+__all__ = [
+    "CHAIN",
+    "Attempt",
+    "Constraint",
+    "Kind",
+    "NodeState",
+    "Placement",
+    "PlacementMetrics",
+    "Plan",
+    "Reason",
+    "Request",
+    "Unplaced",
+    "Verdict",
+    "explain_request",
+    "filter_lines",
+    "fit_message",
+    "plan",
+    "render_plan",
+]

@@ -68,13 +68,18 @@ def facts_from_outputs(
         failure = classify_failure(smi.rc, smi.output)
         if failure is not None and not rows and not lost:
             problems.append(f"nvidia-smi: {failure.message}")
+        elif not rows and not lost:
+            # rc 0 but nothing we can read: never report that as "no GPUs".
+            first = smi.output.strip().splitlines()[0][:120] if smi.output.strip() else "empty output"
+            problems.append(f"nvidia-smi: unreadable GPU list: {first!r}")
         else:
             apps = outputs.get("apps")
-            procs = parse_compute_apps(apps.stdout) if apps is not None and apps.rc == 0 else []
-            if apps is not None and apps.rc != 0:
-                problems.append("nvidia-smi: could not list compute processes; GPUs treated as busy")
+            # A lost GPU makes the process query exit non-zero while still listing the rest.
+            apps_ok = apps is not None and (apps.rc == 0 or classify_failure(apps.rc, apps.output) is None)
+            procs = parse_compute_apps(apps.stdout) if apps is not None and apps_ok else []
             gpus = build_gpus(rows, procs, lost, gpu_class=inv.gpu_class, own_pids=own_pids)
-            if apps is not None and apps.rc != 0:
+            if apps is not None and not apps_ok:
+                problems.append("nvidia-smi: could not list compute processes; GPUs treated as busy")
                 gpus = tuple(replace(g, problems=(*g.problems, "foreign-process: unknown (query failed)")) for g in gpus)
             topo = outputs.get("topo")
             if not gpus:

@@ -116,7 +116,9 @@ class AsyncsshConnector:
         # First contact: learn the key, pin it, then connect verifying against the pin.
         try:
             key = await asyncio.wait_for(
-                asyncssh.get_server_host_key(target.host, target.port, config=(), connect_timeout=target.connect_timeout_s),
+                asyncssh.get_server_host_key(
+                    target.host, target.port, config=[target.ssh_config] if target.ssh_config else ()
+                ),
                 timeout=target.connect_timeout_s + 1,
             )
         except TimeoutError:

@@ -1,0 +1,180 @@
+"""``clusterctl place --dry-run``: where every replica would go, and why the rest cannot.
+
+Reads the inventory, the catalog, the nodes' facts (the state store, or ``--facts``)
+and the current allocations (the state store, when there is one); prints the plan as
+a diff and a scheduler dry-run block, like ``nomad job plan``. It never writes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.text import Text
+
+from cluster_cli.cli import ui
+from cluster_cli.cli.common import INVENTORY_HELP
+from cluster_cli.cli.main import App, app
+from cluster_cli.config.catalog import load_catalog
+from cluster_cli.config.inventory import Inventory, load_inventory
+from cluster_cli.errors import ClusterctlError, ConfigError, ExitCode
+from cluster_cli.facts import Gpu, NodeFacts, Replica
+from cluster_cli.placement import Plan, plan, render_plan
+from cluster_cli.state.store import Store
+
+EXAMPLE = """
+Examples:
+
+  clusterctl place --dry-run -i inventory.yaml -c catalog.yaml
+  clusterctl place --dry-run -i inv.yaml -c cat.yaml --facts f.json -o json
+
+--facts takes what 'clusterctl discover -o json' prints.
+Exit codes: 0 all replicas placed, 3 some unplaced (plan still printed),
+2 bad input. Applying a plan is 'clusterctl up' (not yet available).
+"""
+
+
+@app.command(epilog=EXAMPLE)
+def place(
+    ctx: typer.Context,
+    inventory: Path = typer.Option(..., "--inventory", "-i", help=INVENTORY_HELP),
+    catalog: Path = typer.Option(..., "--catalog", "-c", help="Catalog YAML (models, replicas, profiles)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Compute and print the plan; change nothing."),
+    facts: Path = typer.Option(
+        None, "--facts", help="Node facts JSON (as printed by 'discover -o json') instead of the state store."
+    ),
+    output: ui.Output = ui.OUTPUT_OPTION,
+) -> None:
+    """Plan where each replica runs, with the reason for every node a profile could not use."""
+    if not dry_run:
+        ui.abort(
+            "applying a plan is 'clusterctl up' (not yet available); use 'clusterctl place --dry-run' to preview it"
+        )
+    state: App = ctx.obj
+    try:
+        inv = load_inventory(inventory)
+        cat = load_catalog(catalog)
+        nodes, current, version, source = _inputs(inv, state.state_path, facts)
+    except ClusterctlError as e:
+        ui.fail(e)
+    result = plan(nodes, cat, current)
+    code = ExitCode.OK if result.complete else ExitCode.UNPLACED
+    if output is ui.Output.table:
+        _render(result, version=version, source=source, nodes=len(nodes))
+    else:
+        ui.emit_data({"state_version": version, "source": source, **result.to_dict()}, output)
+    raise typer.Exit(code)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _inputs(
+    inv: Inventory, state_path: Path, facts_path: Path | None
+) -> tuple[list[NodeFacts], list[Replica], int | None, str]:
+    """Facts of the inventory's nodes, current allocations, state version, and where facts came from."""
+    store = Store(state_path, create=False) if facts_path is None or state_path.exists() else None
+    try:
+        if facts_path is not None:
+            raw = read_facts(facts_path)
+            cordons = store.cordons() if store else {}
+            raw = [
+                replace(f, cordoned=True, cordon_reason=cordons[f.name]["reason"]) if f.name in cordons else f
+                for f in raw
+            ]
+            source = str(facts_path)
+        else:
+            assert store is not None
+            raw = store.nodes()
+            source = str(state_path)
+        current = store.replicas() if store else []
+        version = store.version() if store else None
+    finally:
+        if store is not None:
+            store.close()
+    return for_inventory(inv, raw), current, version, source
+
+
+def read_facts(path: Path) -> list[NodeFacts]:
+    """Parse a facts file: ``{"nodes": [NodeFacts.to_dict(), ...]}`` (a bare list is accepted too)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: line {e.lineno}, column {e.colno}: invalid JSON: {e.msg}") from None
+    items: Any = doc.get("nodes") if isinstance(doc, dict) else doc
+    if not isinstance(items, list):
+        raise ConfigError(f"{path}: nodes: expected a list of node facts (the output of 'discover -o json')")
+    out = []
+    for i, d in enumerate(items):
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: nodes.{i}: expected an object, got {type(d).__name__}")
+        try:
+            out.append(NodeFacts.from_dict(d))
+        except KeyError as e:
+            raise ConfigError(f"{path}: nodes.{i}: missing key {e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"{path}: nodes.{i} ({d.get('name', '?')}): invalid facts: {e}") from None
+    return out
+
+
+def for_inventory(inv: Inventory, facts: list[NodeFacts]) -> list[NodeFacts]:
+    """Only the inventory's nodes, with its fabric assignments and GPU classes applied.
+
+    A node the inventory names but that has no facts is listed as unreachable, so
+    explanations say so instead of leaving it out.
+    """
+    by_name = {f.name: f for f in facts}
+    listed = {p for names in inv.gpu_classes.values() for p in names}
+    out = []
+    for n in inv.nodes:
+        f = by_name.get(n.name)
+        if f is None:
+            out.append(NodeFacts(n.name, host=n.host, reachable=False, error="no facts (not discovered yet)"))
+            continue
+        hcas = tuple(h if h.fabric else replace(h, fabric=inv.fabric_for(n, h.ca)) for h in f.hcas)
+        gpus = tuple(_reclass(g, inv) if g.product in listed else g for g in f.gpus)
+        out.append(replace(f, hcas=hcas, gpus=gpus, fabric=f.fabric or n.fabric, labels={**n.labels, **f.labels}))
+    return out
+
+
+def _reclass(g: Gpu, inv: Inventory) -> Gpu:
+    return replace(g, gpu_class=inv.gpu_class(g.product))
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _render(result: Plan, *, version: int | None, source: str, nodes: int) -> None:
+    where = f"state version {version}" if version is not None else "no state store"
+    header = f"Plan for {nodes} node{'s' if nodes != 1 else ''} (facts: {source}; {where})"
+    for line in render_plan(result, header=header):
+        ui.out.print(Text(line, style=_style(line)), highlight=False)
+    if version is not None:
+        ui.out.print(
+            Text(f"\nState version: {version} (a plan applied later must be computed from this version)", style="dim"),
+            highlight=False,
+        )
+
+
+def _style(line: str) -> str:
+    s = line.lstrip()
+    if s.startswith("+/-"):
+        return "yellow"
+    if s.startswith("+"):
+        return "green"
+    if s.startswith("-") and not s.startswith("- All") and not s.startswith("- WARN"):
+        return "red"
+    if s.startswith("=") or s.startswith("0/") or s.startswith("nodes that fit"):
+        return ""
+    if s.startswith("!") or "WARNING" in s:
+        return "bold yellow"
+    if s.startswith("- All"):
+        return "green"
+    return ""

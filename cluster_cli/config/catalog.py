@@ -1,0 +1,187 @@
+"""The catalog: which models to serve, how many replicas, and the ways each can run.
+
+```yaml
+engines:
+  vllm:     {command: vllm}
+  llamacpp: {command: llama-server}
+models:
+  - name: llama-70b
+    replicas: 2
+    profiles:                      # alternatives; the highest priority that fits wins
+      - {name: h100-tp8, engine: vllm, gpu_class: H100, gpus: 8, priority: 100, model: /models/llama-70b}
+      - {name: a100-2x8, engine: vllm, gpu_class: A100, gpus: 8, nodes: 2, priority: 50, model: /models/llama-70b}
+      - {name: cpu, engine: llamacpp, cpus: 32, memory_gib: 64, priority: 1, model: /models/llama-70b.Q4_K_M.gguf}
+```
+
+``gpus`` is GPUs per node (default 1 when ``gpu_class`` is set); ``nodes`` (default 1)
+is the number of nodes of one multi-node replica. A profile without ``gpu_class``
+runs on the CPU; only engines that can serve without a card accept that, so a
+vLLM profile that forgot its class is an error here rather than a replica on a
+machine with no GPU. ``cpus``/``memory_gib`` are what a CPU replica reserves on its
+node. Profiles of equal priority are tried in the order they are written.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster_cli.config.load import load_model
+from cluster_cli.engines import ENGINES, get_engine
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def _check_name(v: str) -> str:
+    if not _NAME.match(v):
+        raise ValueError(f"invalid name {v!r}: use letters, digits, '.', '_', '-' (at most 63)")
+    return v
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    """How to start an engine on a node: the binary and extra arguments for every replica."""
+
+    command: str = Field(min_length=1)
+    args: list[str] = Field(default_factory=list)
+
+
+class Profile(_Strict):
+    """One way to run a model: engine, hardware per node, nodes per replica, priority."""
+
+    name: str
+    engine: str
+    gpu_class: str | None = None
+    gpus: int | None = Field(default=None, gt=0)
+    nodes: int = Field(default=1, gt=0)
+    cpus: int | None = Field(default=None, gt=0)
+    memory_gib: float | None = Field(default=None, gt=0)
+    priority: int = 0
+    model: str | None = None  # path or hub id the engine loads (default: the model's name)
+    args: list[str] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        return _check_name(v)
+
+    @field_validator("gpu_class")
+    @classmethod
+    def _class_not_blank(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("gpu_class must not be empty (omit it for a CPU profile)")
+        return v
+
+    # ---- derived ----------------------------------------------------------
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs each shard needs: ``gpus``, else 1 for a GPU profile and 0 on the CPU."""
+        if self.gpus is not None:
+            return self.gpus
+        return 1 if self.gpu_class else 0
+
+    @property
+    def is_cpu(self) -> bool:
+        return not self.gpu_class
+
+    @property
+    def memory_mib(self) -> int | None:
+        return None if self.memory_gib is None else round(self.memory_gib * 1024)
+
+    def describe(self) -> str:
+        """Short human form: ``8x H100``, ``2 nodes x 8x A100``, ``cpu 32 cpus 64 GiB``."""
+        if self.is_cpu:
+            parts = ["cpu"]
+            if self.cpus:
+                parts.append(f"{self.cpus} cpus")
+            if self.memory_gib:
+                parts.append(f"{self.memory_gib:g} GiB")
+            return " ".join(parts)
+        per = f"{self.gpus_per_node}x {self.gpu_class}"
+        return f"{self.nodes} nodes x {per}" if self.nodes > 1 else per
+
+
+class Model(_Strict):
+    name: str
+    replicas: int = Field(default=1, gt=0)
+    profiles: list[Profile] = Field(min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        return _check_name(v)
+
+    def ordered_profiles(self) -> list[Profile]:
+        """Highest priority first; equal priorities keep the order they are written in."""
+        return sorted(self.profiles, key=lambda p: -p.priority)  # sorted() is stable
+
+    def profile(self, name: str) -> Profile | None:
+        return next((p for p in self.profiles if p.name == name), None)
+
+
+class Catalog(_Strict):
+    engines: dict[str, EngineConfig] = Field(default_factory=dict)
+    models: list[Model] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check(self) -> Catalog:
+        known = ", ".join(sorted(ENGINES))
+        for name in self.engines:
+            if get_engine(name) is None:
+                raise ValueError(f"engines.{name}: unknown engine {name!r} (known: {known})")
+        seen_models: dict[str, int] = {}
+        for i, m in enumerate(self.models):
+            if m.name in seen_models:
+                raise ValueError(
+                    f"models.{i}.name: duplicate model name {m.name!r} (also models.{seen_models[m.name]})"
+                )
+            seen_models[m.name] = i
+            seen_profiles: dict[str, int] = {}
+            for j, p in enumerate(m.profiles):
+                where = f"models.{i}.profiles.{j}"
+                if p.name in seen_profiles:
+                    raise ValueError(
+                        f"{where}.name: duplicate profile name {p.name!r} in model {m.name!r} "
+                        f"(also profiles.{seen_profiles[p.name]})"
+                    )
+                seen_profiles[p.name] = j
+                engine = get_engine(p.engine)
+                if engine is None:
+                    raise ValueError(f"{where}.engine: unknown engine {p.engine!r} (known: {known})")
+                problem = engine.validate_profile(gpu_class=p.gpu_class, gpus=p.gpus_per_node, nodes=p.nodes)
+                if problem:
+                    raise ValueError(f"{where}{_field_of(problem, p)}: {problem}")
+                if p.gpus is not None and not p.gpu_class:
+                    raise ValueError(f"{where}.gpus: a profile that asks for GPUs must name its gpu_class")
+        return self
+
+    def model(self, name: str) -> Model | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def command(self, engine: str) -> str:
+        """The binary of ``engine`` (the catalog's ``command``, else the adapter's default name)."""
+        cfg = self.engines.get(engine)
+        if cfg is not None:
+            return cfg.command
+        return {"llamacpp": "llama-server"}.get(engine, engine)
+
+
+def _field_of(problem: str, p: Profile) -> str:
+    """Best guess at the field an adapter's complaint is about, for the error location."""
+    if "gpu_class" in problem:
+        return ".gpu_class"
+    if "node" in problem and p.nodes > 1:
+        return ".nodes"
+    if "gpu" in problem.lower():
+        return ".gpus"
+    return ""
+
+
+def load_catalog(path: Path | str) -> Catalog:
+    """Read and validate a catalog; errors are one line: ``file: field.path: message``."""
+    return load_model(Path(path), Catalog)

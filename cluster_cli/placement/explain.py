@@ -1,0 +1,218 @@
+"""Explanations: why a profile found no room, and the plan as a diff.
+
+* ``explain_request`` runs the full constraint chain over every node for one profile
+  and returns the counts plus one exact reason per node. The placer calls it only
+  for profiles that failed, once each, against the plan's final allocations.
+* ``fit_message`` is the one-line summary ("0/12 nodes are available: ...").
+* ``filter_lines`` is the Nomad-style breakdown ("3 nodes filtered: cordon 1, gpu-class 2").
+* ``render_plan`` prints a plan like ``nomad job plan``: a diff, then a dry-run block.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from cluster_cli.placement.constraints import CHAIN, first_failure
+from cluster_cli.placement.constraints.base import NodeState, Request
+from cluster_cli.placement.verdict import Kind, PlacementMetrics, Reason
+
+if TYPE_CHECKING:
+    from cluster_cli.placement.placer import Placement, Plan, Unplaced
+
+# --------------------------------------------------------------------------- explain
+
+
+def explain_request(states: Sequence[NodeState], req: Request) -> tuple[PlacementMetrics, tuple[Reason, ...]]:
+    """Counts and one reason per node for a request that could not be placed."""
+    m = PlacementMetrics(evaluated=len(states))
+    reasons: list[Reason] = []
+    passing: list[NodeState] = []
+    for node in states:
+        v = first_failure(node, req, CHAIN)
+        if v is None:
+            passing.append(node)
+            continue
+        m.record(v)
+        reasons.append(Reason(req.profile, node.name, v.constraint, v.detail, v.kind, v.reason))
+    if req.multi_node:
+        # Every node here fits on its own; no fabric has enough of them together.
+        per_fabric: dict[str, list[str]] = defaultdict(list)
+        for node in passing:
+            for fab in node.attachments:
+                per_fabric[fab].append(node.name)
+        m.fabrics = {f: len(v) for f, v in sorted(per_fabric.items())}
+        for node in passing:
+            have = ", ".join(f"{f} has {len(per_fabric[f])}" for f in node.attachments)
+            detail = (
+                f"fits alone, but no fabric has {req.nodes} such nodes ({have} with {req.gpus} free "
+                f"{req.gpu_class} and an Active port), profile needs {req.nodes} on one fabric"
+            )
+            m.add("exhausted", "fabric", "fabric too small", 1)
+            reasons.append(Reason(req.profile, node.name, "fabric", detail, Kind.EXHAUSTED, "fabric too small"))
+        passing = []
+    if not states:
+        reasons.append(
+            Reason(
+                req.profile, None, "nodes", "no nodes: none of the inventory's nodes has facts", Kind.ERROR, "no nodes"
+            )
+        )
+    elif passing:  # cannot happen for a request the placer gave up on; never answer with no reason
+        for node in passing:
+            reasons.append(
+                Reason(
+                    req.profile,
+                    node.name,
+                    "capacity",
+                    "fits now, but not when this replica was placed",
+                    Kind.EXHAUSTED,
+                    "raced",
+                )
+            )
+    return m, tuple(reasons)
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+def fit_message(m: PlacementMetrics) -> str:
+    """``0/12 nodes are available: 1 cordoned, 2 no H100 gpu, 9 insufficient gpus.``"""
+    parts = sorted(f"{n} {reason}" for reason, n in m.reasons.items())
+    tail = f": {', '.join(parts)}" if parts else ""
+    return f"{m.feasible}/{m.evaluated} nodes are available{tail}."
+
+
+def _counts(c: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+
+
+def filter_lines(m: PlacementMetrics) -> list[str]:
+    """Nomad's breakdown: filtered by constraint, exhausted by dimension."""
+    out = []
+    if m.filtered:
+        out.append(f"{m.filtered} node{'s' if m.filtered != 1 else ''} filtered: {_counts(m.filtered_by)}")
+    if m.exhausted:
+        out.append(f"{m.exhausted} node{'s' if m.exhausted != 1 else ''} exhausted: {_counts(m.exhausted_by)}")
+    if m.fabrics:
+        out.append("nodes that fit, per fabric: " + _counts(m.fabrics))
+    return out
+
+
+# --------------------------------------------------------------------------- the plan as text
+
+
+def _ranges(ix: Sequence[int]) -> str:
+    """``0-3,6`` for (0, 1, 2, 3, 6)."""
+    out: list[str] = []
+    s = list(ix)
+    i = 0
+    while i < len(s):
+        j = i
+        while j + 1 < len(s) and s[j + 1] == s[j] + 1:
+            j += 1
+        out.append(str(s[i]) if i == j else f"{s[i]}-{s[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def where(p: Placement) -> str:
+    """``gpu-01 GPU 0-7`` / ``gpu-01 GPU 0-7 [mlx5_0..] + gpu-02 ... on ib-a`` / ``cpu-01 (32 cpus)``."""
+    r = p.replica
+    parts = []
+    for s in r.shards:
+        txt = s.node
+        if s.gpus:
+            txt += f" GPU {_ranges(s.gpus)}"
+        if s.hcas:
+            txt += f" via {','.join(s.hcas)}"
+        parts.append(txt)
+    out = " + ".join(parts)
+    if r.fabric:
+        out += f" on {r.fabric}"
+    if not r.gpu_class:
+        res = [f"{r.cpus} cpus"] if r.cpus else []
+        if r.memory_mib:
+            res.append(f"{r.memory_mib / 1024:g} GiB")
+        if res:
+            out += f" ({', '.join(res)})"
+    return out
+
+
+_KIND_ORDER = {Kind.EXHAUSTED: 0, Kind.REJECT: 1, Kind.ERROR: 2}
+
+
+def _reason_order(r: Reason) -> tuple[int, str]:
+    """Nodes that nearly fit (exhausted) first, then mismatches, then outages."""
+    return (_KIND_ORDER.get(r.kind, 3), r.node or "")
+
+
+SIGN = {"start": "+", "keep": "=", "stop": "-"}
+
+
+def render_plan(plan: Plan, *, header: str = "", max_nodes: int = 10) -> list[str]:
+    """The plan as lines of text: diff per model, then the dry-run block."""
+    lines: list[str] = []
+    if header:
+        lines += [header, ""]
+    by_model: dict[str, list[Placement]] = defaultdict(list)
+    for p in plan.placements:
+        by_model[p.replica.model].append(p)
+    unplaced_by_model: dict[str, list[Unplaced]] = defaultdict(list)
+    for u in plan.unplaced:
+        unplaced_by_model[u.model].append(u)
+    models = list(dict.fromkeys([*by_model, *unplaced_by_model]))
+    for model in models:
+        ps = by_model.get(model, [])
+        counts = {a: sum(1 for p in ps if p.action == a) for a in ("start", "keep", "stop")}
+        n_un = len(unplaced_by_model.get(model, []))
+        tally = ", ".join(f"{n} {a}" for a, n in counts.items() if n)
+        if n_un:
+            tally = f"{tally}, {n_un} unplaced" if tally else f"{n_un} unplaced"
+        sign = (
+            "+/-" if counts["start"] and counts["stop"] else "+" if counts["start"] else "-" if counts["stop"] else ""
+        )
+        sign = sign or ("!" if n_un else "=")
+        lines.append(f"{sign} model {model!r} ({tally})")
+        for p in ps:
+            r = p.replica
+            note = f"  ({p.note})" if p.note else ""
+            lines.append(f"  {SIGN[p.action]} replica {r.replica}: {r.profile} ({r.engine}) {where(p)}{note}")
+        for u in unplaced_by_model.get(model, []):
+            lines.append(f"  ! replica {u.replica}: unplaced")
+        lines.append("")
+
+    lines.append("Scheduler dry-run:")
+    if plan.complete:
+        lines.append("- All replicas successfully placed.")
+    else:
+        lines.append(f"- WARNING: Failed to place all replicas ({len(plan.unplaced)} unplaced).")
+    # Successes: one line per model and profile, with the counts of its first start.
+    firsts: dict[tuple[str, str], list[Placement]] = defaultdict(list)
+    for p in plan.placements:
+        if p.action == "start":
+            firsts[(p.replica.model, p.replica.profile)].append(p)
+    for (model, prof), ps in firsts.items():
+        won = [a for a in ps[0].attempts if a.placed]
+        counts = "; ".join(filter_lines(won[0].metrics)) if won else ""
+        ids = ",".join(str(p.replica.replica) for p in ps)
+        lines.append(
+            f"  {model} [{ids}] on {prof}: {won[0].metrics.evaluated if won else 0} nodes evaluated"
+            + (f"; {counts}" if counts else "")
+        )
+    # Failures: one block per model (its unplaced replicas share the explanation).
+    for model, us in unplaced_by_model.items():
+        ids = ", ".join(str(u.replica) for u in us)
+        lines.append("")
+        lines.append(f"  Model {model!r}: replica{'s' if len(us) > 1 else ''} {ids} unplaced")
+        first = us[0]
+        for a in first.attempts:
+            lines.append(f"    profile {a.profile} ({a.describe}): {fit_message(a.metrics)}")
+            for s in filter_lines(a.metrics):
+                lines.append(f"      {s}")
+            reasons = sorted((r for r in first.reasons if r.profile == a.profile), key=_reason_order)
+            for r in reasons[:max_nodes]:
+                lines.append(f"      {r.node or '(fleet)'}: {r.detail}")
+            if len(reasons) > max_nodes:
+                lines.append(f"      ... and {len(reasons) - max_nodes} more nodes (-o json lists every one)")
+    return lines

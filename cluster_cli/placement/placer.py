@@ -1,0 +1,605 @@
+"""The placer: ``plan(nodes, catalog, current) -> Plan``. Pure; no I/O.
+
+Order of work
+=============
+1. **Current allocations.** A replica in ``current`` is kept when its model, replica
+   number and profile are still in the catalog, the profile still asks for what it
+   holds, every node of it is known and reachable, each of its GPUs still exists, is
+   not lost and is of the class, and (multi-node) each node still has an Active port
+   on its fabric. A replica on a *cordoned* node is kept: a cordon stops new work,
+   moving running work is ``drain``'s job. Anything else is stopped, whole (all
+   shards together), and its resources are free for this plan. A kept replica stays
+   even if a higher-priority profile would now fit: the plan does not churn.
+2. **Index.** Nodes that pass the static constraints (not cordoned, reachable) are
+   grouped per GPU class, and per (class, fabric) for the nodes with an Active
+   InfiniBand port on that fabric, into buckets by their number of free GPUs of the
+   class. A GPU is free when ``Gpu.free`` (healthy, no foreign process, no MIG) and
+   no kept or planned replica holds it. Nodes of the wrong class or fabric are never
+   in the group a request reads, so no code path can mix classes or fabrics.
+3. **Place.** Models in catalog order, missing replicas in number order, each with
+   the highest-priority profile that fits (ties: the order profiles are written):
+   single-node GPU replicas take the best-fitting node (smallest bucket that is big
+   enough, then name); multi-node replicas take, on one fabric, the emptiest nodes;
+   CPU replicas spread. GPUs inside a node are chosen NVLink-aware.
+4. **Explain.** A profile that did not fit will not fit later in the same plan
+   (allocations only grow), so it is skipped afterwards and explained once, at the
+   end, by the full constraint chain over every node. Successes get cheap counts
+   from the index (filtered exactly, exhausted from bucket sizes).
+
+Cost: O(N·G) to index, O(log N) per placed GPU replica, and O(N) per distinct
+failing profile; see ``bench/placement.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cluster_cli.facts import NodeFacts, Replica, Shard
+from cluster_cli.placement import scoring
+from cluster_cli.placement.constraints import STATIC, choose_gpus
+from cluster_cli.placement.constraints.base import NodeState, Request
+from cluster_cli.placement.explain import explain_request
+from cluster_cli.placement.verdict import PlacementMetrics, Reason
+
+if TYPE_CHECKING:
+    from cluster_cli.config.catalog import Catalog, Model, Profile
+
+ACTIONS = ("stop", "keep", "start")
+_ANY = "\x00any"  # group key of nodes attached to some fabric (any)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One profile tried for one replica, with its counts."""
+
+    profile: str
+    describe: str
+    placed: bool
+    metrics: PlacementMetrics
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"profile": self.profile, "placed": self.placed, "metrics": self.metrics.to_dict()}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A replica in the plan: ``start`` (new), ``keep`` (already there) or ``stop``."""
+
+    replica: Replica
+    action: str
+    note: str = ""
+    attempts: tuple[Attempt, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.replica
+        d: dict[str, Any] = {
+            "model": r.model,
+            "replica": r.replica,
+            "profile": r.profile,
+            "engine": r.engine,
+            "action": self.action,
+            "fabric": r.fabric,
+            "gpu_class": r.gpu_class,
+            "cpus": r.cpus,
+            "memory_mib": r.memory_mib,
+            "shards": [s.to_dict() for s in r.shards],
+        }
+        if self.note:
+            d["note"] = self.note
+        if self.attempts:
+            d["attempts"] = [a.to_dict() for a in self.attempts]
+        return d
+
+
+@dataclass(frozen=True)
+class Unplaced:
+    """A replica no profile could place, with at least one reason per profile."""
+
+    model: str
+    replica: int
+    attempts: tuple[Attempt, ...]
+    reasons: tuple[Reason, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        from cluster_cli.placement.explain import fit_message
+
+        return {
+            "model": self.model,
+            "replica": self.replica,
+            "reasons": [r.to_dict() for r in self.reasons],
+            "profiles": [
+                {"profile": a.profile, "summary": fit_message(a.metrics), "metrics": a.metrics.to_dict()}
+                for a in self.attempts
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    placements: tuple[Placement, ...]
+    unplaced: tuple[Unplaced, ...]
+    nodes: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return not self.unplaced
+
+    def of(self, action: str) -> list[Placement]:
+        return [p for p in self.placements if p.action == action]
+
+    @property
+    def starts(self) -> list[Placement]:
+        return self.of("start")
+
+    @property
+    def keeps(self) -> list[Placement]:
+        return self.of("keep")
+
+    @property
+    def stops(self) -> list[Placement]:
+        return self.of("stop")
+
+    def allocations(self) -> list[Replica]:
+        """What is allocated once the plan is applied: kept and started replicas."""
+        return [p.replica for p in self.placements if p.action != "stop"]
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "start": len(self.starts),
+            "keep": len(self.keeps),
+            "stop": len(self.stops),
+            "unplaced": len(self.unplaced),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "complete": self.complete,
+            "nodes": self.nodes,
+            "summary": self.summary(),
+            "replicas": [p.to_dict() for p in self.placements],
+            "unplaced": [u.to_dict() for u in self.unplaced],
+        }
+
+
+# --------------------------------------------------------------------------- index
+
+
+class _Buckets:
+    """Nodes of one group (a GPU class, maybe one fabric) by their count of free GPUs.
+
+    ``heaps[k]`` holds node order numbers (name order) with lazy deletion: during a
+    plan a node's count only goes down, so an entry is current iff ``count[i] == k``.
+    """
+
+    __slots__ = ("count", "heaps", "size")
+
+    def __init__(self, maxk: int) -> None:
+        self.heaps: list[list[int]] = [[] for _ in range(maxk + 1)]
+        self.size = [0] * (maxk + 1)
+        self.count: dict[int, int] = {}
+
+    def add(self, i: int, k: int) -> None:
+        self.count[i] = k
+        self.size[k] += 1
+        if k:
+            heapq.heappush(self.heaps[k], i)
+
+    def move(self, i: int, k: int) -> None:
+        old = self.count[i]
+        self.size[old] -= 1
+        self.add(i, k)
+
+    def at_least(self, k: int) -> int:
+        return sum(self.size[k:]) if k < len(self.size) else 0
+
+    def below(self, k: int) -> int:
+        return sum(self.size[: min(k, len(self.size))])
+
+    def _top(self, k: int) -> int | None:
+        h = self.heaps[k]
+        while h and self.count[h[0]] != k:
+            heapq.heappop(h)
+        return h[0] if h else None
+
+    def best_fit(self, k: int) -> int | None:
+        """First node (name order) of the smallest bucket with at least ``k`` free."""
+        for j in range(max(k, 1), len(self.heaps)):
+            top = self._top(j)
+            if top is not None:
+                return top
+        return None
+
+    def emptiest(self, k: int, m: int) -> list[int]:
+        """Up to ``m`` nodes with at least ``k`` free, most free first, then name order."""
+        out: list[int] = []
+        for j in range(len(self.heaps) - 1, max(k, 1) - 1, -1):
+            h = self.heaps[j]
+            taken: list[int] = []
+            while h and len(out) < m:
+                i = heapq.heappop(h)
+                if self.count[i] == j:
+                    taken.append(i)
+                    out.append(i)
+            for i in taken:
+                heapq.heappush(h, i)
+            if len(out) >= m:
+                break
+        return out
+
+
+@dataclass
+class _CpuHeap:
+    heap: list[tuple[tuple[int, int, int], int]] = field(default_factory=list)
+    dropped: int = 0
+
+
+def _sig(req: Request) -> tuple[Any, ...]:
+    """Requests with the same signature fit (or not) on exactly the same nodes."""
+    return (req.gpu_class, req.gpus, req.nodes, req.cpus, req.memory_mib)
+
+
+# --------------------------------------------------------------------------- the planner
+
+
+class _Planner:
+    def __init__(self, nodes: Sequence[NodeFacts], catalog: Catalog) -> None:
+        self.catalog = catalog
+        uniq: dict[str, NodeFacts] = {}
+        for f in nodes:
+            uniq.setdefault(f.name, f)
+        self.states = [NodeState.build(f, i) for i, f in enumerate(sorted(uniq.values(), key=lambda f: f.name))]
+        self.by_name = {s.name: s for s in self.states}
+        self.placements: list[Placement] = []
+        self.kept: set[tuple[str, int]] = set()
+
+    # ---- 1. current allocations --------------------------------------------
+    def apply_current(self, current: Sequence[Replica]) -> None:
+        seen: set[tuple[str, int]] = set()
+        for rep in sorted(current, key=lambda r: (r.model, r.replica, r.profile)):
+            if rep.key in seen:
+                self.placements.append(Placement(rep, "stop", "duplicate allocation of this replica"))
+                continue
+            seen.add(rep.key)
+            why = self._invalid(rep)
+            if why:
+                self.placements.append(Placement(rep, "stop", why))
+                continue
+            key = f"{rep.model}/{rep.replica}"
+            for s in rep.shards:
+                node = self.by_name[s.node]
+                for g in s.gpus:
+                    node.allocated[g] = key
+                node.replicas += 1
+                if not rep.gpu_class:
+                    node.reserved_cpus += rep.cpus or 0
+                    node.reserved_mib += rep.memory_mib or 0
+                    node.cpu_replicas += 1
+            cordoned = [s.node for s in rep.shards if self.by_name[s.node].facts.cordoned]
+            note = f"on cordoned {', '.join(cordoned)}: kept until drained" if cordoned else ""
+            self.placements.append(Placement(rep, "keep", note))
+            self.kept.add(rep.key)
+        for s in self.states:
+            if s.allocated:
+                s.refresh_free()
+
+    def _invalid(self, rep: Replica) -> str:
+        model = self.catalog.model(rep.model)
+        if model is None:
+            return "model no longer in the catalog"
+        if not 0 <= rep.replica < model.replicas:
+            return f"beyond replicas: {model.replicas}"
+        prof = model.profile(rep.profile)
+        if prof is None:
+            return f"profile {rep.profile!r} no longer in the catalog"
+        if prof.engine != rep.engine or (prof.gpu_class or None) != (rep.gpu_class or None):
+            return f"profile {prof.name!r} changed (now {prof.engine}, {prof.describe()})"
+        if len(rep.shards) != prof.nodes or len({s.node for s in rep.shards}) != len(rep.shards):
+            return f"profile {prof.name!r} now spans {prof.nodes} node(s)"
+        if prof.is_cpu and (rep.cpus != prof.cpus or rep.memory_mib != prof.memory_mib):
+            return f"profile {prof.name!r} now reserves {prof.describe()}"
+        for s in rep.shards:
+            node = self.by_name.get(s.node)
+            if node is None:
+                return f"node {s.node} has no facts (not in the inventory, or never discovered)"
+            if not node.facts.reachable:
+                return f"node {s.node} unreachable"
+            if len(s.gpus) != prof.gpus_per_node or len(set(s.gpus)) != len(s.gpus):
+                return f"profile {prof.name!r} now needs {prof.gpus_per_node} GPU(s) per node"
+            gpus = {g.index: g for g in node.facts.gpus}
+            for i in s.gpus:
+                g = gpus.get(i)
+                if g is None:
+                    return f"GPU {i} of {s.node} is gone"
+                if g.lost:
+                    return f"GPU {i} of {s.node} is lost"
+                if g.gpu_class != prof.gpu_class:
+                    return f"GPU {i} of {s.node} is {g.gpu_class}, profile needs {prof.gpu_class}"
+                if i in node.allocated:
+                    return f"GPU {i} of {s.node} is also held by {node.allocated[i]}"
+            if prof.nodes > 1 and rep.fabric not in node.attachments:
+                return f"node {s.node} has no Active port on fabric {rep.fabric}"
+        return ""
+
+    # ---- 2. index -----------------------------------------------------------
+    def index(self) -> None:
+        self.ok: list[bool] = []
+        self.cordoned = self.unreachable = 0
+        self.has_class: dict[str, int] = {}
+        self.has_class_attached: dict[str, int] = {}
+        members: dict[tuple[str, str | None], list[NodeState]] = {}
+        probe = Request("")
+        for s in self.states:
+            v = STATIC[0].check(s, probe)  # cordon
+            if not v.ok:
+                self.cordoned += 1
+            elif not STATIC[1].check(s, probe).ok:  # reachable
+                self.unreachable += 1
+            ok = v.ok and s.facts.reachable
+            self.ok.append(ok)
+            if not ok:
+                continue
+            for cls in s.class_total:
+                self.has_class[cls] = self.has_class.get(cls, 0) + 1
+                members.setdefault((cls, None), []).append(s)
+                if s.attachments:
+                    self.has_class_attached[cls] = self.has_class_attached.get(cls, 0) + 1
+                    members.setdefault((cls, _ANY), []).append(s)
+                for fab in s.attachments:
+                    members.setdefault((cls, fab), []).append(s)
+        self.groups: dict[tuple[str, str | None], _Buckets] = {}
+        self.node_groups: dict[tuple[int, str], list[_Buckets]] = {}
+        for key, nodes in members.items():
+            cls = key[0]
+            b = _Buckets(max(s.class_total[cls] for s in nodes))
+            for s in nodes:
+                b.add(s.order, len(s.free.get(cls, ())))
+                self.node_groups.setdefault((s.order, cls), []).append(b)
+            self.groups[key] = b
+        self.fabrics = sorted({f for (_, f) in self.groups if f is not None and f != _ANY})
+        self.n_ok = sum(self.ok)
+        self.cpu_heaps: dict[tuple[Any, ...], _CpuHeap] = {}
+        self.static_metrics: dict[tuple[Any, ...], PlacementMetrics] = {}
+
+    # ---- 3. place -------------------------------------------------------------
+    def place_all(self) -> tuple[list[Replica], list[tuple[Model, int, list[Profile]]]]:
+        """Place every missing replica; returns the started ones and the failures."""
+        dead: set[tuple[Any, ...]] = set()
+        starts: list[Replica] = []
+        failed: list[tuple[Model, int, list[Profile]]] = []
+        for model in self.catalog.models:
+            profiles = model.ordered_profiles()
+            reqs = [Request.of(p) for p in profiles]
+            for r in range(model.replicas):
+                if (model.name, r) in self.kept:
+                    continue
+                tried: list[tuple[Profile, Request, PlacementMetrics | None]] = []
+                placed: Replica | None = None
+                for p, req in zip(profiles, reqs, strict=True):
+                    if _sig(req) in dead:  # did not fit earlier; allocations only grew since
+                        tried.append((p, req, None))
+                        continue
+                    metrics = self.quick_metrics(req)
+                    placed = self._try(model, r, p, req, metrics)
+                    tried.append((p, req, metrics))
+                    if placed is not None:
+                        break
+                    dead.add(_sig(req))
+                    self.dead_profiles.setdefault(_sig(req), req)
+                if placed is None:
+                    failed.append((model, r, profiles))
+                else:
+                    starts.append(placed)
+                self.tried[(model.name, r)] = tried
+        return starts, failed
+
+    def quick_metrics(self, req: Request) -> PlacementMetrics:
+        """Counts at this moment, from the index: static filters exactly, GPU exhaustion from bucket sizes."""
+        sig = _sig(req)
+        base = self.static_metrics.get(sig)
+        if base is None:
+            base = self.static_metrics[sig] = self._static_metrics(req)
+        m = base.copy()
+        if req.gpu_class:
+            cls = req.gpu_class
+            b = self.groups.get((cls, _ANY) if req.multi_node else (cls, None))
+            m.add("exhausted", "gpus", "insufficient gpus", b.below(req.gpus) if b else 0)
+            if req.multi_node:
+                for fab in self.fabrics:
+                    fb = self.groups.get((cls, fab))
+                    if fb is not None:
+                        m.fabrics[fab] = fb.at_least(req.gpus)
+        else:
+            h = self.cpu_heaps.get(sig)
+            m.add("exhausted", "cpus/memory", "insufficient cpus or memory", h.dropped if h else 0)
+        return m
+
+    def _static_metrics(self, req: Request) -> PlacementMetrics:
+        """What the static constraints filter for this request (the same for every replica)."""
+        m = PlacementMetrics(evaluated=len(self.states), partial=not req.gpu_class)
+        m.add("filtered", "cordon", "cordoned", self.cordoned)
+        m.add("filtered", "reachable", "unreachable", self.unreachable)
+        if req.gpu_class:
+            cls = req.gpu_class
+            m.add("filtered", "gpu-class", f"no {cls} gpu", self.n_ok - self.has_class.get(cls, 0))
+            if req.multi_node:
+                unattached = self.has_class.get(cls, 0) - self.has_class_attached.get(cls, 0)
+                m.add("filtered", "fabric", "no active ib port", unattached)
+        return m
+
+    def _try(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
+        if req.gpu_class:
+            if req.multi_node:
+                return self._multi(model, r, p, req, m)
+            return self._single(model, r, p, req, m)
+        return self._cpu(model, r, p, req, m)
+
+    def _take(self, node: NodeState, cls: str, n: int, key: str) -> tuple[tuple[int, ...], bool | None]:
+        free = node.free[cls]
+        gpus, in_dom = choose_gpus(free, n, node.facts.nvlink_domains)
+        chosen = set(gpus)
+        node.free[cls] = [i for i in free if i not in chosen]
+        for i in gpus:
+            node.allocated[i] = key
+        node.replicas += 1
+        left = len(node.free[cls])
+        for b in self.node_groups.get((node.order, cls), ()):
+            b.move(node.order, left)
+        return gpus, in_dom
+
+    def _single(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
+        cls = req.gpu_class or ""
+        b = self.groups.get((cls, None))
+        i = b.best_fit(req.gpus) if b else None
+        if i is None:
+            return None
+        node = self.states[i]
+        gpus, in_dom = self._take(node, cls, req.gpus, f"{model.name}/{r}")
+        total = node.class_total[cls]
+        m.scores[node.name] = scoring.normalise(
+            {"binpack": scoring.binpack(len(node.free[cls]), total), "nvlink": scoring.nvlink(in_dom)}
+        )
+        return Replica(model.name, r, p.name, p.engine, (Shard(node.name, gpus, ()),), None, cls, p.cpus, p.memory_mib)
+
+    def _multi(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
+        cls = req.gpu_class or ""
+        best: tuple[tuple[int, str], str, list[int]] | None = None
+        for fab in self.fabrics:
+            b = self.groups.get((cls, fab))
+            if b is None or b.at_least(req.gpus) < req.nodes:
+                continue
+            top = b.emptiest(req.gpus, req.nodes)
+            key = scoring.fabric_key(fab, [b.count[i] for i in top])
+            if best is None or key < best[0]:
+                best = (key, fab, top)
+        if best is None:
+            return None
+        _, fab, top = best
+        shards = []
+        for i in top:
+            node = self.states[i]
+            before = len(node.free[cls])
+            gpus, in_dom = self._take(node, cls, req.gpus, f"{model.name}/{r}")
+            m.scores[node.name] = scoring.normalise(
+                {"emptiest": scoring.emptiness(before, node.class_total[cls]), "nvlink": scoring.nvlink(in_dom)}
+            )
+            shards.append(Shard(node.name, gpus, node.attachments[fab]))
+        return Replica(model.name, r, p.name, p.engine, tuple(shards), fab, cls, p.cpus, p.memory_mib)
+
+    def _cpu_fits(self, node: NodeState, req: Request) -> bool:
+        if req.cpus:
+            cpus = node.unreserved_cpus()
+            if cpus is None or cpus < req.cpus:
+                return False
+        if req.memory_mib:
+            mib = node.unreserved_mib()
+            if mib is None or mib < req.memory_mib:
+                return False
+        return True
+
+    def _cpu(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
+        sig = _sig(req)
+        h = self.cpu_heaps.get(sig)
+        if h is None:
+            h = self.cpu_heaps[sig] = _CpuHeap(
+                [(scoring.spread_key(s), s.order) for s in self.states if self.ok[s.order]]
+            )
+            heapq.heapify(h.heap)
+        heap = h.heap
+        while heap:
+            key, i = heap[0]
+            node = self.states[i]
+            cur = scoring.spread_key(node)
+            if key != cur:  # replicas landed here since: re-file it
+                heapq.heapreplace(heap, (cur, i))
+                continue
+            if not self._cpu_fits(node, req):  # resources only shrink: never again for this request
+                heapq.heappop(heap)
+                h.dropped += 1
+                continue
+            before = node.replicas
+            node.reserved_cpus += req.cpus or 0
+            node.reserved_mib += req.memory_mib or 0
+            node.cpu_replicas += 1
+            node.replicas += 1
+            heapq.heapreplace(heap, (scoring.spread_key(node), i))
+            m.scores[node.name] = scoring.normalise({"spread": scoring.spread(before)})
+            if h.dropped:
+                m.exhausted_by["cpus/memory"] = h.dropped
+                m.reasons["insufficient cpus or memory"] = h.dropped
+            return Replica(
+                model.name, r, p.name, p.engine, (Shard(node.name, (), ()),), None, None, p.cpus, p.memory_mib
+            )
+        return None
+
+    # ---- 4. explain and assemble -------------------------------------------
+    def run(self, current: Sequence[Replica]) -> Plan:
+        self.tried: dict[tuple[str, int], list[tuple[Profile, Request, PlacementMetrics | None]]] = {}
+        self.dead_profiles: dict[tuple[Any, ...], Request] = {}
+        self.apply_current(current)
+        self.index()
+        starts, failed = self.place_all()
+        explained: dict[tuple[Any, ...], tuple[PlacementMetrics, tuple[Reason, ...]]] = {}
+        for sig, req in self.dead_profiles.items():
+            explained[sig] = explain_request(self.states, req)
+
+        labelled: dict[tuple[Any, ...], tuple[PlacementMetrics, tuple[Reason, ...]]] = {}
+
+        def relabel(req: Request) -> tuple[PlacementMetrics, tuple[Reason, ...]]:
+            """The explanation of ``req``'s signature, under ``req``'s profile name (built once)."""
+            key = (*_sig(req), req.profile)
+            if key not in labelled:
+                m, reasons = explained[_sig(req)]
+                if reasons and reasons[0].profile != req.profile:
+                    reasons = tuple(
+                        Reason(req.profile, x.node, x.constraint, x.detail, x.kind, x.reason) for x in reasons
+                    )
+                labelled[key] = (m, reasons)
+            return labelled[key]
+
+        def attempts(key: tuple[str, int], placed: bool) -> tuple[Attempt, ...]:
+            out = []
+            tried = self.tried[key]
+            for j, (p, req, m) in enumerate(tried):
+                ok = placed and j == len(tried) - 1
+                metrics = m if ok and m is not None else relabel(req)[0]
+                out.append(Attempt(p.name, p.describe(), ok, metrics))
+            return tuple(out)
+
+        started = [Placement(rep, "start", "", attempts(rep.key, True)) for rep in starts]
+        unplaced: list[Unplaced] = []
+        for model, r, profiles in failed:
+            reasons: list[Reason] = []
+            for p in profiles:
+                reasons.extend(relabel(Request.of(p))[1])
+            unplaced.append(Unplaced(model.name, r, attempts((model.name, r), False), tuple(reasons)))
+
+        order = {m.name: i for i, m in enumerate(self.catalog.models)}
+        rank = {a: i for i, a in enumerate(ACTIONS)}
+        placements = sorted(
+            [*self.placements, *started],
+            key=lambda p: (order.get(p.replica.model, len(order)), p.replica.model, p.replica.replica, rank[p.action]),
+        )
+        return Plan(tuple(placements), tuple(unplaced), len(self.states))
+
+
+def plan(nodes: Sequence[NodeFacts], catalog: Catalog, current: Sequence[Replica] = ()) -> Plan:
+    """Where every replica of every model goes, given the nodes' facts and what runs now.
+
+    Pure and deterministic: the same inputs (in any order) give the same plan.
+    The cyclic garbage collector is paused meanwhile: the plan allocates many small,
+    acyclic objects, and collections over a large fleet's facts would dominate.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _Planner(nodes, catalog).run(current)
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -1,0 +1,147 @@
+"""The catalog: the issue's format loads; every documented mistake is one located error line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster_cli.config.catalog import load_catalog
+from cluster_cli.errors import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+ISSUE_EXAMPLE = """
+engines:
+  vllm:     {command: vllm}
+  llamacpp: {command: llama-server}
+models:
+  - name: llama-70b
+    replicas: 2
+    profiles:
+      - {name: h100-tp8, engine: vllm, gpu_class: H100, gpus: 8, priority: 100, model: /models/llama-70b}
+      - {name: a100-2x8, engine: vllm, gpu_class: A100, gpus: 8, nodes: 2, priority: 50, model: /models/llama-70b}
+      - {name: cpu, engine: llamacpp, cpus: 32, memory_gib: 64, priority: 1, model: /models/llama-70b.Q4_K_M.gguf}
+"""
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "catalog.yaml"
+    p.write_text(body)
+    return p
+
+
+def one_model(profiles: str, replicas: str = "1", name: str = "m") -> str:
+    return f"models:\n  - name: {name}\n    replicas: {replicas}\n    profiles:\n{profiles}"
+
+
+def test_issue_example_loads(tmp_path: Path) -> None:
+    cat = load_catalog(write(tmp_path, ISSUE_EXAMPLE))
+    m = cat.model("llama-70b")
+    assert m is not None and m.replicas == 2
+    assert [p.name for p in m.ordered_profiles()] == ["h100-tp8", "a100-2x8", "cpu"]
+    a100 = m.profile("a100-2x8")
+    assert a100 is not None and a100.nodes == 2 and a100.gpus_per_node == 8
+    cpu = m.profile("cpu")
+    assert cpu is not None and cpu.is_cpu and cpu.gpus_per_node == 0 and cpu.memory_mib == 64 * 1024
+    assert cat.command("llamacpp") == "llama-server"
+
+
+def test_example_catalog_loads_and_has_tiny_cpu_model() -> None:
+    cat = load_catalog(EXAMPLES / "catalog.yaml")
+    tiny = cat.model("tiny")
+    assert tiny is not None
+    (p,) = tiny.profiles
+    assert p.engine == "llamacpp" and p.is_cpu and (p.model or "").endswith(".gguf")
+    assert any(not p.is_cpu for m in cat.models for p in m.profiles)
+
+
+def test_defaults_and_tie_order(tmp_path: Path) -> None:
+    body = one_model(
+        "      - {name: a, engine: vllm, gpu_class: H100}\n"
+        "      - {name: b, engine: vllm, gpu_class: A100, priority: 5}\n"
+        "      - {name: c, engine: vllm, gpu_class: L40S, priority: 5}\n"
+    )
+    m = load_catalog(write(tmp_path, body)).models[0]
+    assert [p.name for p in m.ordered_profiles()] == ["b", "c", "a"]  # equal priority: written order
+    assert m.profiles[0].gpus_per_node == 1 and m.profiles[0].nodes == 1 and m.profiles[0].priority == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "where", "needle"),
+    [
+        (one_model("      - {name: a, engine: vllm, gpus: 8}\n"), "models.0.profiles.0.gpu_class", "needs a gpu_class"),
+        (one_model("      - {name: a, engine: llamacpp, nodes: 2}\n"), "models.0.profiles.0.nodes", "several nodes"),
+        (
+            one_model("      - {name: a, engine: llamacpp, gpu_class: L40S, gpus: 2}\n"),
+            "models.0.profiles.0.gpus",
+            "one GPU",
+        ),
+        (one_model("      - {name: a, engine: llamacpp, gpus: 1}\n"), "models.0.profiles.0", "gpu_class"),
+        (
+            one_model("      - {name: a, engine: tgi, gpu_class: H100}\n"),
+            "models.0.profiles.0.engine",
+            "unknown engine 'tgi'",
+        ),
+        ("engines: {tgi: {command: tgi}}\nmodels: []\n", "engines.tgi", "unknown engine"),
+        (
+            one_model("      - {name: a, engine: vllm, gpu_class: H100}\n")
+            + one_model("      - {name: b, engine: vllm, gpu_class: H100}\n")[7:],
+            "models.1.name",
+            "duplicate model name 'm'",
+        ),
+        (
+            one_model(
+                "      - {name: a, engine: vllm, gpu_class: H100}\n      - {name: a, engine: vllm, gpu_class: A100}\n"
+            ),
+            "models.0.profiles.1.name",
+            "duplicate profile name 'a'",
+        ),
+        (
+            one_model("      - {name: a, engine: vllm, gpu_class: H100, gpus: 0}\n"),
+            "models.0.profiles.0.gpus",
+            "greater than 0",
+        ),
+        (
+            one_model("      - {name: a, engine: vllm, gpu_class: H100, nodes: 0}\n"),
+            "models.0.profiles.0.nodes",
+            "greater than 0",
+        ),
+        (one_model("      - {name: a, engine: llamacpp, cpus: -4}\n"), "models.0.profiles.0.cpus", "greater than 0"),
+        (
+            one_model("      - {name: a, engine: llamacpp, memory_gib: 0}\n"),
+            "models.0.profiles.0.memory_gib",
+            "greater than 0",
+        ),
+        (
+            one_model("      - {name: a, engine: vllm, gpu_class: H100}\n", replicas="0"),
+            "models.0.replicas",
+            "greater than 0",
+        ),
+        (
+            one_model("      - {name: a, engine: vllm, gpu_class: H100, gpu: 8}\n"),
+            "models.0.profiles.0.gpu",
+            "unknown key",
+        ),
+        (
+            one_model("      - {name: a, engine: vllm, gpu_class: ''}\n"),
+            "models.0.profiles.0.gpu_class",
+            "must not be empty",
+        ),
+        (
+            one_model("      - {name: a, engine: vllm, gpu_class: H100}\n", name="'bad name'"),
+            "models.0.name",
+            "invalid name",
+        ),
+        ("models:\n  - name: m\n    profiles: []\n", "models.0.profiles", "at least 1"),
+        ("models: []\nmodels: []\n", "line 2", "duplicate key 'models'"),
+    ],
+)
+def test_bad_catalog_is_one_located_line(tmp_path: Path, body: str, where: str, needle: str) -> None:
+    path = write(tmp_path, body)
+    with pytest.raises(ConfigError) as e:
+        load_catalog(path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"{path}: {where}"), msg
+    assert needle in msg, msg

@@ -1,0 +1,216 @@
+"""``clusterctl place --dry-run``: inputs, the JSON contract, the table, exit codes; nothing written."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from test_placement_clusters import a100_pcie, cpu_node, dgx, ib
+from typer.testing import CliRunner
+
+from cluster_cli.cli.main import app
+from cluster_cli.facts import NodeFacts, Replica, Shard
+from cluster_cli.state.store import Store
+
+runner = CliRunner()
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+CATALOG = """
+engines:
+  vllm:     {command: vllm}
+  llamacpp: {command: llama-server}
+models:
+  - name: llama-70b
+    replicas: 2
+    profiles:
+      - {name: h100-tp8, engine: vllm, gpu_class: H100, gpus: 8, priority: 100, model: /models/llama-70b}
+      - {name: a100-2x8, engine: vllm, gpu_class: A100, gpus: 8, nodes: 2, priority: 50, model: /models/llama-70b}
+      - {name: cpu, engine: llamacpp, cpus: 32, memory_gib: 64, priority: 1, model: /models/llama-70b.Q4_K_M.gguf}
+"""
+
+
+def write_inputs(tmp_path: Path, nodes: list[NodeFacts], *, inventory_nodes: list[str] | None = None,
+                 catalog: str = CATALOG) -> tuple[Path, Path, Path]:  # fmt: skip
+    names = inventory_nodes if inventory_nodes is not None else [n.name for n in nodes]
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("nodes:\n" + "".join(f"  - {{name: {n}, host: 10.0.0.{i + 1}}}\n" for i, n in enumerate(names)))
+    cat = tmp_path / "catalog.yaml"
+    cat.write_text(catalog)
+    facts = tmp_path / "facts.json"
+    facts.write_text(json.dumps({"nodes": [n.to_dict() for n in nodes]}))
+    return inv, cat, facts
+
+
+def place(tmp_path: Path, *args: str):
+    return runner.invoke(app, ["--state", str(tmp_path / "state.db"), "place", *args])
+
+
+def test_json_contract_all_placed(tmp_path: Path) -> None:
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01"), dgx("gpu-02")])
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["unplaced"] == []
+    first = doc["replicas"][0]
+    assert {k: first[k] for k in ("model", "replica", "profile", "engine", "action", "fabric")} == {
+        "model": "llama-70b", "replica": 0, "profile": "h100-tp8", "engine": "vllm", "action": "start", "fabric": None,
+    }  # fmt: skip
+    assert first["shards"] == [{"node": "gpu-01", "gpus": [0, 1, 2, 3, 4, 5, 6, 7], "hcas": []}]
+    assert doc["replicas"][1]["shards"][0]["node"] == "gpu-02"
+    assert doc["state_version"] is None
+    assert not (tmp_path / "state.db").exists()  # never writes, never creates
+
+
+def test_unplaced_exits_3_and_explains_each_profile(tmp_path: Path) -> None:
+    nodes = [dgx("gpu-01", cpus=16), dgx("gpu-02", problems={0: "ecc", 1: "ecc", 2: "ecc", 3: "foreign"}, cpus=16),
+             cpu_node("cpu-01", cpus=16)]  # fmt: skip
+    inv, cat, facts = write_inputs(tmp_path, nodes)
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert r.exit_code == 3, r.output
+    doc = json.loads(r.stdout)
+    assert [x["action"] for x in doc["replicas"]] == ["start"]
+    (u,) = doc["unplaced"]
+    assert (u["model"], u["replica"]) == ("llama-70b", 1)
+    assert {x["profile"] for x in u["reasons"]} == {"h100-tp8", "a100-2x8", "cpu"}
+    by = {(x["profile"], x["node"]): x for x in u["reasons"]}
+    assert by[("h100-tp8", "gpu-02")]["constraint"] == "capacity"
+    assert (
+        by[("h100-tp8", "gpu-02")]["detail"] == "4 of 8 H100 free (3 ECC, 1 foreign process pid 4414), profile needs 8"
+    )
+    assert by[("h100-tp8", "gpu-01")]["detail"] == "0 of 8 H100 free (8 allocated), profile needs 8"
+    assert by[("a100-2x8", "gpu-01")]["constraint"] == "gpu-class"
+    assert by[("cpu", "cpu-01")]["detail"] == "16 of 16 CPUs unreserved, profile needs 32"
+    assert all(set(x) >= {"profile", "node", "constraint", "detail"} for x in u["reasons"])
+
+
+def test_table_is_a_diff_plus_a_dry_run_block(tmp_path: Path) -> None:
+    nodes = [dgx("gpu-01", cpus=8), dgx("gpu-02", cordoned=True), cpu_node("cpu-01", cpus=8)]
+    inv, cat, facts = write_inputs(tmp_path, nodes)
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts))
+    assert r.exit_code == 3
+    out = r.stdout
+    assert "+ model 'llama-70b' (1 start, 1 unplaced)" in out
+    assert "  + replica 0: h100-tp8 (vllm) gpu-01 GPU 0-7" in out
+    assert "Scheduler dry-run:" in out and "WARNING: Failed to place all replicas" in out
+    assert "2 nodes filtered: cordon 1, gpu-class 1" in out
+    assert "gpu-02: cordoned (maintenance)" in out
+    assert "cpu-01: 8 of 8 CPUs unreserved, profile needs 32" in out
+
+
+def test_nodes_outside_the_inventory_are_ignored_and_missing_ones_explained(tmp_path: Path) -> None:
+    nodes = [dgx("gpu-01", cpus=8), dgx("stranger")]
+    inv, cat, facts = write_inputs(tmp_path, nodes, inventory_nodes=["gpu-01", "gpu-09"])
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    doc = json.loads(r.stdout)
+    nodes = {s["node"] for x in doc["replicas"] for s in x["shards"]} | {
+        x["node"] for u in doc["unplaced"] for x in u["reasons"]
+    }
+    assert "stranger" not in nodes
+    reasons = {x["node"]: x for x in doc["unplaced"][0]["reasons"] if x["profile"] == "h100-tp8"}
+    assert reasons["gpu-09"]["constraint"] == "reachable" and "not discovered" in reasons["gpu-09"]["detail"]
+
+
+def test_inventory_fabrics_fill_in_missing_hca_fabrics(tmp_path: Path) -> None:
+    nodes = [a100_pcie("a-1", hcas=[ib("mlx5_0", None)]), a100_pcie("a-2", hcas=[ib("mlx5_0", None)])]
+    inv, cat, facts = write_inputs(tmp_path, nodes)
+    inv.write_text("nodes:\n  - {name: a-1, host: h1, fabric: ib-b}\n  - {name: a-2, host: h2, fabric: ib-b}\n")
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    multi = [x for x in json.loads(r.stdout)["replicas"] if x["profile"] == "a100-2x8"]
+    assert multi and multi[0]["fabric"] == "ib-b" and multi[0]["shards"][0]["hcas"] == ["mlx5_0"]
+
+
+def test_state_store_facts_allocations_and_version(tmp_path: Path) -> None:
+    inv, cat, _ = write_inputs(tmp_path, [dgx("gpu-01"), dgx("gpu-02"), dgx("gpu-03")])
+    db = tmp_path / "state.db"
+    with Store(db) as s:
+        s.save_discovery([dgx("gpu-01"), dgx("gpu-02"), dgx("gpu-03")])
+        s.cordon("gpu-01", "bad fan")
+        s.put_replica(
+            Replica("llama-70b", 0, "h100-tp8", "vllm", (Shard("gpu-01", tuple(range(8))),), gpu_class="H100")
+        )
+        s.put_replica(Replica("old", 0, "x", "vllm", (Shard("gpu-02", (0,)),), gpu_class="H100"))
+        version = s.version()
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["state_version"] == version
+    acts = {(x["model"], x["replica"]): (x["action"], x["shards"][0]["node"]) for x in doc["replicas"]}
+    assert acts[("llama-70b", 0)] == ("keep", "gpu-01")  # kept on a cordoned node
+    assert acts[("old", 0)][0] == "stop"
+    assert acts[("llama-70b", 1)] == ("start", "gpu-02")  # old's GPU is released by the stop
+    table = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat))
+    assert f"state version {version}" in table.stdout and "- replica 0: x (vllm) gpu-02 GPU 0" in table.stdout
+    with Store(db) as s:
+        assert s.version() == version and len(s.replicas()) == 2  # nothing written
+
+
+def test_facts_file_gets_the_stores_cordons(tmp_path: Path) -> None:
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01"), dgx("gpu-02", cpus=8)])
+    with Store(tmp_path / "state.db") as s:
+        s.cordon("gpu-01", "RMA")
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "yaml")
+    assert r.exit_code == 3 and "detail: cordoned (RMA)" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("setup", "needle"),
+    [
+        (lambda p: (p / "catalog.yaml").write_text("models:\n  - {name: m, profiles: [{name: a, engine: vllm}]}\n"),
+         "catalog.yaml: models.0.profiles.0.gpu_class: vllm needs a gpu_class"),
+        (lambda p: (p / "facts.json").write_text("{not json"), "facts.json: line 1, column 2: invalid JSON"),
+        (lambda p: (p / "facts.json").write_text('{"nodes": [{"host": "x"}]}'), "facts.json: nodes.0: missing key 'name'"),
+        (lambda p: (p / "facts.json").write_text('{"nodes": 3}'), "facts.json: nodes: expected a list"),
+        (lambda p: (p / "facts.json").unlink(), "facts.json: file not found"),
+        (lambda p: (p / "inventory.yaml").write_text("nodes: [{name: a}]\n"), "inventory.yaml: nodes.0.host"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, setup, needle: str) -> None:
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01")])
+    setup(tmp_path)
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts))
+    assert r.exit_code == 2
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.output
+
+
+def test_no_state_and_no_facts_is_exit_2(tmp_path: Path) -> None:
+    inv, cat, _ = write_inputs(tmp_path, [dgx("gpu-01")])
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat))
+    assert r.exit_code == 2 and "discover" in r.output
+    assert not (tmp_path / "state.db").exists()
+
+
+def test_without_dry_run_points_at_up(tmp_path: Path) -> None:
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01")])
+    r = place(tmp_path, "-i", str(inv), "-c", str(cat), "--facts", str(facts))
+    assert r.exit_code == 2 and "clusterctl up" in r.output and "--dry-run" in r.output
+
+
+def test_help_shows_an_example() -> None:
+    r = runner.invoke(app, ["place", "--help"])
+    assert r.exit_code == 0 and "clusterctl place --dry-run -i inventory.yaml -c catalog.yaml" in r.output
+
+
+def test_example_files_work_together(tmp_path: Path) -> None:
+    doc = json.loads((EXAMPLES / "facts-mixed.json").read_text())
+    names = [n["name"] for n in doc["nodes"]]
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("nodes:\n" + "".join(f"  - {{name: {n}, host: {n}}}\n" for n in names))
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(EXAMPLES / "catalog.yaml"),
+              "--facts", str(EXAMPLES / "facts-mixed.json"), "-o", "json")  # fmt: skip
+    assert r.exit_code == 3, r.output  # deepseek-r1 needs two H200 boxes on one fabric; there is one
+    out = json.loads(r.stdout)
+    assert [u["model"] for u in out["unplaced"]] == ["deepseek-r1"]
+    placed = {(x["model"], x["replica"]): x for x in out["replicas"]}
+    assert placed[("llama-70b", 1)]["fabric"] == "ib-b" and placed[("tiny", 0)]["shards"][0]["node"].startswith("cpu-")
+    # Round trip: facts are exactly NodeFacts.to_dict().
+    assert [NodeFacts.from_dict(n).to_dict() for n in doc["nodes"]] == doc["nodes"]
+
+
+def test_facts_bare_list_and_reachability_round_trip(tmp_path: Path) -> None:
+    inv, cat, facts = write_inputs(tmp_path, [replace(dgx("gpu-01"), reachable=False, error="timeout")])
+    facts.write_text(json.dumps([dgx("gpu-01", cpus=8).to_dict()]))
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert r.exit_code == 3 and json.loads(r.stdout)["replicas"][0]["shards"][0]["node"] == "gpu-01"

@@ -1,0 +1,198 @@
+"""``clusterctl discover`` against real sshd nodes of the testbed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from cluster_cli.cli.main import app
+
+runner = CliRunner()
+
+
+def discover(state: Path, inventory: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
+    r = runner.invoke(app, ["--state", str(state), "discover", "-i", str(inventory), "-o", "json", *extra])
+    out = r.stdout
+    doc = json.loads(out) if out.strip().startswith("{") else {}
+    return r.exit_code, doc, r.stderr
+
+
+def by_name(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {n["name"]: n for n in doc["nodes"]}
+
+
+def derived_inventory(src: Path, name: str, **defaults: Any) -> Path:
+    """A copy of a testbed inventory, in the same folder, with some defaults changed."""
+    data = yaml.safe_load(src.read_text())
+    data["defaults"].update(defaults)
+    p = src.parent / name
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_discover_healthy_cluster(testbed, tmp_path: Path) -> None:
+    code, doc, err = discover(tmp_path / "s.db", testbed.inventory_path)
+    assert code == 0, err
+    nodes = by_name(doc)
+    assert set(nodes) == {"gpu-01", "gpu-02", "gpu-03", "gpu-04", "cpu-01"}
+    g1 = nodes["gpu-01"]
+    for key in ("name", "reachable", "error", "cordoned", "cordon_reason", "cpus", "memory_mib", "gpus",
+                "nvlink_domains", "hcas"):  # fmt: skip
+        assert key in g1
+    assert g1["reachable"] and g1["error"] is None
+    assert len(g1["gpus"]) == 8 and {g["class"] for g in g1["gpus"]} == {"H200"}
+    assert all(g["free"] and g["healthy"] and g["problems"] == [] for g in g1["gpus"])
+    assert g1["gpus"][0]["product"] == "NVIDIA H200" and g1["gpus"][0]["memory_total_mib"] == 143771
+    assert g1["nvlink_domains"] == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    ib = [h for h in g1["hcas"] if h["link_layer"] == "InfiniBand"]
+    assert len(ib) == 8 and all(h["state"] == "Active" and h["fabric"] == "ib-a" and h["rate_gbps"] == 400 for h in ib)
+    g3 = nodes["gpu-03"]
+    assert {g["class"] for g in g3["gpus"]} == {"H100"}  # alias from gpu_classes
+    eth = [h for h in g3["hcas"] if h["link_layer"] == "Ethernet"]
+    assert eth and all(h["fabric"] is None for h in eth)  # RoCE ports attach to no IB fabric
+    assert nodes["gpu-04"]["nvlink_domains"] == [[0, 1], [2, 3]]
+    cpu = nodes["cpu-01"]
+    assert cpu["gpus"] == [] and cpu["nvlink_domains"] == [] and cpu["cpus"] and cpu["memory_mib"]
+    assert doc["fabric_conflicts"] == []
+
+
+def test_cordon_survives_rediscovery(testbed, tmp_path: Path) -> None:
+    state = tmp_path / "s.db"
+    inv = str(testbed.inventory_path)
+    assert runner.invoke(app, ["--state", str(state), "cordon", "gpu-02", "-i", inv, "--reason", "PSU"]).exit_code == 0
+    for _ in range(2):
+        code, doc, _ = discover(state, testbed.inventory_path)
+        assert code == 0
+        n = by_name(doc)["gpu-02"]
+        assert n["cordoned"] is True and n["cordon_reason"] == "PSU"
+
+
+def test_faulty_gpus_are_not_free(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory(
+        "f1=hgx-h200x8:fabric=ib-a:ecc=1:foreign=2:4411:python3 train.py:remap=3:retire=4,"
+        "f2=a100-pcie-4x:lost=1,"
+        "f3=hgx-h200x8:smi_error=no-driver,"
+        "f4=hgx-h200x8:smi_error=driver-mismatch,"
+        "f5=hgx-h200x8:garbage"
+    )
+    code, doc, err = discover(tmp_path / "s.db", c.inventory_path)
+    assert code == 0, err  # every node answered, even if their GPUs are sick
+    n = by_name(doc)
+    gpus = {g["index"]: g for g in n["f1"]["gpus"]}
+    assert [i for i, g in gpus.items() if not g["free"]] == [1, 2, 3, 4]
+    assert gpus[1]["problems"][0].startswith("ecc") and not gpus[1]["healthy"]
+    assert "pid 4411" in gpus[2]["problems"][0] and gpus[2]["healthy"]
+    assert gpus[3]["problems"][0].startswith("remap") and gpus[4]["problems"][0].startswith("retired-pages")
+    lost = [g for g in n["f2"]["gpus"] if g["lost"]]
+    assert len(lost) == 1 and not lost[0]["healthy"]
+    assert sum(g["free"] for g in n["f2"]["gpus"]) == 3  # the survivors stay usable
+    for name, word in (("f3", "driver"), ("f4", "mismatch"), ("f5", "unreadable")):
+        assert n[name]["gpus"] == [] and n[name]["nvlink_domains"] is None
+        assert any(p.startswith("nvidia-smi") and word in p.lower() for p in n[name]["problems"]), n[name]["problems"]
+
+
+def test_dead_frozen_partitioned_nodes_never_stall_the_run(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("ok=hgx-h200x8:fabric=ib-a,dead=cpu-only,frozen=cpu-only,cut=cpu-only")
+    inv = derived_inventory(c.inventory_path, "inv-fast.yaml", connect_timeout_s=2, command_timeout_s=3)
+    c.kill("dead")
+    c.freeze("frozen")
+    c.partition("cut")
+    t0 = time.monotonic()
+    code, doc, err = discover(tmp_path / "s.db", inv, "--timeout", "4")
+    elapsed = time.monotonic() - t0
+    assert code == 1
+    n = by_name(doc)
+    assert n["ok"]["reachable"] and len(n["ok"]["gpus"]) == 8
+    for name in ("dead", "frozen", "cut"):
+        assert n[name]["reachable"] is False and n[name]["error"], name
+    assert "refused" in n["dead"]["error"]
+    assert elapsed < 15  # the per-node deadline bounds the whole run
+    for name in ("dead", "frozen", "cut"):
+        assert name in err  # each failing node is named on stderr
+
+
+def test_unreachable_node_keeps_its_last_facts(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("a=a100-pcie-4x,b=cpu-only")
+    state = tmp_path / "s.db"
+    assert discover(state, c.inventory_path)[0] == 0
+    c.kill("a")
+    code, doc, _ = discover(state, c.inventory_path)
+    assert code == 1
+    a = by_name(doc)["a"]
+    assert a["reachable"] is False and len(a["gpus"]) == 4  # last known hardware kept, marked unreachable
+
+
+def test_wrong_key_and_unknown_host_key(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("n1=cpu-only")
+    other = asyncssh.generate_private_key("ssh-ed25519")
+    keyfile = c.inventory_path.parent / "other_key"
+    other.write_private_key(str(keyfile))
+    keyfile.chmod(0o600)
+    wrong = derived_inventory(c.inventory_path, "inv-wrongkey.yaml", identity_file="other_key")
+    code, doc, _ = discover(tmp_path / "a.db", wrong)
+    assert code == 1 and "authentication failed" in by_name(doc)["n1"]["error"]
+
+    (c.inventory_path.parent / "empty_known_hosts").write_text("")
+    unknown = derived_inventory(c.inventory_path, "inv-unknownhost.yaml", known_hosts="empty_known_hosts")
+    code, doc, _ = discover(tmp_path / "b.db", unknown)
+    assert code == 1 and "host key not verifiable" in by_name(doc)["n1"]["error"]
+
+
+def test_accept_new_pins_then_refuses_a_changed_key(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("n1=cpu-only")
+    inv = derived_inventory(c.inventory_path, "inv-tofu.yaml", known_hosts="accept-new")
+    state = tmp_path / "st" / "s.db"
+    assert discover(state, inv)[0] == 0
+    pinned = state.parent / "known_hosts"
+    line = pinned.read_text().strip()
+    assert line.startswith(c.nodes["n1"].host) or line.startswith(f"[{c.nodes['n1'].host}]")
+    assert discover(state, inv)[0] == 0
+    assert pinned.read_text().strip() == line  # pinned once, not appended again
+    # The node's key "changes": the pin must win.
+    fake = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode().strip()
+    pinned.write_text(line.split(" ", 1)[0] + " " + fake + "\n")
+    code, doc, _ = discover(state, inv)
+    assert code == 1 and "host key not verifiable" in by_name(doc)["n1"]["error"]
+
+
+def test_node_dying_mid_probe_is_reported_not_fatal(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("slow=hgx-h200x8:slow=3,fine=cpu-only")
+    killer = threading.Timer(1.0, c.kill, args=("slow",))
+    killer.start()
+    try:
+        code, doc, _ = discover(tmp_path / "s.db", c.inventory_path)
+    finally:
+        killer.join()
+    n = by_name(doc)
+    assert code == 1
+    assert n["fine"]["reachable"] is True
+    err = n["slow"]["error"]
+    assert n["slow"]["reachable"] is False and ("lost" in err or "refused" in err or "closed" in err), err
+
+
+def test_console_script_end_to_end(testbed, tmp_path: Path) -> None:
+    """The installed entry point, as a user runs it: table output and exit code."""
+    r = subprocess.run(
+        [sys.executable, "-m", "cluster_cli", "--state", str(tmp_path / "s.db"), "discover",
+         "-i", str(testbed.inventory_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "gpu-01" in r.stdout and "8/8 H200" in r.stdout and "{0-7}" in r.stdout
+
+
+@pytest.mark.parametrize("parallel", ["1", "3"])
+def test_parallel_bound_gives_same_facts(testbed, tmp_path: Path, parallel: str) -> None:
+    code, doc, _ = discover(tmp_path / "s.db", testbed.inventory_path, "--parallel", parallel)
+    assert code == 0
+    assert [n["name"] for n in doc["nodes"]] == ["gpu-01", "gpu-02", "gpu-03", "gpu-04", "cpu-01"]

@@ -1,0 +1,289 @@
+"""Property tests: the issue's invariants on every plan over hundreds of random clusters.
+
+The checks are written independently of the placer: a naive reference ``fits`` decides
+whether a profile could have been placed, and the plan is replayed in the order the
+placer works (models in catalog order, replicas in number order) so that "fit at the
+time" is checked exactly, not against the final state.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_placement_clusters import gpu, ib
+
+from cluster_cli.config.catalog import Catalog, Profile
+from cluster_cli.facts import NodeFacts, Replica
+from cluster_cli.placement import Plan, plan
+
+CLASSES = ["H100", "A100", "L40S"]
+FABRICS = ["ib-a", "ib-b"]
+PROBLEMS = [None] * 6 + ["ecc", "foreign", "lost", "mig", "retired", "remap"]
+
+
+@st.composite
+def nodes_st(draw: Any) -> list[NodeFacts]:
+    n = draw(st.integers(0, 10))
+    if n == 0 and draw(st.booleans()):
+        n = 6  # empty fleets are interesting once, not in half the runs
+    out = []
+    main_class = draw(st.sampled_from(CLASSES))  # most fleets are mostly one kind of box
+    for i in range(n):
+        name = f"n{i}"
+        node_fabric = draw(st.sampled_from([*FABRICS, None]))
+        kind = draw(st.sampled_from(["gpu", "gpu", "gpu", "gpu", "cpu"]))
+        gpus: tuple = ()
+        domains = None
+        if kind == "gpu":
+            cls = draw(st.sampled_from([main_class, main_class, *CLASSES]))
+            count = draw(st.sampled_from([8, 1, 2, 4, 8, 8]))
+            classes = [cls] * count
+            if draw(st.integers(0, 9)) == 0:  # a rare mixed node
+                classes[-1] = draw(st.sampled_from(CLASSES))
+            faulty = draw(st.booleans())  # half the boxes are clean
+            gpus = tuple(
+                replace(gpu(name, g, c, draw(st.sampled_from(PROBLEMS)) if faulty else None, pid=5000 + g), gpu_class=c)
+                for g, c in enumerate(classes)
+            )
+            topo = draw(st.sampled_from(["pairs", "unknown", "none", "pairs", "all", "halves", "halves"]))
+            idx = list(range(count))
+            domains = {
+                "unknown": None,
+                "none": (),
+                "pairs": tuple(tuple(idx[j : j + 2]) for j in range(0, count, 2)),
+                "all": (tuple(idx),),
+                "halves": tuple(tuple(idx[j : j + max(1, count // 2)]) for j in range(0, count, max(1, count // 2))),
+            }[topo]
+        hcas = tuple(
+            ib(
+                f"mlx5_{k}",
+                draw(st.sampled_from([node_fabric, node_fabric, node_fabric, *FABRICS, None])),
+                state=draw(st.sampled_from(["Active", "Active", "Active", "Down"])),
+                link=draw(st.sampled_from(["InfiniBand", "InfiniBand", "InfiniBand", "Ethernet"])),
+            )
+            for k in range(draw(st.sampled_from([2, 0, 1, 2, 3])))
+        )
+        reachable = draw(st.integers(0, 9)) > 0
+        out.append(
+            NodeFacts(
+                name=name,
+                reachable=reachable,
+                error=None if reachable else "timeout",
+                cpus=draw(st.sampled_from([None, 8, 32, 64])),
+                memory_mib=draw(st.sampled_from([None, 16384, 131072])),
+                gpus=gpus,
+                nvlink_domains=domains,
+                hcas=hcas,
+                cordoned=draw(st.integers(0, 9)) == 0,
+            )
+        )
+    return out
+
+
+@st.composite
+def catalog_st(draw: Any, common: str = "H100") -> Catalog:
+    models = []
+    for m in range(draw(st.integers(1, 3))):
+        profiles = []
+        for p in range(draw(st.integers(1, 3))):
+            if draw(st.integers(0, 3)) == 0:
+                prof = {"engine": "llamacpp"}
+                if draw(st.booleans()):
+                    prof["cpus"] = draw(st.sampled_from([4, 16, 32]))
+                if draw(st.booleans()):
+                    prof["memory_gib"] = draw(st.sampled_from([8, 64]))
+            else:
+                prof = {
+                    "engine": "vllm",
+                    "gpu_class": draw(st.sampled_from([common, common, *CLASSES])),
+                    "gpus": draw(st.sampled_from([2, 1, 2, 3, 4, 8])),
+                    "nodes": draw(st.sampled_from([1, 2, 1, 2, 3])),
+                }
+            profiles.append({"name": f"p{p}", "priority": draw(st.integers(0, 3)), **prof})
+        models.append({"name": f"m{m}", "replicas": draw(st.integers(1, 4)), "profiles": profiles})
+    return Catalog.model_validate({"models": models})
+
+
+@st.composite
+def scenario_st(draw: Any) -> tuple[list[NodeFacts], Catalog, list[Replica]]:
+    nodes = draw(nodes_st())
+    classes = [g.gpu_class for n in nodes for g in n.gpus]
+    common = max(sorted(set(classes)), key=classes.count) if classes else "H100"
+    cat = draw(catalog_st(common))
+    current: list[Replica] = []
+    if nodes and draw(st.booleans()):
+        # What a previous plan allocated, then the world changed: a node went away,
+        # a GPU was lost, a node was cordoned, the catalog shrank.
+        prev = plan(nodes, cat, []).allocations()
+        current = prev
+        i = draw(st.integers(0, len(nodes) - 1))
+        change = draw(st.sampled_from(["unreachable", "lost", "cordon", "fewer", "none"]))
+        if change == "unreachable":
+            nodes[i] = replace(nodes[i], reachable=False, error="timeout")
+        elif change == "lost" and nodes[i].gpus:
+            g = nodes[i].gpus[0]
+            nodes[i] = replace(nodes[i], gpus=(replace(g, lost=True, problems=("lost: gone",)), *nodes[i].gpus[1:]))
+        elif change == "cordon":
+            nodes[i] = replace(nodes[i], cordoned=True)
+        elif change == "fewer":
+            ms = [m.model_copy(update={"replicas": max(1, m.replicas - 1)}) for m in cat.models]
+            cat = cat.model_copy(update={"models": ms})
+    return nodes, cat, current
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def usable(node: NodeFacts) -> bool:
+    return node.reachable and not node.cordoned
+
+
+def free_gpus(node: NodeFacts, cls: str, taken: set[tuple[str, int]]) -> list[int]:
+    return [g.index for g in node.gpus if g.gpu_class == cls and g.free and (node.name, g.index) not in taken]
+
+
+def fits(p: Profile, nodes: list[NodeFacts], taken: set[tuple[str, int]], cpu: dict[str, list[int]]) -> bool:
+    """Could ``p`` be placed right now? Written the obvious way, over every node."""
+    if p.gpu_class:
+        ok = [n for n in nodes if usable(n) and len(free_gpus(n, p.gpu_class, taken)) >= p.gpus_per_node]
+        if p.nodes == 1:
+            return bool(ok)
+        for fab in FABRICS:
+            if sum(1 for n in ok if any(h.is_ib_attachment and h.fabric == fab for h in n.hcas)) >= p.nodes:
+                return True
+        return False
+    for n in nodes:
+        if not usable(n):
+            continue
+        used_cpu, used_mib = cpu.get(n.name, [0, 0])
+        if p.cpus and (n.cpus is None or n.cpus - used_cpu < p.cpus):
+            continue
+        if p.memory_mib and (n.memory_mib is None or n.memory_mib - used_mib < p.memory_mib):
+            continue
+        return True
+    return False
+
+
+def check_invariants(nodes: list[NodeFacts], cat: Catalog, current: list[Replica], result: Plan) -> None:
+    by_name = {n.name: n for n in nodes}
+    taken: set[tuple[str, int]] = set()
+    cpu: dict[str, list[int]] = {}
+
+    def hold(r: Replica) -> None:
+        for s in r.shards:
+            for g in s.gpus:
+                assert (s.node, g) not in taken, f"double allocation of {s.node} GPU {g}"
+                taken.add((s.node, g))
+            if not r.gpu_class:
+                c = cpu.setdefault(s.node, [0, 0])
+                c[0] += r.cpus or 0
+                c[1] += r.memory_mib or 0
+
+    for p in result.keeps:
+        for s in p.replica.shards:
+            n = by_name[s.node]
+            assert n.reachable
+            assert all(not g.lost for g in n.gpus if g.index in s.gpus)
+        hold(p.replica)
+
+    # Replay starts and failures in the placer's order.
+    order = {m.name: i for i, m in enumerate(cat.models)}
+    events: list[tuple[int, int, Any]] = [(order[p.replica.model], p.replica.replica, p) for p in result.starts]
+    events += [(order[u.model], u.replica, u) for u in result.unplaced]
+    for _, _, ev in sorted(events, key=lambda e: (e[0], e[1])):
+        model = cat.model(ev.replica.model if hasattr(ev, "action") else ev.model)
+        assert model is not None
+        profiles = model.ordered_profiles()
+        if not hasattr(ev, "action"):  # unplaced: nothing fit, and each profile is explained
+            assert not any(fits(p, nodes, taken, cpu) for p in profiles)
+            assert {r.profile for r in ev.reasons} == {p.name for p in profiles}
+            continue
+        r: Replica = ev.replica
+        prof = model.profile(r.profile)
+        assert prof is not None
+        rank = profiles.index(prof)
+        for higher in profiles[:rank]:
+            assert not fits(higher, nodes, taken, cpu), f"{r.model}/{r.replica} got {prof.name}, {higher.name} fit"
+        assert fits(prof, nodes, taken, cpu)
+        assert len(r.shards) == prof.nodes and len({s.node for s in r.shards}) == prof.nodes
+        for s in r.shards:
+            n = by_name[s.node]
+            assert usable(n), f"{s.node} cordoned or unreachable"
+            gpus = {g.index: g for g in n.gpus}
+            assert len(s.gpus) == prof.gpus_per_node
+            for i in s.gpus:
+                g = gpus[i]
+                assert g.gpu_class == prof.gpu_class == r.gpu_class, "one GPU class per replica"
+                assert g.free and g.healthy and not g.lost, f"{s.node} GPU {i}: {g.problems}"
+            if prof.gpu_class and n.nvlink_domains and len(s.gpus) > 1:
+                before = set(free_gpus(n, prof.gpu_class, taken))
+                if any(len(before & set(d)) >= len(s.gpus) for d in n.nvlink_domains):
+                    assert any(set(s.gpus) <= set(d) for d in n.nvlink_domains), f"TP group {s.gpus} spans domains"
+            if prof.nodes > 1:
+                assert r.fabric is not None and s.hcas
+                active = {h.ca for h in n.hcas if h.is_ib_attachment and h.fabric == r.fabric}
+                assert set(s.hcas) <= active, f"{s.node}: {s.hcas} not all Active on {r.fabric}"
+            else:
+                assert r.fabric is None and not s.hcas
+        hold(r)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenario_st(), st.randoms(use_true_random=False))
+def test_invariants_hold_on_random_clusters(
+    scenario: tuple[list[NodeFacts], Catalog, list[Replica]], rnd: random.Random
+) -> None:
+    nodes, cat, current = scenario
+    result = plan(nodes, cat, current)
+    check_invariants(nodes, cat, current, result)
+    # Released whole: a stopped replica is stopped with all its shards.
+    for p in result.stops:
+        assert p.replica in current
+    # Determinism, whatever the order of the inputs.
+    shuffled = nodes[:]
+    rnd.shuffle(shuffled)
+    cur = current[:]
+    rnd.shuffle(cur)
+    assert plan(shuffled, cat, cur).to_dict() == result.to_dict()
+
+
+@st.composite
+def dgx_fleet_st(draw: Any) -> tuple[list[NodeFacts], Catalog, list[Replica]]:
+    """DGX boxes on two fabrics with rails down and faults, asked for multi-node replicas."""
+    nodes = []
+    for i in range(draw(st.integers(2, 10))):
+        fab = draw(st.sampled_from(FABRICS))
+        rails = tuple(
+            ib(
+                f"mlx5_{k}",
+                draw(st.sampled_from([fab, fab, fab, "ib-a", "ib-b"])),
+                state=draw(st.sampled_from(["Active"] * 5 + ["Down"])),
+            )
+            for k in range(8)
+        )
+        faults = {g: draw(st.sampled_from(PROBLEMS)) for g in range(8)} if draw(st.booleans()) else {}
+        gpus = tuple(gpu(f"d{i}", g, "H100", faults.get(g)) for g in range(8))
+        nodes.append(NodeFacts(f"d{i}", cpus=224, memory_mib=2 << 20, gpus=gpus, nvlink_domains=(tuple(range(8)),),
+                               hcas=rails, cordoned=draw(st.integers(0, 9)) == 0))  # fmt: skip
+    profiles = [
+        {"name": "multi", "engine": "vllm", "gpu_class": "H100", "gpus": draw(st.sampled_from([2, 4, 8])),
+         "nodes": draw(st.integers(2, 3)), "priority": 10},
+        {"name": "single", "engine": "vllm", "gpu_class": "H100", "gpus": draw(st.sampled_from([4, 8])), "priority": 1},
+    ]  # fmt: skip
+    cat = Catalog.model_validate(
+        {"models": [{"name": "big", "replicas": draw(st.integers(1, 4)), "profiles": profiles}]}
+    )
+    return nodes, cat, []
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dgx_fleet_st())
+def test_invariants_hold_on_dgx_fleets_with_multi_node_replicas(
+    scenario: tuple[list[NodeFacts], Catalog, list[Replica]],
+) -> None:
+    nodes, cat, current = scenario
+    check_invariants(nodes, cat, current, plan(nodes, cat, current))

@@ -1,0 +1,332 @@
+"""Table-driven placement rules on realistic clusters (see test_placement_clusters for the nodes)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+from test_placement_clusters import a100_pcie, catalog, cpu_node, dgx, ib, l40s, node, profile
+
+from cluster_cli.facts import NodeFacts, Replica, Shard
+from cluster_cli.placement import Plan, filter_lines, fit_message, plan
+
+H100x8 = profile("h100-tp8", gpu_class="H100", gpus=8, priority=100)
+A100_2x8 = profile("a100-2x8", gpu_class="A100", gpus=8, nodes=2, priority=50)
+CPU32 = profile("cpu", engine="llamacpp", cpus=32, memory_gib=64, priority=1)
+
+
+def where(p: Plan) -> dict[tuple[str, int], tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    return {
+        (x.replica.model, x.replica.replica): (x.replica.profile, [(s.node, s.gpus) for s in x.replica.shards])
+        for x in p.placements
+        if x.action != "stop"
+    }
+
+
+# --------------------------------------------------------------------------- priority
+
+
+@pytest.mark.parametrize(
+    ("nodes", "expected"),
+    [
+        ([dgx("gpu-01"), a100_pcie("a-1", "ib-b"), a100_pcie("a-2", "ib-b"), cpu_node("cpu-1")], "h100-tp8"),
+        (
+            [dgx("gpu-01", cordoned=True), a100_pcie("a-1", "ib-b"), a100_pcie("a-2", "ib-b"), cpu_node("cpu-1")],
+            "a100-2x8",
+        ),
+        (
+            [dgx("gpu-01", problems={3: "ecc"}), a100_pcie("a-1", "ib-b"), a100_pcie("a-2", "ib-c"), cpu_node("cpu-1")],
+            "cpu",
+        ),
+        ([dgx("gpu-01", reachable=False), a100_pcie("a-1", "ib-b"), cpu_node("cpu-1", cpus=64)], "cpu"),
+    ],
+    ids=["best-fits", "h100-cordoned", "h100-ecc-and-a100-split-fabrics", "h100-unreachable"],
+)
+def test_highest_priority_profile_that_fits(nodes: list[NodeFacts], expected: str) -> None:
+    p = plan(nodes, catalog(("llama", 1, [CPU32, A100_2x8, H100x8])), [])  # written out of order on purpose
+    assert where(p)[("llama", 0)][0] == expected
+    assert p.complete
+
+
+def test_equal_priority_takes_the_profile_written_first() -> None:
+    cat = catalog(
+        ("m", 1, [profile("l40s", gpu_class="L40S", priority=5), profile("h100", gpu_class="H100", priority=5)])
+    )
+    p = plan([dgx("gpu-01"), l40s("l40s-01")], cat, [])
+    assert where(p)[("m", 0)] == ("l40s", [("l40s-01", (0,))])
+
+
+def test_each_missing_replica_gets_its_own_best_profile() -> None:
+    p = plan([dgx("gpu-01"), cpu_node("cpu-1", cpus=64, memory_gib=256)], catalog(("llama", 2, [H100x8, CPU32])), [])
+    assert [where(p)[("llama", i)][0] for i in (0, 1)] == ["h100-tp8", "cpu"]
+
+
+# --------------------------------------------------------------------------- hard constraints
+
+
+def test_only_gpus_of_the_class_on_a_mixed_node() -> None:
+    mixed = node("mixed", cls="A100", gpus=4, domains=[])
+    mixed = replace(mixed, gpus=mixed.gpus + tuple(replace(g, index=g.index + 4, gpu_class="H100") for g in mixed.gpus))
+    p = plan([mixed], catalog(("m", 1, [profile("h", gpu_class="H100", gpus=4)])), [])
+    assert where(p)[("m", 0)] == ("h", [("mixed", (4, 5, 6, 7))])
+
+
+@pytest.mark.parametrize("problem", ["ecc", "foreign", "lost", "mig", "retired", "remap"])
+def test_never_a_gpu_with_a_problem(problem: str) -> None:
+    n = dgx("gpu-01", problems={0: problem, 5: problem})
+    p = plan([n], catalog(("m", 6, [profile("one", gpu_class="H100")])), [])
+    used = sorted(g for (_, shards) in where(p).values() for _, gs in shards for g in gs)
+    assert used == [1, 2, 3, 4, 6, 7]
+    assert len(p.unplaced) == 0
+    p = plan([n], catalog(("m", 7, [profile("one", gpu_class="H100")])), [])
+    assert [u.replica for u in p.unplaced] == [6]
+
+
+def test_multi_node_uses_one_fabric_and_only_its_active_ports() -> None:
+    # a-1 has a rail down and one HCA overridden onto ib-b: neither may appear in the shard.
+    rails = [ib(f"mlx5_{i}", "ib-a") for i in range(6)] + [ib("mlx5_6", "ib-a", state="Down"), ib("mlx5_7", "ib-b")]
+    nodes = [
+        dgx("a-1", "H100", "ib-a", hcas=rails),
+        dgx("a-2", "H100", "ib-a"),
+        dgx("b-1", "H100", "ib-b"),
+    ]
+    p = plan(nodes, catalog(("big", 1, [profile("2x8", gpu_class="H100", gpus=8, nodes=2)])), [])
+    (r,) = [x.replica for x in p.starts]
+    assert r.fabric == "ib-a" and [s.node for s in r.shards] == ["a-1", "a-2"]
+    assert r.shards[0].hcas == tuple(f"mlx5_{i}" for i in range(6))
+    assert r.shards[1].hcas == tuple(f"mlx5_{i}" for i in range(8))
+
+
+def test_multi_node_never_mixes_fabrics_and_says_why() -> None:
+    nodes = [a100_pcie("a-1", "ib-a"), a100_pcie("a-2", "ib-b"), a100_pcie("a-3", None)]
+    p = plan(nodes, catalog(("big", 1, [A100_2x8])), [])
+    (u,) = p.unplaced
+    by_node = {r.node: r for r in u.reasons}
+    assert by_node["a-1"].constraint == "fabric" and "no fabric has 2 such nodes" in by_node["a-1"].detail
+    assert by_node["a-3"].constraint == "fabric" and "no InfiniBand port" in by_node["a-3"].detail
+    assert u.attempts[0].metrics.fabrics == {"ib-a": 1, "ib-b": 1}
+
+
+def test_cordoned_and_unreachable_nodes_take_nothing() -> None:
+    nodes = [dgx("gpu-01", cordoned=True), dgx("gpu-02", reachable=False), cpu_node("cpu-1", cordoned=True)]
+    p = plan(nodes, catalog(("m", 1, [H100x8, CPU32])), [])
+    assert not p.starts
+    kinds = {(r.node, r.constraint) for r in p.unplaced[0].reasons}
+    assert ("gpu-01", "cordon") in kinds and ("gpu-02", "reachable") in kinds and ("cpu-1", "cordon") in kinds
+
+
+# --------------------------------------------------------------------------- bin packing
+
+
+def test_single_node_replicas_fill_partly_used_nodes_first() -> None:
+    nodes = [dgx("gpu-01"), dgx("gpu-02", problems={i: "foreign" for i in range(5)}), dgx("gpu-03")]
+    p = plan(nodes, catalog(("small", 3, [profile("h1", gpu_class="H100")]), ("big", 2, [H100x8])), [])
+    w = where(p)
+    assert {w[("small", i)][1][0][0] for i in range(3)} == {"gpu-02"}  # the 3 free GPUs of gpu-02
+    assert {w[("big", i)][1][0][0] for i in range(2)} == {"gpu-01", "gpu-03"}  # whole nodes stayed whole
+
+
+def test_best_fit_prefers_the_node_left_fullest() -> None:
+    nodes = [dgx("gpu-01", problems={i: "ecc" for i in range(4)}), dgx("gpu-02", problems={i: "ecc" for i in range(6)})]
+    p = plan(nodes, catalog(("m", 1, [profile("tp2", gpu_class="H100", gpus=2)])), [])
+    assert where(p)[("m", 0)][1] == [("gpu-02", (6, 7))]
+
+
+def test_multi_node_takes_the_emptiest_nodes() -> None:
+    nodes = [
+        dgx("n-1", problems={0: "ecc"}),
+        dgx("n-2"),
+        dgx("n-3", problems={0: "ecc", 1: "ecc"}),
+        dgx("n-4"),
+    ]
+    p = plan(nodes, catalog(("m", 1, [profile("2x4", gpu_class="H100", gpus=4, nodes=2)])), [])
+    assert [s.node for s in p.starts[0].replica.shards] == ["n-2", "n-4"]
+
+
+def test_multi_node_picks_the_fabric_with_the_emptier_nodes() -> None:
+    nodes = [
+        dgx("a-1", fabric="ib-a", problems={0: "ecc"}),
+        dgx("a-2", fabric="ib-a", problems={0: "ecc"}),
+        dgx("b-1", fabric="ib-b"),
+        dgx("b-2", fabric="ib-b"),
+    ]
+    p = plan(nodes, catalog(("m", 1, [profile("2x4", gpu_class="H100", gpus=4, nodes=2)])), [])
+    assert p.starts[0].replica.fabric == "ib-b"
+
+
+def test_cpu_replicas_spread_and_respect_cpus_and_memory() -> None:
+    nodes = [
+        cpu_node("cpu-1", cpus=64, memory_gib=256),
+        cpu_node("cpu-2", cpus=64, memory_gib=100),
+        cpu_node("cpu-3", cpus=16),
+    ]
+    p = plan(nodes, catalog(("m", 4, [CPU32])), [])
+    w = where(p)
+    assert [w[("m", i)][1][0][0] for i in range(3)] == ["cpu-1", "cpu-2", "cpu-1"]
+    (u,) = p.unplaced  # cpu-1 full (64 cpus), cpu-2 has memory for one, cpu-3 too small
+    detail = {r.node: r.detail for r in u.reasons}
+    assert detail["cpu-1"] == "0 of 64 CPUs unreserved (64 reserved by 2 CPU replicas), profile needs 32"
+    assert detail["cpu-2"] == "36 of 100 GiB memory unreserved (64 reserved by 1 CPU replica), profile needs 64"
+    assert detail["cpu-3"].startswith("16 of 16 CPUs unreserved")
+
+
+def test_cpu_replicas_prefer_nodes_without_gpus() -> None:
+    p = plan([dgx("gpu-01"), cpu_node("cpu-1", cpus=64)], catalog(("m", 2, [CPU32])), [])
+    assert [n for (_, shards) in where(p).values() for n, _ in shards] == ["cpu-1", "cpu-1"]
+
+
+def test_cpu_profile_without_resources_fits_any_node_and_unknown_cpus_is_explained() -> None:
+    p = plan([cpu_node("c", cpus=None)], catalog(("m", 1, [profile("cpu", engine="llamacpp")])), [])
+    assert p.complete
+    p = plan([cpu_node("c", cpus=None)], catalog(("m", 1, [CPU32])), [])
+    assert p.unplaced[0].reasons[0].detail.startswith("CPU count unknown")
+
+
+# --------------------------------------------------------------------------- NVLink
+
+
+@pytest.mark.parametrize(
+    ("problems", "gpus", "expected"),
+    [
+        ({}, 2, (0, 1)),
+        ({0: "ecc"}, 2, (2, 3)),  # pair 0-1 is broken: take a whole pair, not 1+2
+        ({0: "ecc"}, 1, (1,)),  # best-fitting domain: the broken pair's survivor
+        ({0: "ecc", 2: "ecc", 4: "ecc", 6: "ecc"}, 2, (1, 3)),  # no pair left: lowest free indices
+        ({}, 4, (0, 1, 2, 3)),  # no domain of 4: lowest free indices
+    ],
+)
+def test_a100_pairs(problems: dict[int, str], gpus: int, expected: tuple[int, ...]) -> None:
+    p = plan([a100_pcie("a-1", problems=problems)], catalog(("m", 1, [profile("p", gpu_class="A100", gpus=gpus)])), [])
+    assert where(p)[("m", 0)][1] == [("a-1", expected)]
+
+
+def test_unknown_topology_takes_lowest_free_indices() -> None:
+    n = a100_pcie("a-1", domains=None, problems={0: "ecc"})
+    p = plan([n], catalog(("m", 1, [profile("p", gpu_class="A100", gpus=2)])), [])
+    assert where(p)[("m", 0)][1] == [("a-1", (1, 2))]
+
+
+def test_two_domains_of_four_choose_the_best_fitting() -> None:
+    n = node("h", cls="H100", gpus=8, domains=[(0, 1, 2, 3), (4, 5, 6, 7)], problems={4: "ecc", 5: "ecc"})
+    p = plan([n], catalog(("m", 1, [profile("p", gpu_class="H100", gpus=2)])), [])
+    assert where(p)[("m", 0)][1] == [("h", (6, 7))]
+
+
+# --------------------------------------------------------------------------- current allocations
+
+
+def rep(model: str, i: int, prof: str, shards: list[tuple[str, tuple[int, ...]]], **kw: object) -> Replica:
+    return Replica(
+        model, i, prof, kw.pop("engine", "vllm"), tuple(Shard(n, g, tuple(kw.pop("hcas", ()))) for n, g in shards), **kw
+    )  # type: ignore[arg-type]
+
+
+def test_keep_valid_and_stop_what_the_catalog_no_longer_wants() -> None:
+    nodes = [dgx("gpu-01"), dgx("gpu-02", cordoned=True), dgx("gpu-03")]
+    cat = catalog(("llama", 2, [H100x8]))
+    current = [
+        rep("llama", 0, "h100-tp8", [("gpu-02", tuple(range(8)))], gpu_class="H100"),  # cordoned: kept
+        rep("llama", 5, "h100-tp8", [("gpu-01", tuple(range(8)))], gpu_class="H100"),  # beyond replicas
+        rep("gone", 0, "x", [("gpu-03", (0,))], gpu_class="H100"),  # model removed
+    ]
+    p = plan(nodes, cat, current)
+    actions = {(x.replica.model, x.replica.replica): x.action for x in p.placements}
+    assert actions == {("llama", 0): "keep", ("llama", 1): "start", ("llama", 5): "stop", ("gone", 0): "stop"}
+    assert "cordoned" in p.keeps[0].note
+    assert where(p)[("llama", 1)][1][0][0] in {"gpu-01", "gpu-03"}  # freed by the stops
+
+
+@pytest.mark.parametrize(
+    ("mutate", "why"),
+    [
+        (lambda n: replace(n, reachable=False, error="timeout"), "unreachable"),
+        (lambda n: dgx(n.name, problems={3: "lost"}), "lost"),
+        (lambda n: replace(n, gpus=n.gpus[:4]), "gone"),
+    ],
+)
+def test_multi_node_replica_is_released_whole(mutate, why: str) -> None:
+    nodes = [dgx("a-1"), dgx("a-2"), dgx("a-3"), dgx("a-4")]
+    cur = rep("big", 0, "2x8", [("a-1", tuple(range(8))), ("a-2", tuple(range(8)))], gpu_class="H100", fabric="ib-a",
+              hcas=[f"mlx5_{i}" for i in range(8)])  # fmt: skip
+    nodes[1] = mutate(nodes[1])
+    p = plan(nodes, catalog(("big", 1, [profile("2x8", gpu_class="H100", gpus=8, nodes=2)])), [cur])
+    (stop,) = p.stops
+    assert why in stop.note and len(stop.replica.shards) == 2
+    (start,) = p.starts
+    assert "a-2" not in [s.node for s in start.replica.shards]
+    assert "a-1" in [s.node for s in start.replica.shards]  # both shards' GPUs were freed together
+
+
+def test_kept_gpus_are_not_handed_out_again() -> None:
+    cur = rep("m", 0, "tp4", [("gpu-01", (0, 1, 2, 3))], gpu_class="H100")
+    p = plan([dgx("gpu-01")], catalog(("m", 3, [profile("tp4", gpu_class="H100", gpus=4)])), [cur])
+    assert where(p)[("m", 1)][1] == [("gpu-01", (4, 5, 6, 7))]
+    assert [u.replica for u in p.unplaced] == [2]
+    assert "4 of 8 H100 free" not in p.unplaced[0].reasons[0].detail
+    assert p.unplaced[0].reasons[0].detail == "0 of 8 H100 free (8 allocated), profile needs 4"
+
+
+def test_double_claimed_gpus_keep_the_first_only() -> None:
+    a = rep("a", 0, "p", [("gpu-01", (0, 1))], gpu_class="H100")
+    b = rep("b", 0, "p", [("gpu-01", (1, 2))], gpu_class="H100")
+    cat = catalog(
+        ("a", 1, [profile("p", gpu_class="H100", gpus=2)]), ("b", 1, [profile("p", gpu_class="H100", gpus=2)])
+    )
+    p = plan([dgx("gpu-01")], cat, [b, a])
+    assert [x.action for x in p.placements if x.replica.model == "b"] == ["stop", "start"]
+    assert "also held by a/0" in p.stops[0].note
+
+
+# --------------------------------------------------------------------------- explanations
+
+
+def test_exact_node_reason_and_nomad_summary() -> None:
+    gpu03 = dgx("gpu-03", problems={0: "ecc", 1: "ecc", 2: "ecc", 3: "foreign"})
+    cur = rep("other", 0, "tp2", [("gpu-03", (4, 5))], gpu_class="H100")
+    nodes = [gpu03, dgx("gpu-01", cordoned=True), a100_pcie("a-1"), l40s("l-1")]
+    cat = catalog(("other", 1, [profile("tp2", gpu_class="H100", gpus=2)]), ("llama", 1, [H100x8]))
+    p = plan(nodes, cat, [cur])
+    (u,) = p.unplaced
+    detail = {r.node: r.detail for r in u.reasons}
+    assert (
+        f"gpu-03: {detail['gpu-03']}"
+        == "gpu-03: 2 of 8 H100 free (3 ECC, 2 allocated, 1 foreign process pid 4414), profile needs 8"
+    )
+    m = u.attempts[0].metrics
+    assert filter_lines(m) == ["3 nodes filtered: cordon 1, gpu-class 2", "1 node exhausted: gpus 1"]
+    assert fit_message(m) == "0/4 nodes are available: 1 cordoned, 1 insufficient gpus, 2 no H100 gpu."
+    assert detail["a-1"] == "no H100 GPU (has 8 A100)"
+    assert detail["gpu-01"] == "cordoned (maintenance)"
+
+
+def test_every_profile_of_an_unplaced_replica_has_a_reason() -> None:
+    p = plan([], catalog(("m", 1, [H100x8, CPU32])), [])
+    assert {r.profile for r in p.unplaced[0].reasons} == {"h100-tp8", "cpu"}
+    p = plan([cpu_node("c", cpus=8)], catalog(("m", 2, [H100x8, A100_2x8, CPU32])), [])
+    for u in p.unplaced:
+        assert {r.profile for r in u.reasons} == {"h100-tp8", "a100-2x8", "cpu"}
+
+
+def test_successes_carry_counts_too() -> None:
+    p = plan([dgx("gpu-01"), dgx("gpu-02", cordoned=True), cpu_node("c")], catalog(("m", 1, [H100x8])), [])
+    m = p.starts[0].attempts[-1].metrics
+    assert (m.evaluated, m.filtered_by, m.exhausted_by) == (3, {"cordon": 1, "gpu-class": 1}, {})
+    assert m.scores["gpu-01"]["binpack"] == 1.0 and m.scores["gpu-01"]["nvlink"] == 1.0
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+def test_same_inputs_in_any_order_give_the_same_plan() -> None:
+    nodes = (
+        [dgx(f"gpu-{i:02d}", problems={i % 8: "ecc"}) for i in range(6)]
+        + [a100_pcie(f"a-{i}", "ib-b") for i in range(4)]
+        + [cpu_node(f"cpu-{i}") for i in range(3)]
+    )
+    cat = catalog(("llama", 3, [H100x8, A100_2x8, CPU32]), ("small", 9, [profile("h1", gpu_class="H100", gpus=3)]))
+    first = plan(nodes, cat, []).to_dict()
+    for seed in range(5):
+        shuffled = nodes[:]
+        random.Random(seed).shuffle(shuffled)
+        assert plan(shuffled, cat, []).to_dict() == first
