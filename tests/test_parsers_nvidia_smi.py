@@ -423,10 +423,11 @@ def test_build_gpus_idle_l40s_is_free() -> None:
 def test_build_gpus_lost_gpu_on_h200x8() -> None:
     rows, lost = parse_query_gpu(fx("nvidia-smi-query-gpu.hgx-h200x8-gpu3-lost.DERIVED.txt"))
     gpus = build_gpus(rows, [], lost, gpu_class=klass)
-    assert [g.index for g in gpus] == [0, 1, 2, 4, 5, 6, 7, 8]
-    gone = gpus[-1]
+    # The lost GPU takes the gap in the indices (nvidia-smi numbers GPUs 0..N-1 in PCI order).
+    assert [g.index for g in gpus] == [0, 1, 2, 3, 4, 5, 6, 7]
+    gone = gpus[3]
     assert gone == Gpu(
-        index=8,
+        index=3,
         uuid="",
         product="unknown",
         gpu_class="unknown",
@@ -435,17 +436,17 @@ def test_build_gpus_lost_gpu_on_h200x8() -> None:
         problems=(f"lost: {LOST_GPU3.message}",),
     )
     assert not gone.healthy
-    assert all(g.free for g in gpus[:-1])
+    assert all(g.free for g in gpus if not g.lost)
 
 
 def test_build_gpus_lost_variants_index_assignment() -> None:
     gpus = build_gpus([], [], LOST_VARIANTS, gpu_class=klass)
-    # GPU1: names its index; the others follow the highest known index (1) in input order.
+    # GPU1: names its index; the others fill the free indices in PCI bus order.
     assert [(g.index, g.pci_bus_id) for g in gpus] == [
+        (0, "0000:02:00.0"),
         (1, "0000:34:00.0"),
         (2, "0000:0b:00.0"),
         (3, "0000:a1:00.0"),
-        (4, "0000:02:00.0"),
     ]
     assert all(g.lost and g.problems[0].startswith("lost: Unable") for g in gpus)
 
@@ -454,11 +455,12 @@ def test_build_gpus_lost_named_index_taken_by_row() -> None:
     rows = [h200(1, "2a")]
     lost = [LostGpu("0000:34:00.0", 1, "x"), LostGpu(None, 5, "y"), LostGpu(None, None, "z")]
     gpus = build_gpus(rows, [], lost, gpu_class=klass)
+    # x names index 1, which a row holds: it and z take the gaps (no bus id sorts first).
     assert [(g.index, g.lost, g.problems) for g in gpus] == [
+        (0, True, ("lost: z",)),
         (1, False, ()),
+        (2, True, ("lost: x",)),
         (5, True, ("lost: y",)),
-        (6, True, ("lost: x",)),
-        (7, True, ("lost: z",)),
     ]
 
 

@@ -309,7 +309,7 @@ def build_gpus(
 
     Processes whose UUID matches no row are dropped. A lost GPU whose PCI id matches a
     row marks that row lost; otherwise it becomes its own ``Gpu`` (index from the message,
-    else after the highest known index). Duplicate lost reports of one GPU are merged.
+    else the gaps in the known indices, then after them). Duplicate lost reports of one GPU are merged.
     """
     by_uuid: dict[str, list[GpuProcess]] = {}
     for p in procs:
@@ -367,13 +367,13 @@ def build_gpus(
             placed.append((g.index, g))
         else:
             placed.append((None, g))
-    next_index = max(used, default=-1) + 1
+    # nvidia-smi numbers GPUs 0..N-1 in PCI order: a lost GPU without an index in its message
+    # takes the gaps in the known indices first (in bus-id order), then the indices after them.
+    unindexed = sorted((g for i, g in placed if i is None), key=lambda g: g.pci_bus_id or "")
+    slots = iter(i for i in range(len(used) + len(unindexed) + 1 + max(used, default=0)) if i not in used)
+    assigned = {id(g): next(slots) for g in unindexed}
     for maybe_index, g in placed:
-        if maybe_index is None:
-            index = next_index
-            next_index += 1
-        else:
-            index = maybe_index
+        index = assigned[id(g)] if maybe_index is None else maybe_index
         gpus.append(
             Gpu(
                 index=index,
