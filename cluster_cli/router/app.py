@@ -1,0 +1,447 @@
+"""The router: routes, the forwarding loop, background tasks and live reload.
+
+    client --ClientConn--> Router.handle --Balancer.acquire--> Lease(worker)
+                                 |                                 |
+                                 +--- Exchange (sink) <--UpstreamConn (pooled)
+
+Background tasks: the sweeper (timeouts, queue deadlines, drain rates, access-log
+flush, retiring removed endpoints), metric scrapes, active health checks, and the
+endpoint source (config file watch + SIGHUP). A reload builds a new table from the
+new config, carrying live endpoint state over, and swaps one reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from cluster_cli.router.accesslog import AccessLog
+from cluster_cli.router.admission import Rejected
+from cluster_cli.router.balancer import Balancer, Lease
+from cluster_cli.router.config import RouterConfig
+from cluster_cli.router.health import health_loop
+from cluster_cli.router.http import Request, error_response, response
+from cluster_cli.router.keys import ApiKeys
+from cluster_cli.router.metrics import RouterMetrics
+from cluster_cli.router.policy import make_policy
+from cluster_cli.router.proxy import FAIL_AFTER, FAIL_BEFORE, OK, RETRY_5XX, Exchange
+from cluster_cli.router.registry import Table, build_table
+from cluster_cli.router.retry import RetryBudget, RetryPolicy
+from cluster_cli.router.scrape import scrape_loop
+from cluster_cli.router.server import ClientConn
+from cluster_cli.router.source import EndpointSource
+from cluster_cli.router.upstream import UpstreamError, UpstreamPool
+
+log = logging.getLogger("clusterctl.router")
+
+PROXY_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"})
+SWEEP_S = 0.1
+
+
+class Router:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        *,
+        api_keys: ApiKeys | None = None,
+        access_log: AccessLog | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        source: EndpointSource | None = None,
+    ) -> None:
+        self.clock = clock
+        self.cfg = cfg
+        self.api_keys = api_keys
+        self.access = access_log or AccessLog(None)
+        self.source = source
+        self.conns: set[ClientConn] = set()
+        self.reloads_ok = 0
+        self.reloads_rejected = 0
+        self.last_reload_error: str | None = None
+        self._apply_limits(cfg)
+        table = build_table(cfg, clock=clock)
+        self._attach_pools(table)
+        self.balancer = Balancer(table, make_policy(cfg.router.policy), clock)
+        self.metrics = RouterMetrics(lambda: self)
+        self.server: asyncio.base_events.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._seq = 0
+        self._draining = False
+        self._inflight_total = 0
+
+    # ---------------------------------------------------------------- config
+    @property
+    def table(self) -> Table:
+        return self.balancer.table
+
+    def _apply_limits(self, cfg: RouterConfig) -> None:
+        lim = cfg.router.limits
+        self.max_header_bytes = lim.max_header_bytes
+        self.max_body_bytes = lim.max_body_bytes
+        self.connect_timeout = lim.connect_timeout_s
+        self.idle_timeout = lim.idle_timeout_s
+        self.client_idle_timeout = lim.client_idle_timeout_s
+        r = cfg.router.retry
+        self.retry_policy = RetryPolicy(
+            r.max_attempts, r.budget_ratio, r.min_retry_concurrency, r.backoff_base_s, r.backoff_max_s
+        )
+        if hasattr(self, "budget"):
+            self.budget.policy = self.retry_policy
+        else:
+            self.budget = RetryBudget(self.retry_policy)
+
+    def _attach_pools(self, table: Table) -> None:
+        for w in table.workers.values():
+            if w.pool is None:
+                w.pool = UpstreamPool(w.view.host, w.view.port, connect_timeout=self.connect_timeout)
+            else:
+                w.pool.connect_timeout = self.connect_timeout
+
+    def reload(self, cfg: RouterConfig) -> None:
+        """Apply a new, already validated config; endpoints that survive keep their live state."""
+        old = self.table
+        self._apply_limits(cfg)
+        table = build_table(cfg, old, clock=self.clock)
+        self._attach_pools(table)
+        dropped = [(n, e.queue) for n, e in old.models.items() if n not in table.models]
+        if cfg.router.policy != old.cfg.router.policy:
+            self.balancer.policy = make_policy(cfg.router.policy)
+        self.cfg = cfg
+        self.balancer.swap(table, dropped)
+        self.reloads_ok += 1
+        self.last_reload_error = None
+        added = [u for u in table.workers if u not in old.workers]
+        removed = [u for u in old.workers if u not in table.workers]
+        log.warning(
+            "config reloaded: %d models, %d endpoints (%d added, %d removed)",
+            len(table.models),
+            len(table.workers),
+            len(added),
+            len(removed),
+        )
+
+    def reject_config(self, message: str) -> None:
+        self.reloads_rejected += 1
+        self.last_reload_error = message
+        log.error("config rejected, still serving the previous one: %s", message)
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self, host: str = "127.0.0.1", port: int = 8000, *, sock: object | None = None) -> int:
+        loop = asyncio.get_running_loop()
+        if sock is not None:
+            self.server = await loop.create_server(lambda: ClientConn(self), sock=sock, backlog=4096)
+        else:
+            self.server = await loop.create_server(
+                lambda: ClientConn(self), host, port, backlog=4096, reuse_address=True
+            )
+        bound = self.server.sockets[0].getsockname()[1]
+        self._tasks = [
+            loop.create_task(self._sweeper()),
+            loop.create_task(
+                scrape_loop(
+                    self._live_workers, lambda: self.cfg.router.scrape_interval_s, self.clock, self.balancer.kick
+                )
+            ),
+            loop.create_task(
+                health_loop(self._live_workers, lambda: self.cfg.router.health_interval_s, self.balancer.kick)
+            ),
+        ]
+        if self.source is not None:
+            self._tasks.append(loop.create_task(self.source.run(self.reload, self.reject_config)))
+        return bound
+
+    def _live_workers(self) -> list:
+        return list(self.table.workers.values())
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then close."""
+        self._draining = True
+        if self.server is not None:
+            self.server.close()
+        deadline = self.clock() + grace
+        while self._inflight_total > 0 and self.clock() < deadline:
+            await asyncio.sleep(0.05)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        for c in list(self.conns):
+            c.abort()
+        for w in list(self.table.workers.values()) + list(self.table.retired):
+            if w.pool is not None:
+                w.pool.close()
+        self.access.flush()
+
+    async def _sweeper(self) -> None:
+        last_rates = self.clock()
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                self._sweep_once(last_rates)
+                now = self.clock()
+                if now - last_rates >= 1.0:
+                    last_rates = now
+            except Exception:  # never let bookkeeping kill the sweeper
+                log.exception("sweeper error")
+
+    def _sweep_once(self, last_rates: float) -> None:
+        now = self.clock()
+        mono = time.monotonic()
+        t = self.table
+        for w in t.workers.values():
+            if w.pool is not None and w.pool.active:
+                w.pool.sweep(mono, self.idle_timeout)
+        for w in list(t.retired):
+            if w.pool is not None and w.pool.active:
+                w.pool.sweep(mono, self.idle_timeout)
+            if w.inflight == 0:
+                t.retired.remove(w)
+                if w.pool is not None:
+                    w.pool.close()
+        if now - last_rates >= 1.0:
+            for w in list(t.workers.values()) + t.retired:
+                w.update_rates(now)
+        for c in [c for c in self.conns if not c.busy and mono - c.last_io > self.client_idle_timeout]:
+            c.close()
+        self.balancer.kick()
+        self.access.flush()
+
+    # ---------------------------------------------------------------- routes
+    def handle(self, conn: ClientConn, req: Request) -> Awaitable[None] | None:
+        """Answer ``req``; proxied paths return the coroutine that serves them, the rest answer at once."""
+        path = req.path
+        if path in PROXY_PATHS:
+            if req.method != b"POST":
+                conn.write(error_response(405, "use POST", "method_not_allowed", keep_alive=conn.keep_alive))
+                return None
+            return self.proxy(conn, req)
+        if req.method not in (b"GET", b"HEAD"):
+            conn.write(
+                error_response(405 if path in _GET_PATHS else 404, "not found", "not_found", keep_alive=conn.keep_alive)
+            )
+            return None
+        if path == b"/health":
+            body = self._health_body()
+            conn.write(response(200 if not self._draining else 503, body, keep_alive=conn.keep_alive))
+        elif path == b"/metrics":
+            conn.write(
+                response(200, self.metrics.render(), keep_alive=conn.keep_alive, ctype=b"text/plain; version=0.0.4")
+            )
+        elif path == b"/v1/models":
+            if self._authorized(conn, req):
+                conn.write(response(200, self.table.models_json, keep_alive=conn.keep_alive))
+        else:
+            conn.write(
+                error_response(404, f"no route for {path.decode('latin-1')}", "not_found", keep_alive=conn.keep_alive)
+            )
+        return None
+
+    def _health_body(self) -> bytes:
+        now = self.clock()
+        t = self.table
+        body = {
+            "status": "draining" if self._draining else "ok",
+            "models": {n: len(e.queue) for n, e in t.models.items()},
+            "endpoints": [w.snapshot(now) for w in list(t.workers.values()) + t.retired],
+            "last_reload_error": self.last_reload_error,
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    def _authorized(self, conn: ClientConn, req: Request) -> bool:
+        keys = self.api_keys
+        if keys is None or keys.check(req.header(b"authorization")):
+            return True
+        conn.write(
+            error_response(
+                401,
+                "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
+                "invalid_api_key",
+                keep_alive=conn.keep_alive,
+                extra=b'WWW-Authenticate: Bearer realm="clusterctl"\r\n',
+            )
+        )
+        return False
+
+    # ---------------------------------------------------------------- proxying
+    async def proxy(self, conn: ClientConn, req: Request) -> None:
+        t0 = time.monotonic()
+        self._seq += 1
+        rid = self._seq
+        model = ""
+        status = 0
+        endpoint = ""
+        attempts = 0
+        ttfb: float | None = None
+        note = ""
+        self._inflight_total += 1
+        try:
+            status, model, endpoint, attempts, ttfb, note = await self._proxy(conn, req, t0)
+        except asyncio.CancelledError:
+            status = 499
+            note = "client closed the connection"
+            raise
+        finally:
+            self._inflight_total -= 1
+            total = time.monotonic() - t0
+            self.metrics.request(model, endpoint, status, ttfb, total)
+            if self.access.enabled:
+                self.access.log(
+                    rid,
+                    conn.peer,
+                    req.method.decode("latin-1"),
+                    req.path.decode("latin-1"),
+                    model,
+                    endpoint,
+                    status,
+                    attempts,
+                    ttfb,
+                    total,
+                    note,
+                )
+
+    def _reply_error(self, conn: ClientConn, status: int, message: str, code: str, extra: bytes = b"") -> int:
+        conn.write(error_response(status, message, code, keep_alive=conn.keep_alive, extra=extra))
+        return status
+
+    async def _proxy(self, conn: ClientConn, req: Request, t0: float) -> tuple[int, str, str, int, float | None, str]:
+        if not self._authorized(conn, req):
+            return 401, "", "", 0, None, ""
+        if self._draining:
+            return self._reply_error(conn, 503, "the router is shutting down", "router_draining"), "", "", 0, None, ""
+        try:
+            obj = json.loads(req.body)
+        except ValueError:
+            return self._reply_error(conn, 400, "request body is not valid JSON", "invalid_json"), "", "", 0, None, ""
+        model = obj.get("model") if isinstance(obj, dict) else None
+        if not isinstance(model, str) or not model:
+            msg = "you must provide a model parameter"
+            return self._reply_error(conn, 400, msg, "missing_model"), "", "", 0, None, ""
+        entry = self.table.models.get(model)
+        if entry is None:
+            msg = f"The model `{model}` does not exist or is not served by this router."
+            return self._reply_error(conn, 404, msg, "model_not_found"), "", "", 0, None, ""
+
+        head_tail = b"\r\n" + req.forward + b"Content-Length: %d\r\n\r\n" % len(req.body)
+        start_line = req.method + b" " + req.target + b" HTTP/1.1\r\nHost: "
+
+        loop = asyncio.get_running_loop()
+        rp = self.retry_policy
+        tried: list = []
+        attempts = 0
+        free_stale_retry = True
+        holding_budget = False
+        last_error = ""
+        last_status = 502
+        endpoint = ""
+        try:
+            while True:
+                attempts += 1
+                try:
+                    lease: Lease = self.balancer.try_acquire(entry, tried) or await self.balancer.acquire(entry, tried)
+                except Rejected as r:
+                    if r.reason != "no_endpoint" or not last_error:
+                        self.metrics.rejection(model, r.reason)
+                        extra = b"Retry-After: %d\r\n" % int(r.retry_after + 0.999) if r.retry_after else b""
+                        return (
+                            self._reply_error(conn, r.status, r.message, r.reason, extra),
+                            model,
+                            endpoint,
+                            attempts,
+                            None,
+                            "",
+                        )
+                    msg = f"{last_error} ({r.message})"
+                    return (
+                        self._reply_error(conn, last_status, msg, "upstream_error"),
+                        model,
+                        endpoint,
+                        attempts,
+                        None,
+                        "",
+                    )
+                w = lease.worker
+                endpoint = w.view.replica
+                may_retry = attempts < rp.max_attempts
+                ex: Exchange | None = None
+                try:
+                    up = w.pool.get_idle()  # type: ignore[union-attr]
+                    if up is None:
+                        up = await w.pool.connect()  # type: ignore[union-attr]
+                    fut: asyncio.Future[int] = loop.create_future()
+                    ex = Exchange(conn, up, may_retry, fut)
+                    conn.exchange = ex
+                    up.send(start_line + w.host_header + head_tail + req.body, ex)
+                    code = await fut
+                except UpstreamError as e:  # connect failed
+                    lease.release(False)
+                    last_error, last_status = f"{w.view.replica}: {e.message}", 502
+                    code = -1
+                except BaseException:
+                    if ex is not None:
+                        ex.cancel()
+                    lease.release(None)
+                    raise
+                finally:
+                    conn.exchange = None
+
+                if code == OK:
+                    lease.release(ex.status < 500)  # type: ignore[union-attr]
+                    return ex.status, model, endpoint, attempts, ex.first_at - t0, ""  # type: ignore[union-attr]
+                if code == FAIL_AFTER:
+                    lease.release(False)
+                    err = ex.error.message if ex and ex.error else "upstream failed"
+                    return ex.status, model, endpoint, attempts, ex.first_at - t0, f"cut: {err}"  # type: ignore[union-attr]
+                reason = "connect"
+                if code == RETRY_5XX:
+                    lease.release(False)
+                    last_error, last_status = f"{w.view.replica} answered HTTP {ex.status}", 502  # type: ignore[union-attr]
+                    reason = "5xx"
+                elif code == FAIL_BEFORE:
+                    e = ex.error  # type: ignore[union-attr]
+                    if e is not None and e.stale and free_stale_retry:
+                        lease.release(None)  # a keep-alive connection the engine had closed: not its fault
+                        free_stale_retry = False
+                        attempts -= 1
+                        continue
+                    lease.release(False)
+                    kind = e.kind if e else "reset"
+                    last_error = f"{w.view.replica}: {e.message if e else 'upstream failed'}"
+                    last_status = 504 if kind == "timeout" else 502
+                    reason = kind
+                tried.append(w)
+                if attempts >= rp.max_attempts:
+                    return (
+                        self._reply_error(conn, last_status, last_error, "upstream_error"),
+                        model,
+                        endpoint,
+                        attempts,
+                        None,
+                        "",
+                    )
+                if not holding_budget:
+                    if not self.budget.try_acquire(self._inflight_total):
+                        msg = f"{last_error}; retry budget exhausted"
+                        return (
+                            self._reply_error(conn, last_status, msg, "upstream_error"),
+                            model,
+                            endpoint,
+                            attempts,
+                            None,
+                            "",
+                        )
+                    holding_budget = True
+                self.metrics.retry(model, reason)
+                delay = rp.backoff(attempts + 1)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+        finally:
+            if holding_budget:
+                self.budget.release()
+
+
+_GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})

@@ -1,0 +1,165 @@
+"""Pick an endpoint for a request, or queue it while every endpoint is full.
+
+``acquire`` returns a ``Lease``: the request counts as in flight on its worker from
+then on, and ``Lease.release(outcome)`` (idempotent) undoes it exactly once, whatever
+happens to the request (success, error, retry, client gone). Releasing a slot hands it
+to the oldest queued request of any model the worker serves.
+
+Only eligible workers (not removed, not draining, breaker allowing) are candidates;
+the policy chooses among those that are not saturated. With none eligible the
+request is refused with a reason in the style of a scheduler's FitError:
+"0/4 endpoints available: 2 circuit open, 2 draining".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable, Collection
+
+from cluster_cli.router.admission import ModelQueue, Rejected
+from cluster_cli.router.policy.base import Policy
+from cluster_cli.router.registry import ModelEntry, Table
+from cluster_cli.router.worker import Worker
+
+
+class Lease:
+    __slots__ = ("_balancer", "probe", "released", "worker")
+
+    def __init__(self, balancer: Balancer, worker: Worker, probe: bool) -> None:
+        self._balancer = balancer
+        self.worker = worker
+        self.probe = probe
+        self.released = False
+
+    def release(self, outcome: bool | None) -> None:
+        """outcome: True = the endpoint served it, False = the endpoint failed, None = no verdict."""
+        if self.released:
+            return
+        self.released = True
+        w = self.worker
+        if outcome is None:
+            w.breaker.on_abandon(self.probe)
+        else:
+            w.breaker.on_result(outcome, self.probe)
+        w.release(outcome)
+        self._balancer.on_release(w)
+
+
+def fit_message(workers: Collection[Worker]) -> str:
+    counts = Counter(r for w in workers if (r := w.unavailable_reason()) is not None)
+    parts = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()))
+    return f"0/{len(workers)} endpoints available: {parts}" if parts else f"0/{len(workers)} endpoints available"
+
+
+class Balancer:
+    def __init__(self, table: Table, policy: Policy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.table = table
+        self.policy = policy
+        self.clock = clock
+        self.active_leases = 0
+
+    # ---------------------------------------------------------------- picking
+    def _pick_now(self, entry: ModelEntry, exclude: Collection[Worker] = ()) -> Lease | None:
+        """A lease on the best unsaturated eligible worker, or None (all full or none eligible)."""
+        now = self.clock()
+        cands = [w for w in entry.workers if w.unavailable_reason() is None and not w.saturated(now)]
+        if exclude and len(cands) > 1:
+            narrowed = [w for w in cands if w not in exclude]
+            cands = narrowed or cands
+        w = self.policy.select(cands, now)
+        if w is None:
+            return None
+        w.acquire()
+        self.active_leases += 1
+        return Lease(self, w, w.breaker.on_send())
+
+    def any_eligible(self, entry: ModelEntry) -> bool:
+        return any(w.unavailable_reason() is None for w in entry.workers)
+
+    def try_acquire(self, entry: ModelEntry, exclude: Collection[Worker] = ()) -> Lease | None:
+        """The fast path: a lease now, or None when the request must go through ``acquire`` (queue/refuse)."""
+        if entry.queue.waiters and entry.queue.peek_live():
+            return None
+        return self._pick_now(entry, exclude)
+
+    async def acquire(self, entry: ModelEntry, exclude: Collection[Worker] = ()) -> Lease:
+        q = entry.queue
+        if not q.waiters or not q.peek_live():  # nobody ahead in the queue
+            lease = self._pick_now(entry, exclude)
+            if lease is not None:
+                return lease
+        else:
+            self.dispatch(entry)
+        if not self.any_eligible(entry):
+            raise Rejected(503, "no_endpoint", fit_message(entry.workers))
+        if not q.has_room():
+            q.rejected_full += 1
+            raise Rejected(
+                429,
+                "queue_full",
+                f"model {entry.name!r} is at capacity and its wait queue is full ({q.limits.max_queue})",
+                q.retry_after(),
+            )
+        fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        q.push(fut, self.clock())  # type: ignore[arg-type]
+        self.dispatch(entry)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                fut.result().release(None)  # a slot was handed over just as the client left
+            raise
+
+    # ---------------------------------------------------------------- slots coming free
+    def dispatch(self, entry: ModelEntry) -> None:
+        q = entry.queue
+        while q.waiters and q.peek_live():
+            lease = self._pick_now(entry)
+            if lease is None:
+                return
+            waiter = q.pop_live()
+            if waiter is None:  # cannot happen after peek_live; keep the slot bookkeeping exact anyway
+                lease.release(None)
+                return
+            waiter.fut.set_result(lease)  # type: ignore[arg-type]
+
+    def on_release(self, w: Worker) -> None:
+        if self.active_leases > 0:
+            self.active_leases -= 1
+        models = self.table.models
+        for name in w.view.models:
+            entry = models.get(name)
+            if entry is not None and entry.queue.waiters:
+                self.dispatch(entry)
+
+    def kick(self) -> None:
+        """Re-dispatch every queue (after a scrape, breaker change or reload); expire old waiters."""
+        now = self.clock()
+        for entry in self.table.models.values():
+            q = entry.queue
+            if not q.waiters:
+                continue
+            self.dispatch(entry)
+            for waiter in q.expired(now):
+                q.rejected_timeout += 1
+                waiter.fut.set_exception(
+                    Rejected(
+                        429,
+                        "queue_timeout",
+                        f"model {entry.name!r} stayed at capacity for {q.limits.max_wait_s:g}s",
+                        q.retry_after(),
+                    )
+                )
+            if q.waiters and not self.any_eligible(entry):
+                msg = fit_message(entry.workers)
+                while (waiter := q.pop_live()) is not None:
+                    waiter.fut.set_exception(Rejected(503, "no_endpoint", msg))
+
+    def swap(self, table: Table, dropped_queues: Collection[tuple[str, ModelQueue]] = ()) -> None:
+        self.table = table
+        for name, q in dropped_queues:
+            while (waiter := q.pop_live()) is not None:
+                waiter.fut.set_exception(Rejected(503, "model_removed", f"model {name!r} was removed from the config"))
+        self.kick()

@@ -1,0 +1,184 @@
+"""Per-endpoint circuit breaker: closed -> open -> half-open probe -> closed.
+
+Passive signals (connect errors, 5xx, timeouts on real requests) and active ones
+(the engine's health endpoint) both feed it. ``failure_threshold`` consecutive
+request failures, or ``health_failure_threshold`` consecutive failed health checks,
+open it. It stays open for ``open_for_s`` x the number of openings in a row (capped
+by ``max_open_for_s``), then lets ``half_open_max`` probe request(s) through at a
+time; ``success_threshold`` successes close it, one failure reopens it. A passing
+health check moves a breaker that failed health checks opened to half-open at once
+(the engine is back); one opened by failed requests waits out its open time, since
+an engine can pass ``/health`` and still fail requests.
+The clock is injected so tests never sleep.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("clusterctl.router")
+
+
+class State(enum.IntEnum):
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    failure_threshold: int = 5
+    success_threshold: int = 2
+    open_for_s: float = 5.0
+    max_open_for_s: float = 60.0
+    health_failure_threshold: int = 2
+    half_open_max: int = 1
+
+
+class Breaker:
+    __slots__ = (
+        "_clock",
+        "_on_change",
+        "cfg",
+        "failures",
+        "health_failures",
+        "name",
+        "opened_at",
+        "opened_by_health",
+        "openings",
+        "probes",
+        "state",
+        "successes",
+    )
+
+    def __init__(
+        self,
+        cfg: BreakerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "",
+        on_change: Callable[[State, State], None] | None = None,
+    ) -> None:
+        self.cfg = cfg or BreakerConfig()
+        self._clock = clock
+        self._on_change = on_change
+        self.name = name
+        self.state = State.CLOSED
+        self.failures = 0  # consecutive request failures while closed
+        self.health_failures = 0  # consecutive failed health checks
+        self.successes = 0  # successes while half-open
+        self.openings = 0  # openings in a row (reset when closed)
+        self.opened_at = 0.0
+        self.opened_by_health = False
+        self.probes = 0  # half-open requests in flight
+
+    # ---------------------------------------------------------------- queries
+    def open_for(self) -> float:
+        return min(self.cfg.max_open_for_s, self.cfg.open_for_s * max(1, self.openings))
+
+    def _tick(self) -> None:
+        if self.state is State.OPEN and self._clock() - self.opened_at >= self.open_for():
+            self._set(State.HALF_OPEN)
+
+    def allows(self) -> bool:
+        """Whether a new request may be sent now (no side effect beyond the lazy open -> half-open)."""
+        st = self.state
+        if st is State.CLOSED:
+            return True
+        self._tick()
+        if self.state is State.HALF_OPEN:
+            return self.probes < self.cfg.half_open_max
+        return False
+
+    def current(self) -> State:
+        self._tick()
+        return self.state
+
+    # ---------------------------------------------------------------- request outcomes
+    def on_send(self) -> bool:
+        """A request goes out; returns True when it is a half-open probe (pass it back to ``on_result``)."""
+        if self.state is State.CLOSED:
+            return False
+        self._tick()
+        if self.state is State.HALF_OPEN:
+            self.probes += 1
+            return True
+        return False
+
+    def on_result(self, ok: bool, probe: bool = False) -> None:
+        if probe and self.probes > 0:
+            self.probes -= 1
+        if ok:
+            self._success()
+        else:
+            self._failure()
+
+    def on_abandon(self, probe: bool) -> None:
+        """The request ended without telling anything about the endpoint (client went away)."""
+        if probe and self.probes > 0:
+            self.probes -= 1
+
+    def _success(self) -> None:
+        if self.state is State.CLOSED:
+            self.failures = 0
+        elif self.state is State.HALF_OPEN:
+            self.successes += 1
+            if self.successes >= self.cfg.success_threshold:
+                self._set(State.CLOSED)
+
+    def _failure(self) -> None:
+        if self.state is State.CLOSED:
+            self.failures += 1
+            if self.failures >= self.cfg.failure_threshold:
+                self._open()
+        elif self.state is State.HALF_OPEN:
+            self._open()
+
+    # ---------------------------------------------------------------- active health
+    def on_health(self, ok: bool) -> None:
+        if ok:
+            self.health_failures = 0
+            if self.state is State.OPEN and self.opened_by_health:
+                self._set(State.HALF_OPEN)
+            return
+        self.health_failures += 1
+        if self.state is State.OPEN:  # down by its health too: its recovery will show there first
+            self.opened_by_health = True
+        elif self.state is State.HALF_OPEN or (
+            self.state is State.CLOSED and self.health_failures >= self.cfg.health_failure_threshold
+        ):
+            self._open(by_health=True)
+
+    # ---------------------------------------------------------------- transitions
+    def _open(self, by_health: bool = False) -> None:
+        self.opened_by_health = by_health
+        self.openings += 1
+        self.opened_at = self._clock()
+        self._set(State.OPEN)
+
+    def _set(self, new: State) -> None:
+        old = self.state
+        if old is new and new is not State.OPEN:
+            return
+        self.state = new
+        self.successes = 0
+        self.failures = 0
+        if new is State.CLOSED:
+            self.openings = 0
+        if new is not State.HALF_OPEN:
+            self.probes = 0
+        if old is not new:
+            log.warning("breaker %s: %s -> %s", self.name, old.name.lower(), new.name.lower())
+            if self._on_change is not None:
+                self._on_change(old, new)
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "state": self.current().name.lower(),
+            "consecutive_failures": self.failures,
+            "openings": self.openings,
+            "probes": self.probes,
+        }

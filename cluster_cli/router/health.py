@@ -1,0 +1,34 @@
+"""Active health checks: GET the engine's health path and feed the breaker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+
+from cluster_cli.router.http import fetch
+from cluster_cli.router.worker import Worker
+
+
+async def check_one(w: Worker, timeout: float) -> bool:
+    try:
+        status, _ = await fetch(w.view.host, w.view.port, w.view.health_path, timeout, max_bytes=65536)
+        ok = status == 200
+    except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+        ok = False
+    w.health_ok = ok
+    w.breaker.on_health(ok)
+    return ok
+
+
+async def health_loop(
+    workers: Callable[[], Iterable[Worker]],
+    interval: Callable[[], float],
+    after: Callable[[], None] = lambda: None,
+) -> None:
+    while True:
+        iv = interval()
+        ws = [w for w in workers() if not w.removed]
+        if ws:
+            await asyncio.gather(*(check_one(w, max(0.5, min(iv, 5.0))) for w in ws), return_exceptions=True)
+            after()
+        await asyncio.sleep(iv)

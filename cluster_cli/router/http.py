@@ -1,0 +1,300 @@
+"""HTTP/1.1 wire helpers shared by the client side and the upstream side.
+
+Just enough of HTTP/1.1 for an OpenAI-compatible proxy: request and response heads,
+Content-Length and chunked bodies, keep-alive. Everything works on bytes; header
+names are compared lower-cased. Errors the router itself produces use OpenAI's
+shape ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+REASONS = {
+    100: b"Continue",
+    200: b"OK",
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    408: b"Request Timeout",
+    411: b"Length Required",
+    413: b"Payload Too Large",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error",
+    501: b"Not Implemented",
+    502: b"Bad Gateway",
+    503: b"Service Unavailable",
+    504: b"Gateway Timeout",
+}
+
+# Not forwarded in either direction (RFC 9110 7.6.1), plus what the proxy sets itself.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"authorization", b"expect"}
+RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+def error_body(status: int, message: str, code: str | None = None, etype: str | None = None) -> bytes:
+    err = {"message": message, "type": etype or ERROR_TYPES.get(status, "server_error"), "param": None, "code": code}
+    return json.dumps({"error": err}, separators=(",", ":")).encode()
+
+
+def sse_error_event(message: str, code: str = "upstream_error", status: int = 502) -> bytes:
+    return b"data: " + error_body(status, message, code) + b"\n\n"
+
+
+def response(
+    status: int,
+    body: bytes,
+    *,
+    keep_alive: bool,
+    ctype: bytes = b"application/json",
+    extra: bytes = b"",
+) -> bytes:
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s" % (
+        status,
+        REASONS.get(status, b"Unknown"),
+        ctype,
+        len(body),
+        extra,
+    )
+    if not keep_alive:
+        head += b"Connection: close\r\n"
+    return head + b"\r\n" + body
+
+
+def error_response(
+    status: int,
+    message: str,
+    code: str | None = None,
+    *,
+    keep_alive: bool,
+    extra: bytes = b"",
+) -> bytes:
+    return response(status, error_body(status, message, code), keep_alive=keep_alive, extra=extra)
+
+
+class Request:
+    """One parsed client request (body complete)."""
+
+    __slots__ = ("body", "expect_continue", "forward", "headers", "keep_alive", "method", "path", "target", "version")
+
+    def __init__(
+        self,
+        method: bytes,
+        target: bytes,
+        version: bytes,
+        headers: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.path = target.split(b"?", 1)[0]
+        self.version = version
+        self.headers = headers  # (lower-cased name, value)
+        self.keep_alive = keep_alive
+        self.body = b""
+        self.expect_continue = False
+        self.forward = b""  # raw header lines to pass upstream, each followed by CRLF
+
+    def header(self, name: bytes) -> bytes | None:
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return None
+
+
+def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
+    """Parse a request head (without the blank line). Returns (request, content_length, chunked)."""
+    lines = head.split(b"\r\n")
+    try:
+        method, target, version = lines[0].split(b" ")
+    except ValueError:
+        raise BadRequest(400, "malformed request line", "bad_request") from None
+    if not version.startswith(b"HTTP/1."):
+        raise BadRequest(400, "unsupported HTTP version", "bad_request")
+    headers: list[tuple[bytes, bytes]] = []
+    forward: list[bytes] = []
+    clen: int | None = None
+    chunked = False
+    conn = b""
+    expect = False
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name[-1:] in (b" ", b"\t"):
+            raise BadRequest(400, "malformed header line", "bad_request")
+        name = name.lower()
+        value = value.strip()
+        if name == b"content-length":
+            if not value.isdigit() or (clen is not None and int(value) != clen):
+                raise BadRequest(400, "bad Content-Length", "bad_request")
+            clen = int(value)
+        elif name == b"transfer-encoding":
+            chunked = value.lower().endswith(b"chunked")
+            if not chunked:
+                raise BadRequest(501, "unsupported Transfer-Encoding", "bad_request")
+        elif name == b"connection":
+            conn = value.lower()
+        elif name == b"expect":
+            expect = value.lower() == b"100-continue"
+        elif name not in REQUEST_DROP:
+            forward.append(line)
+        headers.append((name, value))
+    if chunked and clen is not None:
+        raise BadRequest(400, "both Content-Length and chunked", "bad_request")
+    keep = b"close" not in conn if version == b"HTTP/1.1" else b"keep-alive" in conn
+    req = Request(method, target, version, headers, keep)
+    req.expect_continue = expect
+    if forward:
+        forward.append(b"")
+        req.forward = b"\r\n".join(forward)
+    return req, clen, chunked
+
+
+class ChunkedDecoder:
+    """Incremental decoder of a chunked body. ``feed`` returns (payload, done, leftover)."""
+
+    __slots__ = ("_buf", "_rem", "_state", "done")
+
+    SIZE, DATA, CRLF, TRAILER = range(4)
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._rem = 0
+        self._state = self.SIZE
+        self.done = False
+
+    def feed(self, data: bytes) -> tuple[bytes, bytes]:
+        """Returns (payload bytes decoded so far from ``data``, leftover bytes after the body's end)."""
+        buf = self._buf + data if self._buf else data
+        self._buf = b""
+        out: list[bytes] = []
+        pos = 0
+        n = len(buf)
+        st = self._state
+        while pos < n:
+            if st == self.DATA:
+                take = min(self._rem, n - pos)
+                out.append(buf[pos : pos + take])
+                pos += take
+                self._rem -= take
+                if self._rem == 0:
+                    st = self.CRLF
+            elif st == self.CRLF:
+                if n - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise ValueError("bad chunk terminator")
+                pos += 2
+                st = self.SIZE
+            elif st == self.SIZE:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    if n - pos > 1024:
+                        raise ValueError("chunk size line too long")
+                    break
+                size = int(buf[pos:eol].split(b";", 1)[0].strip(), 16)
+                pos = eol + 2
+                if size == 0:
+                    st = self.TRAILER
+                else:
+                    self._rem = size
+                    st = self.DATA
+            else:  # TRAILER: lines until an empty one
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    if n - pos > 16384:
+                        raise ValueError("trailer too long")
+                    break
+                if eol == pos:
+                    pos += 2
+                    self.done = True
+                    self._state = st
+                    return b"".join(out), buf[pos:]
+                pos = eol + 2
+        self._state = st
+        self._buf = buf[pos:]
+        return b"".join(out) if len(out) != 1 else out[0], b""
+
+
+async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int = 4 << 20) -> tuple[int, bytes]:
+    """A small GET (health checks, metric scrapes): returns (status, body). Raises OSError/TimeoutError/ValueError."""
+
+    async def go() -> tuple[int, bytes]:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(
+                b"GET %s HTTP/1.1\r\nHost: %s:%d\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+                % (path.encode(), host.encode(), port)
+            )
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head[:-4].split(b"\r\n")
+            status = int(lines[0].split(b" ", 2)[1])
+            clen: int | None = None
+            chunked = False
+            for line in lines[1:]:
+                k, _, v = line.partition(b":")
+                k = k.strip().lower()
+                if k == b"content-length":
+                    clen = int(v.strip())
+                elif k == b"transfer-encoding" and v.strip().lower().endswith(b"chunked"):
+                    chunked = True
+            if clen is not None:
+                if clen > max_bytes:
+                    raise ValueError("response too large")
+                body = await reader.readexactly(clen)
+            elif chunked:
+                dec = ChunkedDecoder()
+                parts: list[bytes] = []
+                size = 0
+                while not dec.done:
+                    data = await reader.read(65536)
+                    if not data:
+                        raise ValueError("truncated chunked body")
+                    payload, _ = dec.feed(data)
+                    parts.append(payload)
+                    size += len(payload)
+                    if size > max_bytes:
+                        raise ValueError("response too large")
+                body = b"".join(parts)
+            else:
+                body = await reader.read(max_bytes)
+            return status, body
+        finally:
+            writer.close()
+
+    return await asyncio.wait_for(go(), timeout)

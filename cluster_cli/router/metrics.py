@@ -1,0 +1,182 @@
+"""Prometheus metrics of the router (``prometheus-client``, one registry per router).
+
+Per request: requests by model, endpoint and status; time to first byte and total
+latency histograms (plain counters in memory, exposed through a collector: no locks or
+label lookups on the request path); retries; admission rejections. Live state (in-flight, breaker
+state, draining, drain rate, scrape age, learned capacity, queue length, retry budget
+overflows) is read when ``/metrics`` is scraped, so it costs nothing per request.
+Label values are config names only (model, replica); unknown models count as "".
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from cluster_cli.router.app import Router
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _StateCollector(Collector):
+    def __init__(self, router: Callable[[], Router]) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[object]:
+        r = self._router()
+        now = r.clock()
+        labels = ["endpoint", "replica"]
+        inflight = GaugeMetricFamily(
+            "clusterctl_router_endpoint_inflight", "Requests in flight per endpoint.", labels=labels
+        )
+        breaker = GaugeMetricFamily(
+            "clusterctl_router_endpoint_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.", labels=labels
+        )
+        draining = GaugeMetricFamily(
+            "clusterctl_router_endpoint_draining", "1 while the endpoint drains.", labels=labels
+        )
+        drain = GaugeMetricFamily(
+            "clusterctl_router_endpoint_drain_rate", "Requests completed per second (moving average).", labels=labels
+        )
+        age = GaugeMetricFamily(
+            "clusterctl_router_endpoint_scrape_age_seconds", "Seconds since the last good metric scrape.", labels=labels
+        )
+        cap = GaugeMetricFamily(
+            "clusterctl_router_endpoint_capacity_estimate", "Learned concurrent-request capacity.", labels=labels
+        )
+        loadm = GaugeMetricFamily(
+            "clusterctl_router_endpoint_scraped",
+            "Scraped engine load by signal (absent = unknown).",
+            labels=[*labels, "signal"],
+        )
+        workers = list(r.table.workers.values()) + list(r.table.retired)
+        for w in workers:
+            lv = [w.url, w.view.replica]
+            inflight.add_metric(lv, w.inflight)
+            breaker.add_metric(lv, int(w.breaker.current()))
+            draining.add_metric(lv, 1 if (w.view.draining or w.removed) else 0)
+            drain.add_metric(lv, w.drain_rate)
+            if w.scraped.at > -1e17:
+                age.add_metric(lv, now - w.scraped.at)
+            if w.cap is not None:
+                cap.add_metric(lv, w.cap)
+            s = w.scraped
+            for sig, v in (("running", s.running), ("waiting", s.waiting), ("kv_cache_usage", s.kv)):
+                if v is not None:
+                    loadm.add_metric([*lv, sig], v)
+        yield from (inflight, breaker, draining, drain, age, cap, loadm)
+        ql = GaugeMetricFamily(
+            "clusterctl_router_queue_length", "Requests waiting for a slot, per model.", labels=["model"]
+        )
+        for name, entry in r.table.models.items():
+            ql.add_metric([name], len(entry.queue))
+        yield ql
+        ov = CounterMetricFamily(
+            "clusterctl_router_retry_budget_overflows", "Retries refused by the retry budget.", labels=[]
+        )
+        ov.add_metric([], r.budget.overflows)
+        yield ov
+        rel = CounterMetricFamily("clusterctl_router_config_reloads", "Config reloads by result.", labels=["result"])
+        rel.add_metric(["ok"], r.reloads_ok)
+        rel.add_metric(["rejected"], r.reloads_rejected)
+        yield rel
+
+
+class _Hist:
+    """A Prometheus histogram without locks or label lookups (the router is single-threaded)."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(LATENCY_BUCKETS, v)] += 1
+        self.sum += v
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out: list[tuple[str, int]] = []
+        acc = 0
+        for bound, n in zip((*map(str, LATENCY_BUCKETS), "+Inf"), self.counts, strict=True):
+            acc += n
+            out.append((bound, acc))
+        return out
+
+
+class _RequestCollector(Collector):
+    """Per-request counters and histograms, kept as plain numbers and exposed on scrape."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str, int], int] = {}
+        self.ttfb: dict[str, _Hist] = {}
+        self.latency: dict[str, _Hist] = {}
+
+    def collect(self) -> Iterator[object]:
+        req = CounterMetricFamily(
+            "clusterctl_router_requests",
+            "Requests by model, endpoint and status.",
+            labels=["model", "endpoint", "status"],
+        )
+        for (model, endpoint, status), n in list(self.requests.items()):
+            req.add_metric([model, endpoint, str(status)], n)
+        yield req
+        for name, doc, hists in (
+            (
+                "clusterctl_router_time_to_first_byte_seconds",
+                "Request start to first byte sent to the client.",
+                self.ttfb,
+            ),
+            ("clusterctl_router_request_duration_seconds", "Request start to response end.", self.latency),
+        ):
+            fam = HistogramMetricFamily(name, doc, labels=["model"])
+            for model, h in list(hists.items()):
+                fam.add_metric([model], h.buckets(), h.sum)
+            yield fam
+
+
+class RouterMetrics:
+    def __init__(self, router: Callable[[], Router]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        reg = self.registry
+        self._req = _RequestCollector()
+        reg.register(self._req)
+        self.retries = Counter(
+            "clusterctl_router_retries", "Retries by model and reason.", ["model", "reason"], registry=reg
+        )
+        self.rejections = Counter(
+            "clusterctl_router_admission_rejections",
+            "Requests refused by admission, by reason.",
+            ["model", "reason"],
+            registry=reg,
+        )
+        reg.register(_StateCollector(router))
+
+    def request(self, model: str, endpoint: str, status: int, ttfb: float | None, total: float) -> None:
+        r = self._req
+        key = (model, endpoint, status)
+        r.requests[key] = r.requests.get(key, 0) + 1
+        if ttfb is not None:
+            h = r.ttfb.get(model)
+            if h is None:
+                h = r.ttfb[model] = _Hist()
+            h.observe(ttfb)
+        h = r.latency.get(model)
+        if h is None:
+            h = r.latency[model] = _Hist()
+        h.observe(total)
+
+    def retry(self, model: str, reason: str) -> None:
+        self.retries.labels(model, reason).inc()
+
+    def rejection(self, model: str, reason: str) -> None:
+        self.rejections.labels(model, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

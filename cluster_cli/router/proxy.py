@@ -1,0 +1,148 @@
+"""Forward one OpenAI request to an endpoint, retrying only before the client saw a byte.
+
+``Exchange`` is the upstream connection's sink for one attempt. It writes to the client
+straight from the protocol callbacks (no task switch per chunk), defers the response
+head until the first body bytes so that an engine failing after its head is still
+retried elsewhere, holds back an incomplete SSE event (a client cannot use half an
+event anyway) so that a stream cut by its upstream ends with a clean SSE error event
+and terminating chunk, and tells the waiting coroutine how the attempt ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from cluster_cli.router.http import REASONS, sse_error_event
+from cluster_cli.router.upstream import LENGTH, UpstreamConn, UpstreamError
+
+if TYPE_CHECKING:
+    from cluster_cli.router.server import ClientConn
+
+# How an attempt ended.
+OK = 0  # response relayed completely
+RETRY_5XX = 1  # upstream answered 5xx, nothing relayed: may retry
+FAIL_BEFORE = 2  # upstream failed before any byte reached the client: may retry
+FAIL_AFTER = 3  # upstream failed after bytes reached the client: stream closed cleanly or connection aborted
+
+
+class Exchange:
+    __slots__ = (
+        "chunked",
+        "client",
+        "conn",
+        "error",
+        "first_at",
+        "fut",
+        "may_retry",
+        "pending",
+        "sent",
+        "sse",
+        "status",
+        "tail",
+    )
+
+    def __init__(self, client: ClientConn, conn: UpstreamConn, may_retry: bool, fut: asyncio.Future[int]) -> None:
+        self.client = client
+        self.conn = conn
+        self.may_retry = may_retry
+        self.fut = fut
+        self.status = 0
+        self.sent = False
+        self.pending: bytes | None = None
+        self.sse = False
+        self.chunked = False
+        self.tail = b""
+        self.error: UpstreamError | None = None
+        self.first_at = 0.0
+
+    def _resolve(self, code: int) -> None:
+        if not self.fut.done():
+            self.fut.set_result(code)
+
+    # ---------------------------------------------------------------- Sink
+    def on_head(self, status: int, lines: list[bytes], ctype: bytes, framing: int) -> None:
+        self.status = status
+        if status >= 500 and self.may_retry:
+            self.conn.abort()
+            self._resolve(RETRY_5XX)
+            return
+        self.sse = ctype.startswith(b"text/event-stream")
+        head = [b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"Upstream")), *lines]
+        if framing == LENGTH:
+            head.append(b"Content-Length: %d" % self.conn._remaining)
+        else:
+            self.chunked = True
+            head.append(b"Transfer-Encoding: chunked")
+        if not self.client.keep_alive:
+            head.append(b"Connection: close")
+        head.append(b"\r\n")
+        self.pending = b"\r\n".join(head)
+
+    def on_body(self, data: bytes) -> None:
+        if self.sse:
+            if self.tail:
+                data = self.tail + data
+                self.tail = b""
+            if not data.endswith(b"\n\n"):
+                cut = _event_end(data)
+                self.tail = data[cut:]
+                data = data[:cut]
+                if not data:
+                    return
+        if self.chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        client = self.client
+        if self.pending is not None:
+            data = self.pending + data
+            self.pending = None
+            self.sent = True
+            self.first_at = client.now()
+        client.write(data)
+        if client.paused:
+            self.conn.pause()
+
+    def on_end(self) -> None:
+        out = b""
+        if self.tail:
+            out = b"%x\r\n%b\r\n" % (len(self.tail), self.tail)
+            self.tail = b""
+        if self.chunked:
+            out += b"0\r\n\r\n"
+        if self.pending is not None:
+            out = self.pending + out
+            self.pending = None
+            self.sent = True
+            self.first_at = self.client.now()
+        if out:
+            self.client.write(out)
+        self._resolve(OK)
+
+    def on_error(self, exc: UpstreamError) -> None:
+        self.error = exc
+        if not self.sent:
+            self._resolve(FAIL_BEFORE)
+            return
+        if self.sse and self.chunked:
+            event = sse_error_event(f"the upstream stream was cut: {exc.message}", "upstream_stream_cut")
+            self.tail = b""
+            self.client.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event))
+        else:  # a truncated plain body must not look complete
+            self.client.abort()
+        self._resolve(FAIL_AFTER)
+
+    def cancel(self) -> None:
+        """The client went away: drop the upstream request now so the engine frees the slot."""
+        self.conn.abort()
+
+
+def _event_end(data: bytes) -> int:
+    """Offset just past the last complete SSE event (blank line) in ``data``; 0 if none."""
+    a = data.rfind(b"\n\n")
+    b = data.rfind(b"\r\n\r\n")
+    end = 0
+    if a >= 0:
+        end = a + 2
+    if b >= 0 and b + 4 > end:
+        end = b + 4
+    return end

@@ -1,0 +1,92 @@
+"""Config -> routing table, carrying live endpoint state across reloads.
+
+Endpoints are keyed by URL. One that survives an update keeps its ``Worker`` (in-flight
+count, breaker, drain rate, learned capacity, pooled connections); a new one starts
+cold; a removed one is marked ``removed``, gets no new requests and is retired once its
+in-flight requests finish (listed again before that, it comes back with its state).
+A model's admission queue survives with the model.
+Building the table does no I/O; the router swaps one reference to apply it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cluster_cli.router.admission import ModelQueue, QueueLimits
+from cluster_cli.router.breaker import BreakerConfig
+from cluster_cli.router.config import RouterConfig, endpoint_views
+from cluster_cli.router.worker import Worker
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    workers: list[Worker]
+    queue: ModelQueue
+
+
+@dataclass
+class Table:
+    cfg: RouterConfig
+    models: dict[str, ModelEntry]
+    workers: dict[str, Worker]
+    models_json: bytes = b""
+    retired: list[Worker] = field(default_factory=list)
+
+
+def breaker_config(cfg: RouterConfig) -> BreakerConfig:
+    b = cfg.router.breaker
+    return BreakerConfig(
+        failure_threshold=b.failure_threshold,
+        success_threshold=b.success_threshold,
+        open_for_s=b.open_for_s,
+        max_open_for_s=b.max_open_for_s,
+        health_failure_threshold=b.health_failure_threshold,
+    )
+
+
+def models_json(names: list[str]) -> bytes:
+    data = [{"id": n, "object": "model", "created": 0, "owned_by": "clusterctl"} for n in names]
+    return json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode()
+
+
+def build_table(
+    cfg: RouterConfig,
+    old: Table | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> Table:
+    """A new table for ``cfg``; live state of surviving endpoints and models comes from ``old``."""
+    bcfg = breaker_config(cfg)
+    stale_s, probe_s = cfg.router.scrape_stale_s, cfg.router.capacity_probe_s
+    old_workers = old.workers if old else {}
+    retiring = {w.url: w for w in old.retired} if old else {}
+    workers: dict[str, Worker] = {}
+    for url, view in endpoint_views(cfg).items():
+        w = old_workers.get(url) or retiring.get(url)  # one still finishing comes back with its state
+        if w is None:
+            w = Worker(view, breaker_cfg=bcfg, clock=clock, stale_s=stale_s, probe_s=probe_s)
+        else:
+            w.update_view(view, breaker_cfg=bcfg, stale_s=stale_s, probe_s=probe_s)
+        workers[url] = w
+    retired = [w for u, w in old_workers.items() if u not in workers]
+    for w in retired:
+        w.removed = True
+    if old:  # still finishing from earlier reloads, unless they came back
+        retired += [w for w in old.retired if w.url not in workers and w not in retired]
+
+    models: dict[str, ModelEntry] = {}
+    for name, m in cfg.models.items():
+        spec = m.admission or cfg.router.admission
+        limits = QueueLimits(spec.max_queue, spec.max_wait_s)
+        prev = old.models.get(name) if old else None
+        if prev is not None:
+            q = prev.queue
+            q.limits = limits
+        else:
+            q = ModelQueue(limits)
+        models[name] = ModelEntry(name, [workers[ep.url] for ep in m.endpoints], q)
+    return Table(cfg, models, workers, models_json(list(models)), retired)

@@ -1,0 +1,320 @@
+"""Pooled keep-alive HTTP/1.1 connections to one upstream engine.
+
+An ``UpstreamConn`` carries one exchange at a time and reports it to a ``Sink`` from its
+protocol callbacks: ``on_head`` once, ``on_body`` per piece as it arrives (no
+buffering), then exactly one of ``on_end`` / ``on_error``. Finished connections that
+may be reused go back to their ``UpstreamPool``; ``abort`` drops the exchange and
+closes the socket at once (the engine sees the disconnect and frees the slot).
+Idle timeouts are enforced by the router's sweeper through ``last_io``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from typing import Protocol
+
+from cluster_cli.router.http import RESPONSE_DROP, ChunkedDecoder
+
+_monotonic = time.monotonic
+
+HEAD, LENGTH, CHUNKED, UNTIL_CLOSE, IDLE = range(5)
+MAX_HEAD = 64 * 1024
+
+
+class UpstreamError(Exception):
+    """The exchange failed on the upstream side. ``sent`` says whether any byte was written."""
+
+    def __init__(self, kind: str, message: str, *, stale: bool = False) -> None:
+        super().__init__(message)
+        self.kind = kind  # connect, reset, timeout, protocol
+        self.message = message
+        self.stale = stale  # a reused keep-alive connection closed before answering
+
+
+class Sink(Protocol):
+    def on_head(self, status: int, lines: list[bytes], ctype: bytes, framing: int) -> None: ...
+    def on_body(self, data: bytes) -> None: ...
+    def on_end(self) -> None: ...
+    def on_error(self, exc: UpstreamError) -> None: ...
+
+
+class UpstreamConn(asyncio.Protocol):
+    __slots__ = (
+        "_buf",
+        "_decoder",
+        "_keep",
+        "_mode",
+        "_remaining",
+        "closed",
+        "got_bytes",
+        "last_io",
+        "pool",
+        "reused",
+        "sink",
+        "tr",
+    )
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.tr: asyncio.Transport | None = None
+        self.closed = False
+        self.sink: Sink | None = None
+        self._buf = b""
+        self._mode = IDLE
+        self._remaining = 0
+        self._decoder: ChunkedDecoder | None = None
+        self._keep = True
+        self.got_bytes = False
+        self.reused = False
+        self.last_io = _monotonic()
+
+    # ---------------------------------------------------------------- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.tr = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        sink = self.sink
+        if sink is None:
+            return
+        self.sink = None
+        if self._mode == UNTIL_CLOSE:
+            sink.on_end()
+            return
+        stale = self.reused and not self.got_bytes
+        what = "closed the connection" if exc is None else f"connection lost ({exc})"
+        if self._mode == HEAD:
+            what += " before answering"
+        else:
+            what += " mid-response"
+        sink.on_error(UpstreamError("reset", f"upstream {what}", stale=stale))
+
+    def eof_received(self) -> bool:
+        return False
+
+    def data_received(self, data: bytes) -> None:
+        sink = self.sink
+        if sink is None:  # nothing asked; an upstream talking out of turn is not reusable
+            self.abort()
+            return
+        self.got_bytes = True
+        self.last_io = _monotonic()
+        if self._mode == HEAD:
+            data = self._head(data)
+            if not data or self.sink is None:
+                return
+        self._body(data)
+
+    # ---------------------------------------------------------------- parsing
+    def _head(self, data: bytes) -> bytes:
+        buf = self._buf + data if self._buf else data
+        while True:
+            idx = buf.find(b"\r\n\r\n")
+            if idx < 0:
+                if len(buf) > MAX_HEAD:
+                    self._fail("protocol", "upstream response head too large")
+                    return b""
+                self._buf = buf
+                return b""
+            head, buf = buf[:idx], buf[idx + 4 :]
+            lines = head.split(b"\r\n")
+            try:
+                version, code, *_ = lines[0].split(b" ", 2)
+                status = int(code)
+            except ValueError:
+                self._fail("protocol", "malformed upstream status line")
+                return b""
+            if 100 <= status < 200:  # interim response: skip, the real one follows
+                continue
+            break
+        self._buf = b""
+        keep = version == b"HTTP/1.1"
+        clen = -1
+        chunked = False
+        ctype = b""
+        kept: list[bytes] = []
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            lname = name.strip().lower()
+            if lname in RESPONSE_DROP:
+                if lname == b"content-length":
+                    try:
+                        clen = int(value.strip())
+                    except ValueError:
+                        self._fail("protocol", "bad upstream Content-Length")
+                        return b""
+                elif lname == b"transfer-encoding":
+                    chunked = value.strip().lower().endswith(b"chunked")
+                elif lname == b"connection":
+                    v = value.strip().lower()
+                    if b"close" in v:
+                        keep = False
+                    elif b"keep-alive" in v:
+                        keep = True
+                continue
+            if lname == b"content-type":
+                ctype = value.strip().lower()
+            kept.append(line)
+        self._keep = keep
+        if status in (204, 304):
+            mode = LENGTH
+            self._remaining = 0
+        elif chunked:
+            mode = CHUNKED
+            self._decoder = ChunkedDecoder()
+        elif clen >= 0:
+            mode = LENGTH
+            self._remaining = clen
+        else:
+            mode = UNTIL_CLOSE
+            self._keep = False
+        self._mode = mode
+        self.sink.on_head(status, kept, ctype, mode)  # type: ignore[union-attr]
+        if self.sink is not None and mode == LENGTH and self._remaining == 0:
+            self._finish()
+            return b""
+        return buf
+
+    def _body(self, data: bytes) -> None:
+        mode = self._mode
+        sink = self.sink
+        if mode == LENGTH:
+            n = len(data)
+            if n >= self._remaining:
+                if n > self._remaining:  # extra bytes after the body: do not reuse
+                    self._keep = False
+                    data = data[: self._remaining]
+                self._remaining = 0
+                if data:
+                    sink.on_body(data)  # type: ignore[union-attr]
+                if self.sink is not None:
+                    self._finish()
+                return
+            self._remaining -= n
+            sink.on_body(data)  # type: ignore[union-attr]
+        elif mode == CHUNKED:
+            dec = self._decoder
+            try:
+                payload, extra = dec.feed(data)  # type: ignore[union-attr]
+            except ValueError as e:
+                self._fail("protocol", f"bad chunked body from upstream: {e}")
+                return
+            if payload:
+                sink.on_body(payload)  # type: ignore[union-attr]
+            if dec.done and self.sink is not None:  # type: ignore[union-attr]
+                if extra:
+                    self._keep = False
+                self._finish()
+        elif mode == UNTIL_CLOSE:
+            sink.on_body(data)  # type: ignore[union-attr]
+
+    def _finish(self) -> None:
+        sink = self.sink
+        self.sink = None
+        self._mode = IDLE
+        self.pool.done(self, self._keep)
+        if sink is not None:
+            sink.on_end()
+
+    def _fail(self, kind: str, message: str) -> None:
+        sink = self.sink
+        self.abort()
+        if sink is not None:
+            sink.on_error(UpstreamError(kind, message))
+
+    # ---------------------------------------------------------------- driving
+    def send(self, data: bytes, sink: Sink) -> None:
+        self.sink = sink
+        self._mode = HEAD
+        self._buf = b""
+        self.got_bytes = False
+        self.last_io = _monotonic()
+        self.pool.active.add(self)
+        self.tr.write(data)  # type: ignore[union-attr]
+
+    def timed_out(self) -> None:
+        self._fail("timeout", "upstream idle timeout")
+
+    def abort(self) -> None:
+        """Drop the exchange and the socket now (reset, so the engine notices at once)."""
+        self.sink = None
+        self._mode = IDLE
+        if not self.closed:
+            self.closed = True
+            self.pool.forget(self)
+            if self.tr is not None:
+                self.tr.abort()
+
+    def pause(self) -> None:
+        if self.tr is not None and not self.closed:
+            self.tr.pause_reading()
+
+    def resume(self) -> None:
+        if self.tr is not None and not self.closed:
+            self.tr.resume_reading()
+
+
+class UpstreamPool:
+    """Keep-alive connections to one host:port. LIFO reuse keeps the warmest connection busy."""
+
+    def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0, max_idle: int = 512) -> None:
+        self.host = host
+        self.port = port
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self.idle: list[UpstreamConn] = []
+        self.active: set[UpstreamConn] = set()
+        self.closed = False
+
+    def get_idle(self) -> UpstreamConn | None:
+        idle = self.idle
+        while idle:
+            c = idle.pop()
+            if not c.closed:
+                c.reused = True
+                return c
+        return None
+
+    async def connect(self) -> UpstreamConn:
+        loop = asyncio.get_running_loop()
+        try:
+            _, proto = await asyncio.wait_for(
+                loop.create_connection(lambda: UpstreamConn(self), self.host, self.port), self.connect_timeout
+            )
+        except TimeoutError:
+            raise UpstreamError("connect", f"connect to {self.host}:{self.port} timed out") from None
+        except OSError as e:
+            raise UpstreamError("connect", f"connect to {self.host}:{self.port} failed: {e.strerror or e}") from None
+        return proto  # type: ignore[return-value]
+
+    def done(self, conn: UpstreamConn, keep: bool) -> None:
+        self.active.discard(conn)
+        if keep and not conn.closed and not self.closed and len(self.idle) < self.max_idle:
+            self.idle.append(conn)
+        else:
+            conn.closed = True
+            if conn.tr is not None:
+                conn.tr.close()
+
+    def forget(self, conn: UpstreamConn) -> None:
+        self.active.discard(conn)
+
+    def sweep(self, now: float, idle_timeout: float) -> None:
+        for c in [c for c in self.active if now - c.last_io > idle_timeout]:
+            c.timed_out()
+
+    def close(self) -> None:
+        self.closed = True
+        for c in self.idle:
+            if not c.closed and c.tr is not None:
+                c.closed = True
+                c.tr.close()
+        self.idle.clear()

@@ -1,0 +1,214 @@
+"""One upstream engine as the router sees it: identity, live load, breaker, learned capacity.
+
+Live state (in-flight, breaker, drain rate, scraped load, learned capacity, pooled
+connections) survives config reloads: ``update_view`` swaps the static part only.
+
+Load signals:
+- ``inflight``: the router's own count of requests on this endpoint (exact, immediate);
+- the engine's scraped ``running`` / ``waiting`` / ``kv_cache_usage`` through its metric
+  mapping. A metric the mapping leaves blank, or the engine does not export, is
+  ``None`` (unknown), never 0. A scrape older than ``stale_s`` is ignored: the load
+  falls back to the in-flight count.
+- ``capacity``: learned, not configured. When a scrape shows requests waiting, the
+  engine is full at its ``running`` count; the estimate is the highest such reading in
+  the last ``CAP_WINDOW_S`` seconds (a momentary queue between scheduler steps must not
+  shrink it). When the engine runs at the estimate with nothing waiting for ``probe_s``
+  after the last confirmation, the estimate grows by one. ``max_inflight`` caps it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cluster_cli.router.breaker import Breaker, BreakerConfig, State
+from cluster_cli.router.config import EndpointView
+
+CAP_WINDOW_S = 30.0
+
+
+@dataclass
+class Scraped:
+    running: float | None = None
+    waiting: float | None = None
+    kv: float | None = None
+    at: float = -1e18
+    inflight_then: int = 0
+    error: str | None = None
+
+
+class Worker:
+    __slots__ = (
+        "_cap_obs",
+        "_clock",
+        "_rate_mark",
+        "breaker",
+        "cap",
+        "cap_confirmed_at",
+        "completed",
+        "drain_rate",
+        "failed",
+        "health_ok",
+        "host_header",
+        "inflight",
+        "pool",
+        "probe_s",
+        "removed",
+        "scraped",
+        "stale_s",
+        "url",
+        "view",
+    )
+
+    def __init__(
+        self,
+        view: EndpointView,
+        *,
+        breaker_cfg: BreakerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        stale_s: float = 3.0,
+        probe_s: float = 5.0,
+    ) -> None:
+        self._clock = clock
+        self.url = view.url
+        self.view = view
+        self.host_header = f"{view.host}:{view.port}".encode()
+        self.breaker = Breaker(breaker_cfg, clock=clock, name=view.replica)
+        self.inflight = 0
+        self.completed = 0
+        self.failed = 0
+        self.drain_rate = 0.0
+        self._rate_mark = (clock(), 0)
+        self.scraped = Scraped()
+        self.cap: int | None = view.max_inflight
+        self.cap_confirmed_at = -1e18
+        self._cap_obs: deque[tuple[float, int, bool]] = deque()
+        self.stale_s = stale_s
+        self.probe_s = probe_s
+        self.removed = False
+        self.health_ok: bool | None = None
+        self.pool = None  # set by the router (UpstreamPool); kept across reloads
+
+    # ---------------------------------------------------------------- config
+    def update_view(self, view: EndpointView, *, breaker_cfg: BreakerConfig, stale_s: float, probe_s: float) -> None:
+        """Take a reloaded config's static fields; keep every piece of live state."""
+        self.view = view
+        self.breaker.cfg = breaker_cfg
+        self.breaker.name = view.replica
+        self.stale_s = stale_s
+        self.probe_s = probe_s
+        self.removed = False
+        if view.max_inflight is not None:
+            self.cap = min(self.cap or view.max_inflight, view.max_inflight)
+
+    # ---------------------------------------------------------------- eligibility
+    def unavailable_reason(self) -> str | None:
+        """Why no new request may go here now, or None. Constant strings so they aggregate."""
+        if self.removed:
+            return "removed"
+        if self.view.draining:
+            return "draining"
+        if not self.breaker.allows():
+            return "circuit open" if self.breaker.state is State.OPEN else "half-open probe busy"
+        return None
+
+    def fresh(self, now: float) -> bool:
+        return now - self.scraped.at <= self.stale_s
+
+    def external(self, now: float) -> float:
+        """Load on the engine that is not ours (other routers or clients), from a fresh scrape."""
+        s = self.scraped
+        if s.running is None or not self.fresh(now):
+            return 0.0
+        seen = s.running + (s.waiting or 0.0)
+        return max(0.0, seen - s.inflight_then)
+
+    def load(self, now: float) -> float:
+        return self.inflight + self.external(now)
+
+    def kv(self, now: float) -> float | None:
+        return self.scraped.kv if self.fresh(now) else None
+
+    def saturated(self, now: float) -> bool:
+        """Full: a new request would wait inside the engine rather than start."""
+        mi = self.view.max_inflight
+        if mi is not None and self.inflight >= mi:
+            return True
+        return self.cap is not None and self.load(now) >= self.cap
+
+    # ---------------------------------------------------------------- bookkeeping
+    def acquire(self) -> None:
+        self.inflight += 1
+
+    def release(self, ok: bool | None) -> None:
+        """One request left this endpoint: ok True/False feeds drain stats, None = abandoned."""
+        if self.inflight > 0:
+            self.inflight -= 1
+        if ok:
+            self.completed += 1
+        elif ok is False:
+            self.failed += 1
+
+    def update_rates(self, now: float, alpha: float = 0.3) -> None:
+        t0, c0 = self._rate_mark
+        dt = now - t0
+        if dt <= 0:
+            return
+        rate = (self.completed - c0) / dt
+        self.drain_rate = rate if self.drain_rate == 0 else (1 - alpha) * self.drain_rate + alpha * rate
+        self._rate_mark = (now, self.completed)
+
+    def on_scrape(self, running: float | None, waiting: float | None, kv: float | None, now: float) -> None:
+        self.scraped = Scraped(running, waiting, kv, now, self.inflight, None)
+        if running is None or waiting is None:
+            return
+        obs = self._cap_obs
+        while obs and now - obs[0][0] > CAP_WINDOW_S:
+            obs.popleft()
+        if waiting > 0 and running >= 1:
+            # Full at ``running``. An engine also shows waiting requests for a moment between
+            # scheduler steps with a slot free, so a single low reading must not shrink the
+            # estimate: it is the highest such reading over the last CAP_WINDOW_S seconds.
+            # A probe above what the engine now shows did not hold: drop it.
+            r = int(running)
+            if any(probe and c > r for _, c, probe in obs):
+                self._cap_obs = obs = deque(o for o in obs if not (o[2] and o[1] > r))
+            obs.append((now, r, False))
+            self.cap_confirmed_at = now
+        elif self.cap is not None and running >= self.cap and now - self.cap_confirmed_at >= self.probe_s:
+            obs.append((now, int(running) + 1, True))  # ran at the estimate with nothing waiting: try one more
+            self.cap_confirmed_at = now
+        if obs:
+            cap = max(c for _, c, _ in obs)
+            mi = self.view.max_inflight
+            self.cap = cap if mi is None else min(cap, mi)
+
+    def on_scrape_error(self, error: str) -> None:
+        self.scraped.error = error
+
+    def snapshot(self, now: float) -> dict[str, object]:
+        s = self.scraped
+        return {
+            "url": self.url,
+            "replica": self.view.replica,
+            "engine": self.view.engine,
+            "models": list(self.view.models),
+            "inflight": self.inflight,
+            "draining": self.view.draining,
+            "removed": self.removed,
+            "drain_rate": round(self.drain_rate, 3),
+            "completed": self.completed,
+            "failed": self.failed,
+            "breaker": self.breaker.stats(),
+            "capacity_estimate": self.cap,
+            "scrape": {
+                "age_s": None if s.at < -1e17 else round(now - s.at, 3),
+                "fresh": self.fresh(now),
+                "running": s.running,
+                "waiting": s.waiting,
+                "kv_cache_usage": s.kv,
+                "error": s.error,
+            },
+        }

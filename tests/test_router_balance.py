@@ -1,0 +1,128 @@
+"""Load signals, learned capacity and the policies, with an injected clock (no I/O)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from cluster_cli.engines import MetricMapping
+from cluster_cli.router.balancer import fit_message
+from cluster_cli.router.breaker import BreakerConfig
+from cluster_cli.router.config import EndpointView
+from cluster_cli.router.policy import LeastLoad, PowerOfTwo, RoundRobin
+from cluster_cli.router.retry import RetryBudget, RetryPolicy
+from cluster_cli.router.worker import Worker
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def worker(i: int, clock: Clock, *, max_inflight: int | None = None, draining: bool = False) -> Worker:
+    view = EndpointView(
+        url=f"http://127.0.0.1:{9000 + i}",
+        host="127.0.0.1",
+        port=9000 + i,
+        engine="vllm",
+        replica=f"r{i}",
+        draining=draining,
+        max_inflight=max_inflight,
+        metrics=MetricMapping.vllm(),
+        health_path="/health",
+        models=("m",),
+    )
+    return Worker(view, breaker_cfg=BreakerConfig(), clock=clock, stale_s=3.0, probe_s=5.0)
+
+
+def test_capacity_is_learned_from_waiting_and_probed_upwards():
+    c = Clock()
+    w = worker(0, c)
+    w.on_scrape(3, 0, 0.1, c())
+    assert w.cap is None and not w.saturated(c())  # never queued: capacity unknown
+    w.on_scrape(4, 2, 0.5, c())
+    assert w.cap == 4  # requests waited while 4 ran
+    w.inflight = 4
+    w.on_scrape(4, 0, 0.5, c())
+    assert w.cap == 4 and w.saturated(c())
+    c.t += 6  # running at the estimate with nothing waiting for a while: try one more
+    w.on_scrape(4, 0, 0.5, c())
+    assert w.cap == 5
+    w.on_scrape(4, 1, 0.5, c())  # the probe did not hold
+    assert w.cap == 4
+    c.t += 1
+    w.on_scrape(2, 1, 0.5, c())  # a momentary queue between scheduler steps: no shrinking
+    assert w.cap == 4
+    c.t += 31  # the window has passed: the estimate follows what the engine shows now
+    w.on_scrape(3, 2, 0.5, c())
+    assert w.cap == 3
+
+
+def test_max_inflight_caps_and_unknown_is_not_zero():
+    c = Clock()
+    w = worker(0, c, max_inflight=2)
+    w.on_scrape(10, 5, None, c())
+    assert w.cap == 2
+    w.inflight = 2
+    assert w.saturated(c())
+    u = worker(1, c)
+    u.on_scrape(None, None, None, c())
+    assert (u.external(c()), u.kv(c())) == (0.0, None)
+
+
+def test_other_clients_load_counts_only_while_fresh():
+    c = Clock()
+    w = worker(0, c)
+    w.inflight = 1
+    w.on_scrape(5, 2, None, c())  # 7 on the engine, 1 of them ours
+    assert w.load(c()) == 1 + 6
+    c.t += 10  # stale: back to our own in-flight count
+    assert w.load(c()) == 1
+
+
+def test_least_load_prefers_free_capacity_and_breaks_ties_at_random():
+    c = Clock()
+    a, b = worker(0, c), worker(1, c)
+    a.inflight, b.inflight = 3, 1
+    pol = LeastLoad(random.Random(1))
+    assert pol.select([a, b], c()) is b
+    a.cap, b.cap = 8, 2  # with capacities known, load is a share of them: 4/8 < 2/2
+    assert pol.select([a, b], c()) is a
+    a.inflight = b.inflight = 0
+    a.cap = b.cap = None
+    picks = Counter(pol.select([a, b], c()).url for _ in range(200))
+    assert len(picks) == 2 and min(picks.values()) > 50  # no herd on the first of equals
+
+
+def test_p2c_and_round_robin():
+    c = Clock()
+    ws = [worker(i, c) for i in range(3)]
+    ws[0].inflight = 100
+    p = PowerOfTwo(random.Random(3))
+    assert ws[0] not in {p.select(ws, c()) for _ in range(50)}  # never wins a pair against an idle one
+    rr = RoundRobin()
+    assert [rr.select(ws, c()) for _ in range(4)] == [ws[0], ws[1], ws[2], ws[0]]
+
+
+def test_fit_message_counts_reasons():
+    c = Clock()
+    ws = [worker(0, c, draining=True), worker(1, c, draining=True), worker(2, c), worker(3, c)]
+    for w in ws[2:]:
+        w.breaker._open()
+    assert fit_message(ws) == "0/4 endpoints available: 2 circuit open, 2 draining"
+
+
+def test_retry_budget_and_backoff():
+    b = RetryBudget(RetryPolicy(budget_ratio=0.5, min_retry_concurrency=1))
+    assert b.try_acquire(active_requests=0) and not b.try_acquire(active_requests=0)
+    assert b.try_acquire(active_requests=4) and b.overflows == 1
+    b.release()
+    b.release()
+    b.release()
+    assert b.active == 0
+    pol = RetryPolicy(backoff_base_s=0.01, backoff_max_s=0.05)
+    assert pol.backoff(1) == 0
+    assert all(0.005 <= pol.backoff(2, random.Random(i)) <= 0.015 for i in range(20))
+    assert all(pol.backoff(10, random.Random(i)) <= 0.075 for i in range(20))

@@ -1,0 +1,222 @@
+"""Router config parsing, metric-mapping resolution, and the serve-router command line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from cluster_cli.engines.base import VLLM_KV_CACHE, VLLM_KV_CACHE_LEGACY, VLLM_RUNNING, VLLM_WAITING
+from cluster_cli.errors import ConfigError
+from cluster_cli.router.config import endpoint_views, load_router_config, with_overrides
+from cluster_cli.router.scrape import parse_metrics, resolve
+
+ISSUE_EXAMPLE = """\
+engines:
+  vllm: {metrics: {}}                       # empty = vLLM's names
+  llamacpp: {metrics: {running: "llamacpp:requests_processing", waiting: "llamacpp:requests_deferred"}}
+models:
+  tiny:
+    endpoints:
+      - {url: "http://198.18.0.11:8080", engine: llamacpp, replica: tiny-0}
+      - {url: "http://198.18.0.12:8080", engine: llamacpp, replica: tiny-1, draining: true}
+"""
+
+
+# ``python -m cluster_cli.cli.main`` would build a second Typer app as __main__; call run() instead.
+CLI = [sys.executable, "-c", "from cluster_cli.cli.main import run; run()"]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "router.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_issue_example_parses(tmp_path):
+    cfg = load_router_config(write(tmp_path, ISSUE_EXAMPLE))
+    views = endpoint_views(cfg)
+    a, b = views["http://198.18.0.11:8080"], views["http://198.18.0.12:8080"]
+    assert (a.replica, a.draining, b.draining) == ("tiny-0", False, True)
+    assert a.metrics.running == "llamacpp:requests_processing" and a.metrics.kv_cache_usage is None
+    assert cfg.metric_mapping("vllm").names("kv_cache_usage") == (VLLM_KV_CACHE, VLLM_KV_CACHE_LEGACY)
+    assert cfg.router.policy == "least_load"
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        (
+            "models: {m: {endpoints: [{url: 'http://h:1', bogus: 1}]}}",
+            "router.yaml: models.m.endpoints.0.bogus: unknown key",
+        ),
+        ("models: {m: {endpoints: [{url: 'https://h:1'}]}}", "only http:// upstreams"),
+        ("models: {m: {endpoints: [{url: 'http://h:1/v1'}]}}", "without a path"),
+        (
+            "models: {m: {endpoints: [{url: 'http://h:1', engine: sglangx}]}}",
+            "models.m.endpoints.0.engine: unknown engine 'sglangx'",
+        ),
+        ("models: {m: {endpoints: [{url: 'http://h:1'}, {url: 'http://h:1'}]}}", "listed twice"),
+        (
+            "engines: {vllm: {metrics: {runing: x}}}\nmodels: {m: {endpoints: [{url: 'http://h:1'}]}}",
+            "unknown metric key",
+        ),
+        ("models: {}", "models"),
+        ("models: {m: {endpoints: [{url: 'http://h:1'}]}}\nrouter: {policy: random}", "router.policy"),
+        (
+            "models: {m: {endpoints: [{url: 'http://h:1'}]}}\nrouter: {limits: {idle_timeout_s: 0}}",
+            "router.limits.idle_timeout_s",
+        ),
+        ("models: [", "invalid YAML"),
+    ],
+)
+def test_bad_configs_give_one_line_errors(tmp_path, text, expect):
+    with pytest.raises(ConfigError) as ei:
+        load_router_config(write(tmp_path, text))
+    msg = ei.value.message
+    assert expect in msg and "\n" not in msg and "router.yaml" in msg
+
+
+def test_metric_mapping_semantics(tmp_path):
+    cfg = load_router_config(
+        write(
+            tmp_path,
+            """\
+            engines:
+              vllm: {metrics: {}}
+              custom: {metrics: {running: "x:run"}}
+              partial: {metrics: {waiting: "x:wait"}}
+            models:
+              m:
+                endpoints:
+                  - {url: "http://h:1", engine: vllm}
+                  - {url: "http://h:2", engine: custom}
+                  - {url: "http://h:3", engine: partial}
+                  - {url: "http://h:4", engine: llamacpp}
+            """,
+        )
+    )
+    v = {u.rsplit(":", 1)[1]: e.metrics for u, e in endpoint_views(cfg).items()}
+    assert (v["1"].running, v["1"].waiting) == (VLLM_RUNNING, VLLM_WAITING)
+    assert (v["2"].running, v["2"].waiting, v["2"].kv_cache_usage) == ("x:run", None, None)  # complete as named
+    assert (v["3"].running, v["3"].waiting) == (VLLM_RUNNING, "x:wait")  # overrides on top of vLLM's
+    assert v["4"].running == "llamacpp:requests_processing" and v["4"].kv_cache_usage is None  # adapter default
+
+
+def test_scrape_parsing_unknown_is_not_zero():
+    text = textwrap.dedent(
+        """\
+        # HELP vllm:num_requests_running x
+        vllm:num_requests_running{model_name="a"} 3
+        vllm:num_requests_running{model_name="b"} 2
+        vllm:gpu_cache_usage_perc{model_name="a"} 0.25
+        vllm:gpu_cache_usage_perc{model_name="b"} 0.5
+        """
+    )
+    from cluster_cli.engines import MetricMapping
+
+    m = MetricMapping.vllm()
+    running, waiting, kv = resolve(
+        parse_metrics(text, m.names("running") + m.names("waiting") + m.names("kv_cache_usage")), m
+    )
+    assert (running, waiting, kv) == (5.0, None, 0.5)  # waiting absent: unknown; legacy KV name found
+
+
+def test_overrides_are_validated(tmp_path):
+    cfg = load_router_config(write(tmp_path, "models: {m: {endpoints: [{url: 'http://h:1'}]}}"))
+    out = with_overrides(cfg, {"limits": {"max_body_bytes": 4096, "idle_timeout_s": None}, "": {"policy": "p2c"}})
+    assert out.router.limits.max_body_bytes == 4096 and out.router.policy == "p2c"
+    assert out.router.limits.idle_timeout_s == cfg.router.limits.idle_timeout_s
+
+
+def _app():
+    from cluster_cli.cli.main import app
+
+    return app
+
+
+def test_cli_help_shows_example():
+    res = CliRunner().invoke(_app(), ["serve-router", "--help"], terminal_width=200)
+    assert res.exit_code == 0
+    assert "--config" in res.output and "--api-keys-file" in res.output and "endpoints:" in res.output
+
+
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+    p = write(tmp_path, "models: {m: {endpoints: [{url: 'http://h:1', nope: 1}]}}")
+    res = subprocess.run(
+        [*CLI, "serve-router", "--config", str(p), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "models.m.endpoints.0.nope: unknown key" in lines[0]
+    res = subprocess.run(
+        [*CLI, "serve-router", "--config", str(tmp_path / "missing.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and "file not found" in res.stderr
+
+
+def test_cli_serves_reloads_on_sighup_and_stops(tmp_path):
+    """The real command: listens on 127.0.0.1, answers /v1/models, reloads on SIGHUP, exits on SIGTERM."""
+    p = write(tmp_path, "models: {a: {endpoints: [{url: 'http://127.0.0.1:9'}]}}")
+    with socket_port() as port:
+        pass
+    proc = subprocess.Popen(
+        [*CLI, "serve-router", "--config", str(p), "--port", str(port),
+         "--watch-interval", "60", "--access-log", "off"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}/v1/models"
+        ids = _poll(lambda: [m["id"] for m in httpx.get(url, timeout=2).json()["data"]])
+        assert ids == ["a"]
+        p.write_text("models: {b: {endpoints: [{url: 'http://127.0.0.1:9'}]}}")
+        os.kill(proc.pid, signal.SIGHUP)
+        assert _poll(lambda: [m["id"] for m in httpx.get(url, timeout=2).json()["data"]], until=["b"]) == ["b"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+
+
+class socket_port:
+    """A free TCP port on 127.0.0.1 (bound and released)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.s = socket.socket()
+        self.s.bind(("127.0.0.1", 0))
+        return self.s.getsockname()[1]
+
+    def __exit__(self, *exc: object) -> None:
+        self.s.close()
+
+
+def _poll(fn, until=None, timeout: float = 90.0):
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+            if until is None or last == until:
+                return last
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(0.1)
+    return last

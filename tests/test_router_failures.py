@@ -1,0 +1,217 @@
+"""Failure handling end to end: retries, breaker, stream cuts, timeouts, draining, admission."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import httpx
+import openai
+import pytest
+from simengine import Fleet
+
+from cluster_cli.router.breaker import State
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+def client(f: Fleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f.base, api_key="x", max_retries=0, timeout=20)
+
+
+def chat(f: Fleet, **kw) -> httpx.Response:
+    return httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG, **kw}, timeout=20)
+
+
+def test_5xx_is_retried_elsewhere_and_opens_the_breaker():
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(router={"breaker": {"failure_threshold": 3}})
+    bad, _good = f.engines
+    f.lt.call(lambda: setattr(bad, "fail_status", 500))
+    try:
+        c = client(f)
+        for _ in range(20):
+            assert c.chat.completions.create(model="sim", messages=MSG).choices
+            assert len(list(c.chat.completions.create(model="sim", messages=MSG, stream=True))) == 3
+        w = f.router.table.workers[bad.url]
+        assert f.lt.call(lambda: w.breaker.state) is State.OPEN
+        assert 1 <= bad.requests <= 3 + 2  # threshold, plus at most a half-open probe or two
+        assert 'clusterctl_router_retries_total{model="sim",reason="5xx"}' in httpx.get(f.url + "/metrics").text
+    finally:
+        f.close()
+
+
+def test_breaker_half_open_probe_closes_after_recovery():
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(
+        router={"breaker": {"failure_threshold": 2, "open_for_s": 0.2, "success_threshold": 2}}
+    )
+    bad = f.engines[0]
+    w = f.router.table.workers[bad.url]
+    f.lt.call(lambda: setattr(bad, "fail_status", 503))
+    try:
+        c = client(f)
+        for _ in range(10):
+            c.chat.completions.create(model="sim", messages=MSG)
+        assert f.lt.call(lambda: w.breaker.state) is State.OPEN
+        f.lt.call(lambda: setattr(bad, "fail_status", None))
+        for _ in range(400):  # bounded: each call is a real request
+            c.chat.completions.create(model="sim", messages=MSG)
+            if f.lt.call(lambda: w.breaker.current()) is State.CLOSED:
+                break
+        assert f.lt.call(lambda: w.breaker.current()) is State.CLOSED
+        assert bad.served >= 2
+    finally:
+        f.close()
+
+
+def test_refused_connections_are_retried():
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start()
+    dead = f.engines[0]
+    f.lt.run(dead.refuse())
+    try:
+        c = client(f)
+        for _ in range(10):
+            assert len(list(c.chat.completions.create(model="sim", messages=MSG, stream=True))) == 3
+        assert f.engines[1].served == 10
+    finally:
+        f.close()
+
+
+def test_stream_cut_upstream_ends_with_sse_error_and_clean_close():
+    f = Fleet(2, capacity=4, token_delay_s=0.002, tokens=10).start()
+    for e in f.engines:
+        e.cut_after = 3
+    try:
+        body = {"model": "sim", "messages": MSG, "stream": True}
+        with httpx.stream("POST", f.base + "/chat/completions", json=body, timeout=20) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]  # ends: no hang
+        assert len(events) == 4
+        err = json.loads(events[-1][6:])["error"]
+        assert err["code"] == "upstream_stream_cut" and set(err) == {"message", "type", "param", "code"}
+        assert sum(e.requests for e in f.engines) == 1  # the stream had started: no retry
+        with pytest.raises(openai.APIError):
+            for _ in client(f).chat.completions.create(model="sim", messages=MSG, stream=True):
+                pass
+        assert chat(f, max_tokens=2).status_code == 200  # the router is fine afterwards
+    finally:
+        f.close()
+
+
+def test_upstream_idle_timeout_gives_504_in_openai_shape():
+    f = Fleet(1, capacity=4, token_delay_s=0.001).start(
+        router={"limits": {"idle_timeout_s": 0.3}, "retry": {"max_attempts": 1}}
+    )
+    f.engines[0].hang = True
+    try:
+        r = chat(f)
+        assert r.status_code == 504
+        assert r.json()["error"]["code"] == "upstream_error" and "timeout" in r.json()["error"]["message"]
+    finally:
+        f.close()
+
+
+def test_hanging_endpoint_is_retried_before_first_byte():
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(router={"limits": {"idle_timeout_s": 0.3}})
+    f.engines[0].hang = True
+    try:
+        for _ in range(4):
+            assert chat(f, stream=True).status_code == 200
+        assert f.engines[1].served == 4
+    finally:
+        f.close()
+
+
+def test_draining_endpoint_gets_nothing_and_503_reason():
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2)
+    f.start(cfg=f.config(endpoint_extra={0: {"draining": True}}))
+    try:
+        for _ in range(6):
+            assert chat(f).status_code == 200
+        assert f.engines[0].requests == 0 and f.engines[1].served == 6
+    finally:
+        f.close()
+    f = Fleet(4, capacity=4, token_delay_s=0.001, tokens=2)
+    f.start(cfg=f.config(endpoint_extra={0: {"draining": True}, 1: {"draining": True}}))
+    try:
+        for e in f.engines[2:]:
+            w = f.router.table.workers[e.url]
+            f.lt.call(lambda w=w: (w.breaker._open(), None)[1])
+        r = chat(f)
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == "0/4 endpoints available: 2 circuit open, 2 draining"
+    finally:
+        f.close()
+
+
+def _raw_stream(port: int) -> socket.socket:
+    body = json.dumps({"model": "sim", "messages": MSG, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+    return s
+
+
+def test_admission_queue_then_429_with_retry_after():
+    f = Fleet(1, capacity=1, token_delay_s=0.02, tokens=1000)
+    f.start(
+        cfg=f.config(router={"admission": {"max_queue": 1, "max_wait_s": 20}}, endpoint_extra={0: {"max_inflight": 1}})
+    )
+    eng = f.engines[0]
+    entry = f.router.table.models["sim"]
+    try:
+        s1 = _raw_stream(f.port)
+        f.lt.wait_for(lambda: eng.running == 1, what="first request running")
+        result: dict = {}
+
+        def queued() -> None:
+            result["r"] = chat(f, max_tokens=2)
+
+        t = threading.Thread(target=queued)
+        t.start()
+        f.lt.wait_for(lambda: len(entry.queue) == 1, what="second request queued in the router")
+        assert eng.requests == 1  # the engine never saw it
+        r = chat(f)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "queue_full"
+        s1.close()  # frees the slot: the queued request goes through
+        t.join(20)
+        assert result["r"].status_code == 200
+        assert (
+            'clusterctl_router_admission_rejections_total{model="sim",reason="queue_full"} 1.0'
+            in httpx.get(f.url + "/metrics").text
+        )
+    finally:
+        f.close()
+
+
+def test_admission_queue_timeout_is_429():
+    f = Fleet(1, capacity=1, token_delay_s=0.02, tokens=1000)
+    f.start(
+        cfg=f.config(router={"admission": {"max_queue": 4, "max_wait_s": 0.3}}, endpoint_extra={0: {"max_inflight": 1}})
+    )
+    try:
+        s1 = _raw_stream(f.port)
+        f.lt.wait_for(lambda: f.engines[0].running == 1, what="first request running")
+        r = chat(f)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout" and "retry-after" in r.headers
+        s1.close()
+    finally:
+        f.close()
+
+
+def test_learned_capacity_holds_requests_in_the_router():
+    """Once a scrape shows the engine queueing, the router keeps the surplus in its own queue."""
+    f = Fleet(1, capacity=2, token_delay_s=0.02, tokens=1000).start()
+    eng = f.engines[0]
+    w = f.router.table.workers[eng.url]
+    socks = []
+    try:
+        socks = [_raw_stream(f.port) for _ in range(3)]
+        f.lt.wait_for(lambda: w.cap == 2, what="capacity learned from the scrape")
+        socks.append(_raw_stream(f.port))
+        f.lt.wait_for(lambda: len(f.router.table.models["sim"].queue) == 1, what="fourth request held in the router")
+        assert eng.requests == 3
+    finally:
+        for s in socks:
+            s.close()
+        f.close()

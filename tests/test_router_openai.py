@@ -1,0 +1,204 @@
+"""The official openai client through clusterctl's router in front of simulated engines."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import openai
+import pytest
+from simengine import Fleet
+
+from cluster_cli.router.keys import ApiKeys, digest
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture
+def fleet():
+    f = Fleet(2, capacity=4, token_delay_s=0.002, tokens=8).start()
+    yield f
+    f.close()
+
+
+def client(f: Fleet, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f.base, api_key=kw.pop("api_key", "unused"), max_retries=0, timeout=20, **kw)
+
+
+def test_chat_non_stream_and_stream(fleet):
+    c = client(fleet)
+    r = c.chat.completions.create(model="sim", messages=MSG)
+    assert r.choices[0].message.content.split() == [
+        "lorem",
+        "ipsum",
+        "dolor",
+        "sit",
+        "amet",
+        "consectetur",
+        "adipiscing",
+        "elit",
+    ]
+    pieces = [
+        ch.choices[0].delta.content
+        for ch in c.chat.completions.create(model="sim", messages=MSG, stream=True)
+        if ch.choices
+    ]
+    assert "".join(p for p in pieces if p).split()[:2] == ["lorem", "ipsum"]
+    assert len([p for p in pieces if p]) == 8
+
+
+def test_completions_embeddings_models(fleet):
+    c = client(fleet)
+    assert c.completions.create(model="sim", prompt="x", max_tokens=3).choices[0].text.split() == [
+        "lorem",
+        "ipsum",
+        "dolor",
+    ]
+    texts = [ch.choices[0].text for ch in c.completions.create(model="sim", prompt="x", max_tokens=2, stream=True)]
+    assert "".join(texts).split() == ["lorem", "ipsum"]
+    assert c.embeddings.create(model="sim", input="x").data[0].embedding == [0.1, 0.2, 0.3]
+    assert [m.id for m in c.models.list()] == ["sim"]
+
+
+def test_unknown_model_is_openai_404(fleet):
+    with pytest.raises(openai.NotFoundError) as ei:
+        client(fleet).chat.completions.create(model="nope", messages=MSG)
+    err = ei.value.body
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == "model_not_found" and "nope" in err["message"]
+    raw = httpx.post(fleet.base + "/chat/completions", json={"model": "nope", "messages": MSG})
+    assert raw.status_code == 404 and set(raw.json()) == {"error"}
+
+
+def test_bad_requests(fleet):
+    r = httpx.post(fleet.base + "/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(fleet.base + "/chat/completions", json={"messages": MSG})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "missing_model"
+    r = httpx.get(fleet.url + "/nowhere")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_body_limit_413():
+    f = Fleet(1, capacity=2, token_delay_s=0.001).start(router={"limits": {"max_body_bytes": 2048}})
+    try:
+        big = {"model": "sim", "messages": [{"role": "user", "content": "x" * 5000}]}
+        r = httpx.post(f.base + "/chat/completions", json=big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert f.engines[0].requests == 0
+        ok = httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG})
+        assert ok.status_code == 200
+    finally:
+        f.close()
+
+
+def test_chunked_request_body_and_pipelining(fleet):
+    body = json.dumps({"model": "sim", "messages": MSG, "max_tokens": 2}).encode()
+    chunked = b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    req1 = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked
+    req2 = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", fleet.port), timeout=10) as s:
+        s.sendall(req1 + req2)  # pipelined: answered in order
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    first, _, rest = data.partition(b"HTTP/1.1 200 OK")[2].partition(b"HTTP/1.1 200")
+    assert b"chat.completion" in first and b'"id":"sim"' in rest
+
+
+def test_api_keys(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# team a\nsk-alpha\nsha256:" + digest("sk-beta").hex() + "\n")
+    f = Fleet(1, capacity=2, token_delay_s=0.001, tokens=2).start(api_keys=ApiKeys.load(keys))
+    try:
+        with pytest.raises(openai.AuthenticationError) as ei:
+            client(f, api_key="sk-wrong").chat.completions.create(model="sim", messages=MSG)
+        assert ei.value.body["code"] == "invalid_api_key" and set(ei.value.body) == {"message", "type", "param", "code"}
+        assert httpx.get(f.base + "/models").status_code == 401
+        for key in ("sk-alpha", "sk-beta"):
+            assert client(f, api_key=key).chat.completions.create(model="sim", messages=MSG).choices
+        metrics = httpx.get(f.url + "/metrics").text
+        health = httpx.get(f.url + "/health").text
+        assert "sk-alpha" not in metrics + health and "sk-wrong" not in metrics + health
+    finally:
+        f.close()
+
+
+def test_stream_passes_through_before_upstream_finishes():
+    """The client reads its first token while the engine is still generating the rest."""
+    f = Fleet(1, capacity=2, token_delay_s=0.05, tokens=200).start()
+    eng = f.engines[0]
+    try:
+        body = {"model": "sim", "messages": MSG, "stream": True}
+        with httpx.stream("POST", f.base + "/chat/completions", json=body, timeout=20) as r:
+            it = r.iter_lines()
+            first = next(line for line in it if line.startswith("data: "))
+            assert "lorem" in first
+            assert f.lt.call(lambda: eng.running) == 1  # still generating: nothing was buffered
+    finally:
+        f.close()
+
+
+def test_client_disconnect_frees_engine_slot():
+    f = Fleet(1, capacity=2, token_delay_s=0.05, tokens=500).start()
+    eng = f.engines[0]
+    try:
+        c = client(f)
+        stream = c.chat.completions.create(model="sim", messages=MSG, stream=True)
+        next(iter(stream))
+        assert f.lt.call(lambda: eng.running) == 1
+        stream.close()  # the client goes away mid-stream
+        f.lt.wait_for(lambda: eng.running == 0 and eng.aborted == 1, what="engine slot freed")
+        f.lt.wait_for(lambda: f.router.table.workers[eng.url].inflight == 0, what="router in-flight back to 0")
+        assert eng.served == 0
+    finally:
+        f.close()
+
+
+def test_client_disconnect_while_queued_in_engine():
+    """A request waiting in the engine's queue is dropped there too when its client leaves."""
+    f = Fleet(1, capacity=1, token_delay_s=0.05, tokens=500).start()
+    eng = f.engines[0]
+    try:
+        c = client(f)
+        s1 = c.chat.completions.create(model="sim", messages=MSG, stream=True)
+        next(iter(s1))
+        body = json.dumps({"model": "sim", "messages": MSG, "stream": True}).encode()
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+        with socket.create_connection(("127.0.0.1", f.port), timeout=10) as s:
+            s.sendall(head + body)  # no response head yet: the router waits for the first token
+            f.lt.wait_for(lambda: eng.waiting == 1, what="second request queued in the engine")
+        f.lt.wait_for(lambda: eng.waiting == 0 and eng.aborted == 1, what="queued request dropped")
+        s1.close()
+        f.lt.wait_for(lambda: eng.running == 0 and f.router.table.workers[eng.url].inflight == 0, what="all freed")
+    finally:
+        f.close()
+
+
+def test_llamacpp_metric_names_are_scraped():
+    f = Fleet(1, capacity=3, token_delay_s=0.001, metrics_style="llamacpp").start()
+    try:
+        w = f.router.table.workers[f.engines[0].url]
+        f.lt.wait_for(lambda: w.scraped.running is not None, what="a scrape")
+        assert w.scraped.waiting == 0.0
+        assert w.scraped.kv is None  # llama.cpp exports no KV-cache gauge: unknown, not 0
+    finally:
+        f.close()
+
+
+def test_async_openai_client(fleet):
+    import asyncio
+
+    async def go() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=fleet.base, api_key="x", max_retries=0, timeout=20)
+        async with c:
+            rs = await asyncio.gather(
+                *(c.chat.completions.create(model="sim", messages=MSG, max_tokens=2) for _ in range(12))
+            )
+        return [r.choices[0].message.content for r in rs]
+
+    outs = asyncio.run(go())
+    assert outs == ["lorem ipsum "] * 12
+    served = [e.served for e in fleet.engines]
+    assert sum(served) == 12 and min(served) > 0  # both endpoints were used

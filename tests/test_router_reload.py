@@ -1,0 +1,129 @@
+"""Live reload: file watch and trigger (SIGHUP), live state carried over, bad configs rejected."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import yaml
+from simengine import Fleet
+
+from cluster_cli.router.breaker import State
+from cluster_cli.router.source import FileSource
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+def _cfg(f: Fleet, idx: list[int], **extra) -> dict:
+    eps = [{"url": f.engines[i].url, "engine": "vllm", "replica": f"r{i}", **extra.get(str(i), {})} for i in idx]
+    return {"models": {"sim": {"endpoints": eps}}, "router": {"scrape_interval_s": 0.1, "health_interval_s": 0.2}}
+
+
+def test_reload_carries_live_state_and_retires_removed(tmp_path):
+    f = Fleet(3, capacity=4, token_delay_s=0.02, tokens=1000)
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(_cfg(f, [0, 1])))
+    src = FileSource(path, interval=0.05)
+    f.start(cfg=_cfg(f, [0, 1]), source=src)
+    a_url, b_url, c_url = (e.url for e in f.engines)
+    try:
+        wa = f.router.table.workers[a_url]
+        wb = f.router.table.workers[b_url]
+        # a long stream pinned to A (B's breaker held open), then some live state on A
+        body = json.dumps({"model": "sim", "messages": MSG, "stream": True}).encode()
+        f.lt.call(lambda: setattr(wb.breaker, "state", State.OPEN) or setattr(wb.breaker, "opened_at", 1e18))
+        with httpx.stream("POST", f.base + "/chat/completions", content=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert "lorem" in next(line for line in lines if line.startswith("data: "))
+            assert f.lt.call(lambda: wa.inflight) == 1
+            f.lt.call(lambda: (setattr(wa.breaker, "failures", 2), setattr(wa, "drain_rate", 7.5)))
+
+            path.write_text(yaml.safe_dump(_cfg(f, [0, 2], **{"0": {"replica": "renamed"}})))  # B out, C in
+            f.lt.wait_for(lambda: c_url in f.router.table.workers, what="reload")
+            assert f.router.table.workers[a_url] is wa  # same live object
+            assert f.lt.call(lambda: (wa.inflight, wa.breaker.failures, wa.drain_rate, wa.view.replica)) == (
+                1,
+                2,
+                7.5,
+                "renamed",
+            )
+            assert wb.removed and b_url not in f.router.table.workers
+            wc = f.router.table.workers[c_url]
+            assert (wc.inflight, wc.breaker.state, wc.cap) == (0, State.CLOSED, None)  # cold
+        f.lt.wait_for(lambda: wa.inflight == 0, what="in-flight released when the client left")
+        f.lt.wait_for(lambda: wb not in f.router.table.retired, what="removed endpoint retired")
+        for _ in range(4):
+            r = httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG, "max_tokens": 1})
+            assert r.status_code == 200
+        assert f.engines[1].requests == 0  # B got nothing while open, and nothing after removal
+    finally:
+        f.close()
+
+
+def test_reload_finishes_inflight_on_removed_endpoint(tmp_path):
+    f = Fleet(2, capacity=4, token_delay_s=0.02, tokens=30)
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(_cfg(f, [0])))
+    src = FileSource(path, interval=0.05)
+    f.start(cfg=_cfg(f, [0]), source=src)
+    try:
+        body = {"model": "sim", "messages": MSG, "stream": True}
+        with httpx.stream("POST", f.base + "/chat/completions", json=body, timeout=30) as r:
+            events = r.iter_lines()
+            assert next(e for e in events if e.startswith("data: "))
+            path.write_text(yaml.safe_dump(_cfg(f, [1])))
+            f.lt.wait_for(lambda: f.engines[1].url in f.router.table.workers, what="reload")
+            rest = [e for e in events if e.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"  # the removed endpoint finished its stream
+        r = httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG, "max_tokens": 1})
+        assert r.status_code == 200 and f.engines[1].served == 1
+    finally:
+        f.close()
+
+
+def test_bad_config_is_rejected_and_old_one_keeps_serving(tmp_path):
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=2)
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(_cfg(f, [0])))
+    src = FileSource(path, interval=0.05)
+    f.start(cfg=_cfg(f, [0]), source=src)
+    try:
+        path.write_text("models: {sim: {endpoints: [{url: 'ftp://x'}]}}\n")
+        f.lt.wait_for(lambda: f.router.reloads_rejected >= 1, what="rejection")
+        health = httpx.get(f.url + "/health").json()
+        assert "only http:// upstreams" in health["last_reload_error"] and "router.yaml" in health["last_reload_error"]
+        r = httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG})
+        assert r.status_code == 200
+        assert 'clusterctl_router_config_reloads_total{result="rejected"}' in httpx.get(f.url + "/metrics").text
+    finally:
+        f.close()
+
+
+def test_trigger_forces_a_reread(tmp_path):
+    """SIGHUP calls trigger(): the file is read even when its stamp did not change."""
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=2)
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(_cfg(f, [0])))
+    src = FileSource(path, interval=3600)
+    f.start(cfg=_cfg(f, [0]), source=src)
+    try:
+        f.lt.call(src.trigger)
+        f.lt.wait_for(lambda: f.router.reloads_ok == 1, what="reload on trigger")
+    finally:
+        f.close()
+
+
+def test_model_added_and_removed(tmp_path):
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=2)
+    path = tmp_path / "router.yaml"
+    cfg = _cfg(f, [0])
+    path.write_text(yaml.safe_dump(cfg))
+    f.start(cfg=cfg, source=FileSource(path, interval=0.05))
+    try:
+        cfg2 = {"models": {"other": cfg["models"]["sim"]}, "router": cfg["router"]}
+        path.write_text(yaml.safe_dump(cfg2))
+        f.lt.wait_for(lambda: "other" in f.router.table.models, what="reload")
+        assert [m["id"] for m in httpx.get(f.base + "/models").json()["data"]] == ["other"]
+        assert httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG}).status_code == 404
+    finally:
+        f.close()
