@@ -14,6 +14,7 @@ from dataclasses import replace
 from cluster_cli.config.inventory import Inventory, Node
 from cluster_cli.errors import SSHError
 from cluster_cli.facts import HcaPort, NodeFacts
+from cluster_cli.probe.batch import build_command, parse_records
 from cluster_cli.probe.commands import PROBES, sminfo_command
 from cluster_cli.probe.parsers.host import parse_meminfo, parse_nproc
 from cluster_cli.probe.parsers.ibstat import parse_ibstat, parse_sminfo
@@ -120,10 +121,15 @@ def facts_from_outputs(
     )
 
 
-async def _run_all(session: Session, timeout: float) -> dict[str, CommandResult]:
-    names = list(PROBES)
-    results = await asyncio.gather(*(session.run(PROBES[n], timeout=timeout) for n in names))
-    return dict(zip(names, results, strict=True))
+async def run_batch(session: Session, commands: dict[str, str], timeout: float) -> dict[str, CommandResult]:
+    """Run ``commands`` in parallel as one remote exec; one result per command."""
+    command, token = build_command(commands, per_command_timeout_s=max(1.0, timeout - 2))
+    rc, out, err = await session.run_raw(command, timeout=timeout)
+    results = parse_records(commands, out, token)
+    if rc not in (0, None) and all(r.rc is None for r in results.values()):
+        why = err.decode("utf-8", "replace").strip().splitlines()
+        raise SSHError(f"probe script failed (rc {rc}): {why[0] if why else 'no output'}")
+    return results
 
 
 async def probe_node(
@@ -138,16 +144,17 @@ async def probe_node(
     started = time.time()
     try:
         async with connector.session(target) as session:
-            outputs = await _run_all(session, target.command_timeout_s)
+            outputs = await run_batch(session, dict(PROBES), target.command_timeout_s)
             sm: dict[tuple[str, int], int | None] = {}
             ib = outputs.get("ibstat")
             if ib is not None and ib.rc == 0:
                 ports = [p for p in parse_ibstat(ib.stdout) if p.is_ib_attachment]
-                res = await asyncio.gather(
-                    *(session.run(sminfo_command(p.ca, p.port), timeout=target.command_timeout_s) for p in ports)
-                )
-                for p, r in zip(ports, res, strict=True):
-                    sm[(p.ca, p.port)] = parse_sminfo(r.stdout) if r.rc == 0 else None
+                if ports:
+                    cmds = {f"{p.ca}:{p.port}": sminfo_command(p.ca, p.port) for p in ports}
+                    res = await run_batch(session, cmds, target.command_timeout_s)
+                    for p in ports:
+                        r = res[f"{p.ca}:{p.port}"]
+                        sm[(p.ca, p.port)] = parse_sminfo(r.stdout) if r.rc == 0 else None
         return facts_from_outputs(inv, node, outputs, own_pids=own_pids, sm_guids=sm, probed_at=started)
     except SSHError as e:
         return unreachable(node, e.message.removeprefix(f"{node.name}: "), started)

@@ -1,4 +1,4 @@
-"""The exact remote commands discover runs, one SSH channel each.
+"""The exact remote commands discover runs (in parallel, as one batch: see batch.py).
 
 Every command is a fixed string built from constants (no user input), so quoting is
 trivial; anything that does take user input goes through ``shlex.quote``. Output is
