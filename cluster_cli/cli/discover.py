@@ -8,7 +8,6 @@ from pathlib import Path
 
 import typer
 from rich import box
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cluster_cli.cli import ui
@@ -16,9 +15,6 @@ from cluster_cli.cli.common import INVENTORY_HELP, inventory_or_abort, open_stor
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ExitCode
 from cluster_cli.facts import NodeFacts
-from cluster_cli.probe.collect import discover as run_discover
-from cluster_cli.probe.fabric import fabric_conflicts
-from cluster_cli.probe.runner import AsyncsshConnector
 
 EXAMPLE = """
 Examples:
@@ -42,6 +38,13 @@ def discover(
     output: ui.Output = ui.OUTPUT_OPTION,
 ) -> None:
     """Probe nodes over SSH (GPUs, NVLink, InfiniBand, CPU, memory) and save the facts."""
+    # Imported here so that other commands (and --help) don't pay for asyncssh.
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from cluster_cli.probe.collect import discover as run_discover
+    from cluster_cli.probe.fabric import fabric_conflicts
+    from cluster_cli.probe.runner import AsyncsshConnector
+
     state: App = ctx.obj
     inv = inventory_or_abort(inventory, check_files=True)
     nodes = inv.nodes
