@@ -174,6 +174,13 @@ build_from_source() {
 }
 
 main() {
+    # One installer at a time per cache (parallel CI jobs / test sessions); the others wait, then find the
+    # cache filled.
+    mkdir -p "$CACHE_ROOT"
+    if command -v flock >/dev/null; then
+        exec 9>"${CACHE_ROOT}/.install.lock"
+        flock -w "$BUILD_TIMEOUT_S" 9 || die "timed out waiting for ${CACHE_ROOT}/.install.lock"
+    fi
     if [[ "${LLAMA_SERVER_FORCE_PREBUILT:-0}" == 1 ]]; then
         install_prebuilt || die "prebuilt wheel install failed"
         return 0

@@ -18,6 +18,7 @@ load signals.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import httpx
 import openai
 import pytest
 from gguf_tiny import make_tiny_gguf
-from llama import find_llama_server, free_port, llama_server_version, run_llama_server
+from llama import LLAMA_SERVER_ENV, find_llama_server, free_port, llama_server_version, run_llama_server
 from openai.types.chat import ChatCompletionMessageParam
 
 pytestmark = pytest.mark.llama
@@ -39,6 +40,9 @@ MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say s
 def llama_server_bin() -> str:
     binary = find_llama_server()
     if binary is None:
+        explicit = os.environ.get(LLAMA_SERVER_ENV)
+        if explicit:
+            pytest.skip(f"${LLAMA_SERVER_ENV}={explicit!r} is not an executable llama-server")
         pytest.skip(
             "llama-server binary not found: set $LLAMA_SERVER, put llama-server on PATH, "
             "or run scripts/install-llama-server.sh"
