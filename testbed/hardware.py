@@ -908,7 +908,7 @@ def render(spec: NodeSpec, index: int) -> Rendered:
         tools["ibstat"] = ib
         sm: dict[str, ToolOutput] = {}
         for nic in hw.nics:
-            a = sminfo_command(nic.ca, 1).split(" ", 2)[2]
+            a = sminfo_command(nic.ca, 1).split(" ", 1)[1]
             sm[a] = garbage_output("sminfo", spec) if g else sminfo(spec, nic.ca, 1)
         tools["sminfo"] = sm
     n = f"{spec.effective_cpus}\n".encode()

@@ -76,5 +76,5 @@ def test_cut_short_output_means_no_result() -> None:
     cmds = {"a": "echo 1", "b": "echo 2"}
     command, token = build_command(cmds, per_command_timeout_s=5)
     out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
-    res = parse_records(cmds, out[: len(out) - 3], token)
+    res = parse_records(cmds, out[: len(out) - 1], token)  # the node died during the last byte
     assert res["a"].rc == 0 and res["b"].rc is None

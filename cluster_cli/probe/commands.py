@@ -29,14 +29,13 @@ APP_FIELDS: tuple[str, ...] = ("gpu_uuid", "pid", "used_memory", "process_name")
 QUERY_GPU_ARGS = f"--query-gpu={','.join(GPU_FIELDS)} --format=csv,noheader,nounits"
 QUERY_APPS_ARGS = f"--query-compute-apps={','.join(APP_FIELDS)} --format=csv,noheader,nounits"
 
-ENV = "LC_ALL=C"
-
+# The batch that runs these exports LC_ALL=C, so no output is localized.
 PROBES: dict[str, str] = {
-    "gpus": f"{ENV} nvidia-smi {QUERY_GPU_ARGS}",
-    "apps": f"{ENV} nvidia-smi {QUERY_APPS_ARGS}",
-    "topo": f"{ENV} nvidia-smi topo -m",
-    "ibstat": f"{ENV} ibstat",
-    "cpus": f"{ENV} nproc --all",
+    "gpus": f"nvidia-smi {QUERY_GPU_ARGS}",
+    "apps": f"nvidia-smi {QUERY_APPS_ARGS}",
+    "topo": "nvidia-smi topo -m",
+    "ibstat": "ibstat",
+    "cpus": "nproc --all",
     "meminfo": "cat /proc/meminfo",
 }
 
@@ -45,4 +44,4 @@ def sminfo_command(ca: str, port: int) -> str:
     """Ask the master SM's identity through one local port (needs umad access; may fail)."""
     import shlex
 
-    return f"{ENV} sminfo -C {shlex.quote(ca)} -P {int(port)}"
+    return f"sminfo -C {shlex.quote(ca)} -P {int(port)}"
