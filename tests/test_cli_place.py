@@ -57,7 +57,8 @@ def test_json_contract_all_placed(tmp_path: Path) -> None:
     assert {k: first[k] for k in ("model", "replica", "profile", "engine", "action", "fabric")} == {
         "model": "llama-70b", "replica": 0, "profile": "h100-tp8", "engine": "vllm", "action": "start", "fabric": None,
     }  # fmt: skip
-    assert first["shards"] == [{"node": "gpu-01", "gpus": [0, 1, 2, 3, 4, 5, 6, 7], "hcas": []}]
+    hcas = [f"mlx5_{i}" for i in range(8)]  # a single-node shard lists its Active IB ports (fabric stays null)
+    assert first["shards"] == [{"node": "gpu-01", "gpus": [0, 1, 2, 3, 4, 5, 6, 7], "hcas": hcas}]
     assert doc["replicas"][1]["shards"][0]["node"] == "gpu-02"
     assert doc["state_version"] is None
     assert not (tmp_path / "state.db").exists()  # never writes, never creates

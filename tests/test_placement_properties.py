@@ -228,7 +228,8 @@ def check_invariants(nodes: list[NodeFacts], cat: Catalog, current: list[Replica
                 active = {h.ca for h in n.hcas if h.is_ib_attachment and h.fabric == r.fabric}
                 assert set(s.hcas) <= active, f"{s.node}: {s.hcas} not all Active on {r.fabric}"
             else:
-                assert r.fabric is None and not s.hcas
+                active = {h.ca for h in n.hcas if h.is_ib_attachment and h.fabric}
+                assert r.fabric is None and set(s.hcas) <= active
         hold(r)
 
 

@@ -465,7 +465,9 @@ class _Planner:
         m.scores[node.name] = scoring.normalise(
             {"binpack": scoring.binpack(len(node.free[cls]), total), "nvlink": scoring.nvlink(in_dom)}
         )
-        return Replica(model.name, r, p.name, p.engine, (Shard(node.name, gpus, ()),), None, cls, p.cpus, p.memory_mib)
+        # A single-node replica is on no fabric; its shard still lists the node's Active IB ports.
+        hcas = tuple(dict.fromkeys(ca for cas in node.attachments.values() for ca in cas))
+        return Replica(model.name, r, p.name, p.engine, (Shard(node.name, gpus, hcas),), None, cls, p.cpus, p.memory_mib)
 
     def _multi(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
         cls = req.gpu_class or ""
