@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,9 @@ log = logging.getLogger("clusterctl.router")
 
 
 def install_uvloop() -> bool:
+    """Use uvloop's event loop unless ``CLUSTERCTL_NO_UVLOOP=1`` (for debugging and for the benchmark)."""
+    if os.environ.get("CLUSTERCTL_NO_UVLOOP") == "1":
+        return False
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
