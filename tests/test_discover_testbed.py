@@ -196,3 +196,21 @@ def test_parallel_bound_gives_same_facts(testbed, tmp_path: Path, parallel: str)
     code, doc, _ = discover(tmp_path / "s.db", testbed.inventory_path, "--parallel", parallel)
     assert code == 0
     assert [n["name"] for n in doc["nodes"]] == ["gpu-01", "gpu-02", "gpu-03", "gpu-04", "cpu-01"]
+
+
+def test_ssh_config_host_alias(testbed_factory, tmp_path: Path) -> None:
+    """An inventory host may be an ssh_config alias (HostName, User); the host key is still checked."""
+    c = testbed_factory("n1=cpu-only")
+    d = c.inventory_path.parent
+    (d / "ssh_config").write_text(f"Host box-one\n  HostName {c.nodes['n1'].host}\n  Port {c.nodes['n1'].port}\n")
+    data = yaml.safe_load(c.inventory_path.read_text())
+    data["ssh_config"] = "ssh_config"
+    data["nodes"][0]["host"] = "box-one"
+    inv = d / "inv-alias.yaml"
+    inv.write_text(yaml.safe_dump(data))
+    code, doc, err = discover(tmp_path / "s.db", inv)
+    assert code == 0, err
+    assert by_name(doc)["n1"]["reachable"] is True
+    (d / "ssh_config").write_text("Host box-one\n  HostName 198.18.0.254\n  ConnectTimeout 1\n")  # nobody there
+    code, doc, _ = discover(tmp_path / "s.db", inv, "--timeout", "3")
+    assert code == 1 and by_name(doc)["n1"]["reachable"] is False
