@@ -78,3 +78,12 @@ def test_cut_short_output_means_no_result() -> None:
     out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
     res = parse_records(cmds, out[: len(out) - 1], token)  # the node died during the last byte
     assert res["a"].rc == 0 and res["b"].rc is None
+
+
+def test_a_cut_in_an_early_record_never_shifts_output_into_later_ones() -> None:
+    cmds = {"a": "echo first-output", "b": "echo 2", "c": "echo 3"}
+    command, token = build_command(cmds, per_command_timeout_s=5)
+    out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
+    cut = out.index(b"first-output") + 5
+    res = parse_records(cmds, out[:cut], token)
+    assert all(r.rc is None for r in res.values())

@@ -155,7 +155,7 @@ def test_accept_new_pins_then_refuses_a_changed_key(testbed_factory, tmp_path: P
     assert discover(state, inv)[0] == 0
     pinned = state.parent / "known_hosts"
     line = pinned.read_text().strip()
-    assert line.startswith(c.nodes["n1"].host) or line.startswith(f"[{c.nodes['n1'].host}]")
+    assert line.startswith("n1 ssh-")  # pinned per node name, whatever ssh_config resolves
     assert discover(state, inv)[0] == 0
     assert pinned.read_text().strip() == line  # pinned once, not appended again
     # The node's key "changes": the pin must win.
@@ -214,3 +214,27 @@ def test_ssh_config_host_alias(testbed_factory, tmp_path: Path) -> None:
     (d / "ssh_config").write_text("Host box-one\n  HostName 198.18.0.254\n  ConnectTimeout 1\n")  # nobody there
     code, doc, _ = discover(tmp_path / "s.db", inv, "--timeout", "3")
     assert code == 1 and by_name(doc)["n1"]["reachable"] is False
+
+
+def test_ssh_config_supplies_user_key_and_accept_new_pins_by_name(testbed_factory, tmp_path: Path) -> None:
+    """User and IdentityFile come from ssh_config when the inventory leaves them out, and
+    accept-new pins work through the alias."""
+    c = testbed_factory("n1=cpu-only")
+    d = c.inventory_path.parent
+    n = c.nodes["n1"]
+    (d / "ssh_config").write_text(
+        f"Host box-two\n  HostName {n.host}\n  Port {n.port}\n  User root\n"
+        f"  IdentityFile {d / 'id_ed25519'}\n  IdentitiesOnly yes\n"
+    )
+    data = yaml.safe_load(c.inventory_path.read_text())
+    data["defaults"] = {"known_hosts": "accept-new"}
+    data["ssh_config"] = "ssh_config"
+    data["nodes"][0]["host"] = "box-two"
+    inv = d / "inv-cfg.yaml"
+    inv.write_text(yaml.safe_dump(data))
+    state = tmp_path / "st" / "s.db"
+    for _ in range(2):  # first contact pins, the second run verifies against the pin
+        code, doc, err = discover(state, inv)
+        assert code == 0, err
+        assert by_name(doc)["n1"]["reachable"] is True
+    assert (state.parent / "known_hosts").read_text().count("\n") == 1

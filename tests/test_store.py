@@ -76,3 +76,27 @@ def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
     with Store(path) as s:
         assert len(s.cordons()) == 80
         assert len(s.nodes()) == 20
+
+
+def test_a_locked_database_is_a_one_line_state_error(tmp_path: Path) -> None:
+    import sqlite3
+
+    import pytest
+
+    from cluster_cli.errors import StateError
+
+    path = tmp_path / "s.db"
+    Store(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another clusterctl holds the write lock
+    try:
+        with (
+            pytest.raises(StateError, match="cannot write the state: database is locked"),
+            Store(path, timeout_s=0.2) as s,
+        ):
+            s.cordon("a", "r")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    with Store(path) as s:
+        assert s.cordons() == {}  # nothing half-written

@@ -12,6 +12,7 @@ import typer
 from cluster_cli.cli import ui
 from cluster_cli.cli.common import INVENTORY_HELP, inventory_or_abort, open_store
 from cluster_cli.cli.main import App, app
+from cluster_cli.errors import ClusterctlError
 
 CORDON_EXAMPLE = """
 Example:
@@ -44,7 +45,10 @@ def cordon(
     _check_node(inventory, node)
     state: App = ctx.obj
     with open_store(state.state_path) as store:
-        store.cordon(node, reason.strip())
+        try:
+            store.cordon(node, reason.strip())
+        except ClusterctlError as e:
+            ui.fail(e)
     ui.info(f"{node} cordoned: {reason.strip()}")
 
 
@@ -58,5 +62,8 @@ def uncordon(
     _check_node(inventory, node)
     state: App = ctx.obj
     with open_store(state.state_path) as store:
-        was = store.uncordon(node)
+        try:
+            was = store.uncordon(node)
+        except ClusterctlError as e:
+            ui.fail(e)
     ui.info(f"{node} uncordoned" if was else f"{node} was not cordoned")

@@ -13,7 +13,7 @@ from rich.table import Table
 from cluster_cli.cli import ui
 from cluster_cli.cli.common import INVENTORY_HELP, inventory_or_abort, open_store
 from cluster_cli.cli.main import App, app
-from cluster_cli.errors import ExitCode
+from cluster_cli.errors import ClusterctlError, ExitCode
 from cluster_cli.facts import NodeFacts
 
 EXAMPLE = """
@@ -74,11 +74,16 @@ def discover(
         facts = asyncio.run(run_discover(inv, nodes, connector=connector, parallel=parallel,
                                          node_timeout_s=timeout, on_done=done))  # fmt: skip
 
-    store.save_discovery(facts)
-    saved = {f.name: f for f in store.nodes([n.name for n in nodes])}
+    try:
+        store.save_discovery(facts)
+        saved = {f.name: f for f in store.nodes([n.name for n in nodes])}
+        all_nodes = store.nodes([n.name for n in inv.nodes])
+    except ClusterctlError as e:
+        ui.fail(e)
+    finally:
+        store.close()
     result = [saved[n.name] for n in nodes]
-    conflicts = fabric_conflicts([f for f in store.nodes([n.name for n in inv.nodes]) if f.reachable])
-    store.close()
+    conflicts = fabric_conflicts([f for f in all_nodes if f.reachable])
 
     if output is ui.Output.table:
         render(result)

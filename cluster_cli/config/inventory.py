@@ -33,9 +33,11 @@ class _Strict(BaseModel):
 
 
 class SSHDefaults(_Strict):
-    user: str = "root"
-    port: int = Field(default=22, ge=1, le=65535)
-    identity_file: str | None = "~/.ssh/id_ed25519"
+    # Unset user/port/identity_file leave the choice to ssh_config (if any), then to SSH's
+    # own defaults (the local user, port 22, the usual ~/.ssh keys).
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    identity_file: str | None = None
     known_hosts: str = "~/.ssh/known_hosts"
     connect_timeout_s: float = Field(default=10.0, gt=0)
     command_timeout_s: float = Field(default=30.0, gt=0)
@@ -56,6 +58,13 @@ class Node(_Strict):
     fabric: str | None = None
     hca_fabrics: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("host")
+    @classmethod
+    def _host_ok(cls, v: str) -> str:
+        if not v or any(c.isspace() for c in v):
+            raise ValueError(f"invalid host {v!r}: a name or address without spaces")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -140,8 +149,8 @@ class SSHTarget(BaseModel):
 
     name: str
     host: str
-    port: int
-    user: str
+    port: int | None
+    user: str | None
     identity_file: str | None
     known_hosts: str
     ssh_config: str | None = None

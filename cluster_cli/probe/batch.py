@@ -47,9 +47,9 @@ def build_command(
     n = len(commands)
     lines = [
         "export LC_ALL=C",
-        'd=$(mktemp -d 2>/dev/null || { mkdir -p "/tmp/clusterctl.$$" && echo "/tmp/clusterctl.$$"; }) || exit 97',
+        "d=$(mktemp -d) || exit 97",
         "trap 'rm -rf \"$d\"' EXIT",
-        f'if command -v timeout >/dev/null 2>&1; then T="timeout -k 2 {t}"; else T=""; fi',
+        f'if command -v timeout >/dev/null 2>&1; then T="timeout -k 1 {t}"; else T=""; fi',
     ]
     for i, cmd in enumerate(commands.values()):
         # A simple command runs directly under timeout; anything with shell syntax gets its own sh.
@@ -93,8 +93,9 @@ def parse_records(commands: Mapping[str, str], stdout: bytes, token: str) -> dic
         n_out, n_err = sizes[2 * i], sizes[2 * i + 1]
         body = stdout[pos : pos + n_out + n_err]
         if len(body) < n_out + n_err:
-            out[name] = missing
-            continue
+            # Cut short: this and every later record are lost (never shift one into the next).
+            out.update(dict.fromkeys(names[i:], missing))
+            break
         pos += n_out + n_err
         rc = rcs[i]
         err = body[n_out:].decode("utf-8", "replace")

@@ -123,7 +123,9 @@ def facts_from_outputs(
 
 async def run_batch(session: Session, commands: dict[str, str], timeout: float) -> dict[str, CommandResult]:
     """Run ``commands`` in parallel as one remote exec; one result per command."""
-    command, token = build_command(commands, per_command_timeout_s=max(1.0, timeout - 2))
+    # Each probe gets well under the session's timeout, so one hung nvidia-smi is killed and
+    # reported while the others' results still come back.
+    command, token = build_command(commands, per_command_timeout_s=max(1.0, timeout - 6))
     rc, out, err = await session.run_raw(command, timeout=timeout)
     results = parse_records(commands, out, token)
     if rc not in (0, None) and all(r.rc is None for r in results.values()):
@@ -151,10 +153,13 @@ async def probe_node(
                 ports = [p for p in parse_ibstat(ib.stdout) if p.is_ib_attachment]
                 if ports:
                     cmds = {f"{p.ca}:{p.port}": sminfo_command(p.ca, p.port) for p in ports}
-                    res = await run_batch(session, cmds, target.command_timeout_s)
+                    try:
+                        res = await run_batch(session, cmds, target.command_timeout_s)
+                    except SSHError:
+                        res = {}  # keep the facts already gathered; SM identity stays unknown
                     for p in ports:
-                        r = res[f"{p.ca}:{p.port}"]
-                        sm[(p.ca, p.port)] = parse_sminfo(r.stdout) if r.rc == 0 else None
+                        r = res.get(f"{p.ca}:{p.port}")
+                        sm[(p.ca, p.port)] = parse_sminfo(r.stdout) if r is not None and r.rc == 0 else None
         return facts_from_outputs(inv, node, outputs, own_pids=own_pids, sm_guids=sm, probed_at=started)
     except SSHError as e:
         return unreachable(node, e.message.removeprefix(f"{node.name}: "), started)
@@ -194,7 +199,8 @@ async def discover(
 
     async def one(n: Node) -> NodeFacts:
         t = inv.ssh_target(n)
-        deadline = node_timeout_s or (t.connect_timeout_s + t.command_timeout_s + 2)
+        # First contact (accept-new) + connect, then the probe batch and the sminfo batch.
+        deadline = node_timeout_s or (2 * t.connect_timeout_s + 2 * t.command_timeout_s + 2)
         async with sem:
             try:
                 f = await asyncio.wait_for(

@@ -80,16 +80,20 @@ class AsyncsshConnector:
     @asynccontextmanager
     async def session(self, target: SSHTarget) -> AsyncIterator[Session]:
         known_hosts = await self._known_hosts(target)
+        pinned = target.known_hosts == ACCEPT_NEW
         try:
             conn = await asyncio.wait_for(
                 asyncssh.connect(
                     target.host,
-                    port=target.port,
-                    username=target.user,
-                    client_keys=[target.identity_file] if target.identity_file else None,
+                    # Unset values are left to ssh_config, then to SSH's defaults (``()``).
+                    port=target.port or (),
+                    username=target.user or (),
+                    client_keys=[target.identity_file] if target.identity_file else (),
+                    agent_path=None if target.identity_file else (),
                     known_hosts=known_hosts,
+                    # Pins are kept per node name, whatever host/port ssh_config resolves to.
+                    host_key_alias=target.name if pinned else (),
                     config=[target.ssh_config] if target.ssh_config else (),
-                    agent_path=None,
                     # AES-GCM is hardware-accelerated almost everywhere; chacha20 costs ~25% of
                     # discover's client CPU on a large fleet (bench/README.md, Discovery).
                     encryption_algs=_CIPHERS,
@@ -121,15 +125,14 @@ class AsyncsshConnector:
         async with self._pin_lock:
             self.pinned.parent.mkdir(parents=True, exist_ok=True)
             self.pinned.touch(exist_ok=True)
-            names = _known_host_names(target.host, target.port)
             for line in self.pinned.read_text().splitlines():
-                if line.split(" ", 1)[0] in names:
+                if line.split(" ", 1)[0] == target.name:
                     return str(self.pinned)
         # First contact: learn the key, pin it, then connect verifying against the pin.
         try:
             key = await asyncio.wait_for(
                 asyncssh.get_server_host_key(
-                    target.host, target.port, config=[target.ssh_config] if target.ssh_config else ()
+                    target.host, target.port or (), config=[target.ssh_config] if target.ssh_config else ()
                 ),
                 timeout=target.connect_timeout_s + 1,
             )
@@ -141,18 +144,14 @@ class AsyncsshConnector:
             raise SSHError(f"{target.name}: server offered no host key")
         async with self._pin_lock:
             with self.pinned.open("a") as f:
-                f.write(f"{names[0]} {key.export_public_key('openssh').decode().strip()}\n")
+                f.write(f"{target.name} {key.export_public_key('openssh').decode().strip()}\n")
         return str(self.pinned)
-
-
-def _known_host_names(host: str, port: int) -> list[str]:
-    return [host] if port == 22 else [f"[{host}]:{port}"]
 
 
 def ssh_error_message(e: BaseException, target: SSHTarget | None = None) -> str:
     """A short, actionable description of an SSH failure."""
     if isinstance(e, asyncssh.HostKeyNotVerifiable):
-        where = f" in {target.known_hosts}" if target else ""
+        where = f" in {target.known_hosts}" if target and target.known_hosts != ACCEPT_NEW else " (pinned key)"
         return f"host key not verifiable{where} (unknown or changed host key): {e.reason}"
     if isinstance(e, asyncssh.PermissionDenied):
         key = f" with {target.identity_file}" if target and target.identity_file else ""

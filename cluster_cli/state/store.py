@@ -109,14 +109,24 @@ class Store:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            raise StateError(f"{self.path}: cannot write the state: {e}") from None
         try:
             yield self._db
+        except sqlite3.Error as e:
+            self._db.execute("ROLLBACK")
+            raise StateError(f"{self.path}: cannot write the state: {e}") from None
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
         else:
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("COMMIT")
+            except sqlite3.Error as e:
+                self._db.execute("ROLLBACK")
+                raise StateError(f"{self.path}: cannot write the state: {e}") from None
 
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
