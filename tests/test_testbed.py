@@ -332,7 +332,12 @@ def test_faults_kill_freeze_partition(testbed_factory: ClusterFactory) -> None:
         # an "engine" that daemonizes away from the SSH session
         r = await ck.run(f"nohup bash -c 'exec -a {tag} sleep 300' >/dev/null 2>&1 & echo ok")
         assert r.stdout == "ok\n"
-        engine = [p for p in all_pids() if tag in cmdline(p)]
+        engine: list[int] = []
+        for _ in range(50):  # the background process may take a moment to exec under load
+            engine = [p for p in all_pids() if tag in cmdline(p)]
+            if engine:
+                break
+            await asyncio.sleep(0.1)
         assert engine
         # kill: the running command ends without exit status, everything is gone, connects are refused
         running = asyncio.create_task(ck.run("sleep 30"))
