@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from fuzz import mutated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -296,25 +297,6 @@ def test_guid_roundtrip(guid: int) -> None:
     assert parse_guid(f"0x{guid:016x}") == parse_guid(f"0x{guid:x}") == parse_guid(colon) == guid
 
 
-@st.composite
-def mutated(draw: st.DrawFn, texts: list[str]) -> str:
-    text = draw(st.sampled_from(texts))
-    for _ in range(draw(st.integers(0, 4))):
-        n = len(text)
-        i = draw(st.integers(0, n))
-        j = draw(st.integers(i, n))
-        op = draw(st.sampled_from(["truncate", "delete", "insert", "duplicate", "swap-lines"]))
-        if op == "truncate":
-            text = text[:i]
-        elif op == "delete":
-            text = text[:i] + text[j:]
-        elif op == "insert":
-            text = text[:i] + draw(st.text(max_size=20)) + text[i:]
-        elif op == "duplicate":
-            text = text[:j] + text[i:j] + text[j:]
-        else:
-            text = "\n".join(draw(st.permutations(text.split("\n"))))
-    return text
 
 
 _IB_TEXTS = [

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from fuzz import mutated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -629,27 +630,6 @@ def _fixture_texts() -> list[str]:
     return [p.read_text(errors="replace") for p in sorted(FIXTURES.glob("nvidia-smi*"))]
 
 
-@st.composite
-def mutated(draw: st.DrawFn, texts: list[str]) -> str:
-    """A real fixture, cut, spliced and garbled a few times."""
-    text = draw(st.sampled_from(texts))
-    for _ in range(draw(st.integers(0, 4))):
-        n = len(text)
-        i = draw(st.integers(0, n))
-        j = draw(st.integers(i, n))
-        op = draw(st.sampled_from(["truncate", "delete", "insert", "duplicate", "swap-lines"]))
-        if op == "truncate":
-            text = text[:i]
-        elif op == "delete":
-            text = text[:i] + text[j:]
-        elif op == "insert":
-            text = text[:i] + draw(st.text(max_size=20)) + text[i:]
-        elif op == "duplicate":
-            text = text[:j] + text[i:j] + text[j:]
-        else:
-            lines = text.split("\n")
-            text = "\n".join(draw(st.permutations(lines)))
-    return text
 
 
 TEXTS = _fixture_texts()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fuzz import mutated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -227,25 +228,6 @@ def _valid(result: object) -> bool:
     return True
 
 
-@st.composite
-def mutated(draw: st.DrawFn, texts: list[str]) -> str:
-    text = draw(st.sampled_from(texts))
-    for _ in range(draw(st.integers(0, 4))):
-        n = len(text)
-        i = draw(st.integers(0, n))
-        j = draw(st.integers(i, n))
-        op = draw(st.sampled_from(["truncate", "delete", "insert", "duplicate", "swap-lines"]))
-        if op == "truncate":
-            text = text[:i]
-        elif op == "delete":
-            text = text[:i] + text[j:]
-        elif op == "insert":
-            text = text[:i] + draw(st.text(max_size=20)) + text[i:]
-        elif op == "duplicate":
-            text = text[:j] + text[i:j] + text[j:]
-        else:
-            text = "\n".join(draw(st.permutations(text.split("\n"))))
-    return text
 
 
 @FUZZ
