@@ -27,7 +27,14 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:  # `pytest` without `python -m`: make the testbed package importable
     sys.path.insert(0, str(_ROOT))
 
+from hypothesis import HealthCheck, settings  # noqa: E402
+
 from testbed import Cluster, NodeSpec, unavailable_reason  # noqa: E402
+
+# Wall-clock deadlines make property tests flaky on a busy 2-core CI box; speed is measured by
+# the benchmarks under bench/, never by tests.
+settings.register_profile("clusterctl", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "clusterctl"))
 
 TESTBED_SPECS = (
     "gpu-01=hgx-h200x8:fabric=ib-a,"
