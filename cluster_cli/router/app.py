@@ -308,23 +308,30 @@ class Router:
         conn.write(error_response(status, message, code, keep_alive=conn.keep_alive, extra=extra))
         return status
 
+    def _fail(
+        self, conn: ClientConn, status: int, message: str, code: str,
+        model: str = "", endpoint: str = "", attempts: int = 0, extra: bytes = b"",
+    ) -> tuple[int, str, str, int, float | None, str]:  # fmt: skip
+        """Reply with an error and return ``_proxy``'s result tuple for the access log."""
+        return self._reply_error(conn, status, message, code, extra), model, endpoint, attempts, None, ""
+
     async def _proxy(self, conn: ClientConn, req: Request, t0: float) -> tuple[int, str, str, int, float | None, str]:
         if not self._authorized(conn, req):
             return 401, "", "", 0, None, ""
         if self._draining:
-            return self._reply_error(conn, 503, "the router is shutting down", "router_draining"), "", "", 0, None, ""
+            return self._fail(conn, 503, "the router is shutting down", "router_draining")
         try:
             obj = json.loads(req.body)
         except ValueError:
-            return self._reply_error(conn, 400, "request body is not valid JSON", "invalid_json"), "", "", 0, None, ""
+            return self._fail(conn, 400, "request body is not valid JSON", "invalid_json")
         model = obj.get("model") if isinstance(obj, dict) else None
         if not isinstance(model, str) or not model:
             msg = "you must provide a model parameter"
-            return self._reply_error(conn, 400, msg, "missing_model"), "", "", 0, None, ""
+            return self._fail(conn, 400, msg, "missing_model")
         entry = self.table.models.get(model)
         if entry is None:
             msg = f"The model `{model}` does not exist or is not served by this router."
-            return self._reply_error(conn, 404, msg, "model_not_found"), "", "", 0, None, ""
+            return self._fail(conn, 404, msg, "model_not_found")
 
         head_tail = b"\r\n" + req.forward + b"Content-Length: %d\r\n\r\n" % len(req.body)
         start_line = req.method + b" " + req.target + b" HTTP/1.1\r\nHost: "
@@ -347,23 +354,9 @@ class Router:
                     if r.reason != "no_endpoint" or not last_error:
                         self.metrics.rejection(model, r.reason)
                         extra = b"Retry-After: %d\r\n" % int(r.retry_after + 0.999) if r.retry_after else b""
-                        return (
-                            self._reply_error(conn, r.status, r.message, r.reason, extra),
-                            model,
-                            endpoint,
-                            attempts,
-                            None,
-                            "",
-                        )
+                        return self._fail(conn, r.status, r.message, r.reason, model, endpoint, attempts, extra)
                     msg = f"{last_error} ({r.message})"
-                    return (
-                        self._reply_error(conn, last_status, msg, "upstream_error"),
-                        model,
-                        endpoint,
-                        attempts,
-                        None,
-                        "",
-                    )
+                    return self._fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts)
                 w = lease.worker
                 endpoint = w.view.replica
                 may_retry = attempts < rp.max_attempts
@@ -415,25 +408,11 @@ class Router:
                     reason = kind
                 tried.append(w)
                 if attempts >= rp.max_attempts:
-                    return (
-                        self._reply_error(conn, last_status, last_error, "upstream_error"),
-                        model,
-                        endpoint,
-                        attempts,
-                        None,
-                        "",
-                    )
+                    return self._fail(conn, last_status, last_error, "upstream_error", model, endpoint, attempts)
                 if not holding_budget:
                     if not self.budget.try_acquire(self._inflight_total):
                         msg = f"{last_error}; retry budget exhausted"
-                        return (
-                            self._reply_error(conn, last_status, msg, "upstream_error"),
-                            model,
-                            endpoint,
-                            attempts,
-                            None,
-                            "",
-                        )
+                        return self._fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts)
                     holding_budget = True
                 self.metrics.retry(model, reason)
                 delay = rp.backoff(attempts + 1)
