@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_catalog import ISSUE_EXAMPLE
 from test_placement_clusters import a100_pcie, cpu_node, dgx, ib
 from typer.testing import CliRunner
 
@@ -17,18 +18,7 @@ from cluster_cli.state.store import Store
 runner = CliRunner()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-CATALOG = """
-engines:
-  vllm:     {command: vllm}
-  llamacpp: {command: llama-server}
-models:
-  - name: llama-70b
-    replicas: 2
-    profiles:
-      - {name: h100-tp8, engine: vllm, gpu_class: H100, gpus: 8, priority: 100, model: /models/llama-70b}
-      - {name: a100-2x8, engine: vllm, gpu_class: A100, gpus: 8, nodes: 2, priority: 50, model: /models/llama-70b}
-      - {name: cpu, engine: llamacpp, cpus: 32, memory_gib: 64, priority: 1, model: /models/llama-70b.Q4_K_M.gguf}
-"""
+CATALOG = ISSUE_EXAMPLE  # the catalog of issue 3, as test_catalog checks it
 
 
 def write_inputs(tmp_path: Path, nodes: list[NodeFacts], *, inventory_nodes: list[str] | None = None,
