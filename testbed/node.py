@@ -333,28 +333,37 @@ class Node:
                 default = fallback.replace("@TOOL@", tool).rstrip("\n")
             body.append(f"*) {default};;\nesac\n")
             _write_script(self.bin_dir / tool, "".join(body))
-        mem = self.out_dir / "meminfo"
-        _write(mem, r.meminfo.stdout, 0o644)
         _write_script(
             self.bin_dir / "cat",
             "# /proc/meminfo answers from the node's description; anything else is the real cat\n"
             f'if [ "$#" -eq 1 ] && [ "$1" = /proc/meminfo ]; then\n{sleep}'
-            f'exec {cat} {shlex.quote(str(mem))}\nfi\nexec {cat} "$@"\n',
+            f'{self._print("meminfo", r.meminfo.stdout, cat)}; exit 0\nfi\nexec {cat} "$@"\n',
         )
 
     def _emit(self, tool: str, k: int, out: ToolOutput, cat: str) -> str:
+        """Shell text that prints ``out`` and exits with its rc.
+
+        Text goes out through sh's own ``printf`` (no process beyond the tool's sh, like a
+        real tool that is one process); bytes that sh cannot hold (NUL, invalid UTF-8)
+        are ``cat`` from a file.
+        """
         parts = []
-        if out.stderr:
-            p = self.out_dir / f"{tool}.{k}.err"
-            _write(p, out.stderr, 0o644)
-            parts.append(f"{cat} {shlex.quote(str(p))} >&2")
-        if out.stdout:
-            p = self.out_dir / f"{tool}.{k}.out"
-            _write(p, out.stdout, 0o644)
-            parts.append(f"{'exec ' if out.rc == 0 else ''}{cat} {shlex.quote(str(p))}")
-        if out.rc != 0 or not out.stdout:
-            parts.append(f"exit {out.rc}")
+        for data, stream, redirect in ((out.stderr, "err", " >&2"), (out.stdout, "out", "")):
+            if data:
+                parts.append(self._print(f"{tool}.{k}.{stream}", data, cat) + redirect)
+        parts.append(f"exit {out.rc}")
         return "; ".join(parts)
+
+    def _print(self, name: str, data: bytes, cat: str) -> str:
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            text = None
+        if text is not None and "\0" not in text and len(data) <= 1 << 16:
+            return f"printf '%s' {shlex.quote(text)}"
+        p = self.out_dir / name
+        _write(p, data, 0o644)
+        return f"{cat} {shlex.quote(str(p))}"
 
     # ---- processes -------------------------------------------------------
     def launch(self) -> None:

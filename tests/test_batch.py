@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import testbed.hardware as hw
+from cluster_cli.config.inventory import Inventory
+from cluster_cli.probe import collect
 from cluster_cli.probe.batch import build_command, parse_records
+from cluster_cli.probe.collect import probe_node
+from cluster_cli.probe.commands import SMINFO_AFTER_IBSTAT, sminfo_record
+from cluster_cli.probe.parsers.ibstat import parse_ibstat
+from testbed.hardware import parse_node
 
 
 def run_local(commands: dict[str, str], timeout: float = 5.0):
@@ -87,3 +98,133 @@ def test_a_cut_in_an_early_record_never_shifts_output_into_later_ones() -> None:
     cut = out.index(b"first-output") + 5
     res = parse_records(cmds, out[:cut], token)
     assert all(r.rc is None for r in res.values())
+
+
+def test_then_starts_more_records_from_a_finished_ones_output() -> None:
+    cmds = {"list": "printf 'a:1\\nb:2\\nbad/name\\n'", "other": "echo other"}
+    then = {"list": 'for x in $(cat "$o"); do run "sub:$x" echo "got $x"; done'}
+    command, token = build_command(cmds, per_command_timeout_s=5, then=then)
+    out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
+    res = parse_records(cmds, out, token)
+    # "bad/name" is not a valid record name: skipped, never run under a mangled name.
+    assert set(res) == {"list", "other", "sub:a:1", "sub:b:2"}
+    assert res["sub:a:1"].stdout == "got a:1\n" and res["sub:b:2"].rc == 0
+    assert res["other"].stdout == "other\n"
+
+
+def test_then_does_not_run_after_a_failure() -> None:
+    cmds = {"list": "echo a:1; exit 4"}
+    command, token = build_command(cmds, per_command_timeout_s=5, then={"list": 'run "sub:x" echo no'})
+    out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
+    res = parse_records(cmds, out, token)
+    assert set(res) == {"list"} and res["list"].rc == 4
+
+
+def test_bad_record_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="record name"):
+        build_command({"has space": "true"}, per_command_timeout_s=1)
+    with pytest.raises(ValueError, match="unknown records"):
+        build_command({"a": "true"}, per_command_timeout_s=1, then={"b": "true"})
+
+
+def _procs_with(arg: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if arg in line.split(None, 1)[-1].split()]
+
+
+def test_nothing_is_left_running_after_the_batch() -> None:
+    # The watchdog's sleep (timeout 47 s) must go with the batch, and so must a timed-out job.
+    _, res = run_local({"hang": "sleep 39", "fine": "echo fine"}, timeout=1)
+    assert res["hang"].rc == 124 and "timed out" in res["hang"].stderr
+    _, res = run_local({"fine": "echo fine"}, timeout=47)
+    assert res["fine"].stdout == "fine\n"
+    assert _procs_with("39") == [] and _procs_with("47") == []
+
+
+def test_simple_commands_run_without_a_wrapper_shell() -> None:
+    # "direct" is simple (single-quoted words), so it is the job itself and its parent is the
+    # batch's shell. "wrapped" has shell syntax, so it runs in its own sh, whose $PPID is
+    # again the batch's shell. Were "direct" wrapped too, it would print the wrapper's pid.
+    _, res = run_local({"direct": "sh -c 'echo $PPID'", "wrapped": "echo $PPID"})
+    assert res["direct"].stdout.strip().isdigit()
+    assert res["direct"].stdout == res["wrapped"].stdout
+
+
+# --- discover's use of the batch: sminfo starts inside the first exec --------------------
+
+
+class LocalSession:
+    """Runs the batch with the local sh, tools from ``bin_dir`` first on PATH; counts execs."""
+
+    def __init__(self, bin_dir: Path) -> None:
+        self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+        self.execs = 0
+
+    async def run_raw(self, command: str, *, timeout: float) -> tuple[int | None, bytes, bytes]:
+        self.execs += 1
+        p = subprocess.run(command, shell=True, capture_output=True, timeout=timeout, env=self.env)
+        return p.returncode, p.stdout, p.stderr
+
+
+class LocalConnector:
+    def __init__(self, session: LocalSession) -> None:
+        self.s = session
+
+    @asynccontextmanager
+    async def session(self, target):
+        yield self.s
+
+
+def _tool(bin_dir: Path, name: str, body: str) -> None:
+    (bin_dir / name).write_text("#!/bin/sh\n" + body)
+    (bin_dir / name).chmod(0o755)
+
+
+def _hgx_node(tmp_path: Path, ibstat_text: str) -> tuple[Inventory, LocalSession]:
+    spec = parse_node("n1=hgx-h200x8:fabric=ib-a")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "ibstat.txt").write_text(ibstat_text)
+    _tool(bin_dir, "ibstat", f"exec cat {tmp_path / 'ibstat.txt'}\n")
+    for ca in {p.ca for p in parse_ibstat(ibstat_text)}:
+        (tmp_path / f"sm.{ca}").write_bytes(hw.sminfo(spec, ca, 1).stdout)
+    _tool(bin_dir, "sminfo", f'[ "$1 $3" = "-C -P" ] && exec cat {tmp_path}/sm."$2"\nexit 2\n')
+    _tool(bin_dir, "nvidia-smi", "exit 9\n")  # no driver: GPUs unknown, IB still probed
+    inv = Inventory.model_validate({"nodes": [{"name": "n1", "host": "127.0.0.1", "fabric": "ib-a"}]})
+    return inv, LocalSession(bin_dir)
+
+
+def _hgx_ibstat() -> str:
+    return hw.ibstat(parse_node("n1=hgx-h200x8:fabric=ib-a"), 0).stdout.decode()
+
+
+def test_discover_gets_sm_identities_in_one_exec(tmp_path: Path) -> None:
+    inv, session = _hgx_node(tmp_path, _hgx_ibstat())
+    f = asyncio.run(probe_node(inv, inv.nodes[0], LocalConnector(session)))
+    ports = [h for h in f.hcas if h.is_ib_attachment]
+    assert len(ports) == 8
+    assert {h.sm_guid for h in ports} == {hw.fabric_sm_guid("ib-a")}
+    assert session.execs == 1
+
+
+def test_ports_the_shortcut_misses_are_asked_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(collect, "SMINFO_AFTER_IBSTAT", ":")  # the in-batch shortcut finds nothing
+    inv, session = _hgx_node(tmp_path, _hgx_ibstat())
+    f = asyncio.run(probe_node(inv, inv.nodes[0], LocalConnector(session)))
+    assert {h.sm_guid for h in f.hcas if h.is_ib_attachment} == {hw.fabric_sm_guid("ib-a")}
+    assert session.execs == 2
+
+
+IBSTAT_FIXTURES = sorted((Path(__file__).parent / "fixtures" / "probes").glob("ibstat.*.txt"))
+
+
+@pytest.mark.parametrize("fixture", IBSTAT_FIXTURES, ids=lambda p: p.name)
+def test_the_shortcut_agrees_with_the_parser_on_real_outputs(fixture: Path) -> None:
+    text = fixture.read_text()
+    cmds = {"ibstat": f"cat {fixture}"}
+    then = {"ibstat": SMINFO_AFTER_IBSTAT.replace(" sminfo ", " echo ")}
+    command, token = build_command(cmds, per_command_timeout_s=5, then=then)
+    out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
+    started = set(parse_records(cmds, out, token)) - {"ibstat"}
+    expected = {sminfo_record(p.ca, p.port) for p in parse_ibstat(text) if p.is_ib_attachment}
+    assert started == expected

@@ -2,17 +2,31 @@
 
 One SSH channel per probe costs a channel open, a request and several packets each;
 on a 64-node fleet that, not the handshakes, dominated discover's CPU. The batch is a
-POSIX sh script that starts every command in the background (each under
-``timeout`` where available, so one hung ``nvidia-smi`` cannot eat the others'
-results), waits, and then prints, with as few extra processes as possible:
+POSIX sh script that starts every command in the background, waits, and prints:
 
-    @@CC <token> RC <rc0> <rc1> ...
+    @@CC <token> RC
+    <name> <rc>                  one line per record, in start order
+    @@CC <token> SIZES
     <`wc -c` of out0 err0 out1 err1 ...>
     @@CC <token> DATA
     <out0><err0><out1><err1>...
 
-Byte counts let any output, binary junk included, be split exactly. Building the
-script and parsing its output are pure functions; nothing here does I/O.
+Byte counts let any output, binary junk included, be split exactly.
+
+Process cost matters as much as packets: on a shared box every extra ``fork``/``exec``
+per node is paid 64 times. So a command runs directly as the background job (one
+process, no wrapper), one watchdog (a subshell and a ``sleep``) times out all of them
+together (TERM, then KILL a second later, reported as rc 124), and the scratch files
+live in ``/dev/shm`` where there is one (creating and removing files on a journalled
+disk costs more than running the probes).
+
+``then`` maps a record to a sh snippet that runs in the batch's shell as soon as that
+record has finished with rc 0, while the others still run. ``$o`` is the record's
+stdout file and ``run NAME CMD [ARG...]`` starts another record. discover uses it to
+start ``sminfo`` for every Active InfiniBand port that ``ibstat`` printed, without a
+second round trip. Names are ``[A-Za-z0-9_.:-]+``; ``run`` skips any other.
+
+Building the script and parsing its output are pure functions; nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -24,82 +38,133 @@ from collections.abc import Mapping
 
 from cluster_cli.probe.runner import CommandResult
 
-_TIMED_OUT = (124, 137)
-# Shell syntax that a command must not contain to run directly under ``timeout``.
+TIMED_OUT = 124
+NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")
+# Shell syntax that a command must not contain to run directly as a background job.
 _SHELL_SYNTAX = frozenset(";|&<>()$`\n\\\"*?[]{}~#!")
+
+_PRELUDE = r"""export LC_ALL=C
+d=$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d) || exit 97
+trap 'rm -rf "$d"' EXIT
+P=; R=; n=0
+run() {
+  case $1 in ''|*[!A-Za-z0-9_.:-]*) return 1;; esac
+  nm=$1; shift
+  exec "$@" >"$d/$n.o" 2>"$d/$n.e" </dev/null &
+  P="$P $!"; R="$R $n:$nm:$!"; n=$((n+1))
+  echo "$P" >"$d/p"
+}
+"""
+
+_WATCHDOG = (
+    "( trap 'kill $s 2>/dev/null; exit' TERM; sleep {t} & s=$!; wait $s; : >\"$d/t\"; "
+    "read -r k <\"$d/p\"; kill -TERM $k; sleep 1; read -r k <\"$d/p\"; kill -KILL $k ) "
+    ">/dev/null 2>&1 </dev/null & w=$!"
+)
+
+_COLLECT = r"""printf '@@CC {token} RC\n'
+set --
+for x in $R; do
+  i=${{x%%:*}}; x=${{x#*:}}; nm=${{x%:*}}; pid=${{x##*:}}
+  eval "r=\${{x$i-}}"
+  if [ -z "$r" ]; then wait "$pid"; r=$?; fi
+  if [ "$r" -gt 128 ] && [ -e "$d/t" ]; then r={timed_out}; fi
+  printf '%s %s\n' "$nm" "$r"
+  set -- "$@" "$d/$i.o" "$d/$i.e"
+done
+kill $w 2>/dev/null
+printf '@@CC {token} SIZES\n'
+[ $# -gt 0 ] && wc -c "$@" </dev/null
+printf '@@CC {token} DATA\n'
+[ $# -gt 0 ] && cat "$@" </dev/null
+exit 0
+"""
 
 
 def _is_simple(cmd: str) -> bool:
-    """Plain words and single-quoted words (what ``shlex.quote`` makes) only."""
-    return not (_SHELL_SYNTAX & set(cmd)) and cmd.count("'") % 2 == 0
+    """Plain words and single-quoted words (what ``shlex.quote`` makes), no assignment first."""
+    if cmd.count("'") % 2:
+        return False
+    bare = re.sub(r"'[^']*'", "''", cmd)  # anything goes inside single quotes
+    words = bare.split()
+    return bool(words) and "=" not in words[0] and not (_SHELL_SYNTAX & set(bare))
 
 
 def build_command(
-    commands: Mapping[str, str], *, per_command_timeout_s: float, token: str | None = None
+    commands: Mapping[str, str],
+    *,
+    per_command_timeout_s: float,
+    token: str | None = None,
+    then: Mapping[str, str] | None = None,
 ) -> tuple[str, str]:
     """The remote command (``sh -c`` + script) running ``commands`` in parallel, and its token.
 
     Each command is shell text inserted as is (callers build it with ``shlex.quote``);
-    it runs with ``LC_ALL=C``.
+    it runs with ``LC_ALL=C``. ``then`` is described in the module docstring.
     """
     token = token or secrets.token_hex(8)
     t = max(1, int(per_command_timeout_s))
-    n = len(commands)
-    lines = [
-        "export LC_ALL=C",
-        "d=$(mktemp -d) || exit 97",
-        "trap 'rm -rf \"$d\"' EXIT",
-        f'if command -v timeout >/dev/null 2>&1; then T="timeout -k 1 {t}"; else T=""; fi',
-    ]
-    for i, cmd in enumerate(commands.values()):
-        # A simple command runs directly under timeout; anything with shell syntax gets its own sh.
-        run = cmd if _is_simple(cmd) else f"sh -c {shlex.quote(cmd)}"
-        lines.append(f'( $T {run} >"$d/{i}.o" 2>"$d/{i}.e" </dev/null; echo $? >"$d/{i}.r" ) &')
-    files = " ".join(f'"$d/{i}.o" "$d/{i}.e"' for i in range(n))
-    lines += [
-        "wait",
-        f"printf '@@CC {token} RC'",
-        f"for i in {' '.join(map(str, range(n)))}; do r=x; read r <\"$d/$i.r\" 2>/dev/null; printf ' %s' \"$r\"; done",
-        "printf '\\n'",
-        f"wc -c {files}",
-        f"printf '@@CC {token} DATA\\n'",
-        f"cat {files}",
-    ]
-    return "sh -c " + shlex.quote("\n".join(lines) + "\n"), token
+    then = dict(then or {})
+    names = list(commands)
+    for name in [*names, *then]:
+        if not NAME_RE.fullmatch(name):
+            raise ValueError(f"batch record name {name!r} must match {NAME_RE.pattern}")
+    if unknown := set(then) - set(names):
+        raise ValueError(f"'then' names unknown records: {sorted(unknown)}")
+    lines = [_PRELUDE]
+    for i, (name, cmd) in enumerate(commands.items()):
+        # A simple command runs directly as the job; anything with shell syntax gets its own sh.
+        argv = cmd if _is_simple(cmd) else f"sh -c {shlex.quote(cmd)}"
+        lines.append(f"run {name} {argv}" + (f"; p{i}=$!" if name in then else ""))
+    lines.append(_WATCHDOG.format(t=t))
+    for i, name in enumerate(names):
+        if name in then:
+            lines.append(f'wait "$p{i}"; x{i}=$?')
+            lines.append(f'if [ "$x{i}" -eq 0 ]; then o="$d/{i}.o"\n{then[name].strip()}\nfi')
+    lines.append(_COLLECT.format(token=token, timed_out=TIMED_OUT))
+    return "sh -c " + shlex.quote("\n".join(lines)), token
+
+
+_RC_LINE = re.compile(rb"(" + NAME_RE.pattern.encode() + rb") (\d+)")
 
 
 def parse_records(commands: Mapping[str, str], stdout: bytes, token: str) -> dict[str, CommandResult]:
-    """Split the batch's stdout back into one result per command.
+    """Split the batch's stdout back into one result per record.
 
-    A command whose result is missing or cut short (the node died mid-way) gets
-    ``rc=None``. Never raises.
+    Every name in ``commands`` gets a result; a record whose result is missing or cut
+    short (the node died mid-way) gets ``rc=None``. Records started by ``then``
+    snippets are added under their own names. Never raises.
     """
-    names = list(commands)
-    n = len(names)
     missing = CommandResult(None, "", "no result (connection lost or batch cut short)")
+    out: dict[str, CommandResult] = dict.fromkeys(commands, missing)
     tok = re.escape(token.encode())
-    m_rc = re.search(rb"@@CC " + tok + rb" RC([^\n]*)\n", stdout)
+    m_rc = re.search(rb"@@CC " + tok + rb" RC\n", stdout)
+    m_sizes = re.search(rb"\n?@@CC " + tok + rb" SIZES\n", stdout)
     m_data = re.search(rb"\n?@@CC " + tok + rb" DATA\n", stdout)
-    if m_rc is None or m_data is None or m_data.start() < m_rc.end():
-        return dict.fromkeys(names, missing)
-    rcs: list[int | None] = [int(x) if x.isdigit() else None for x in m_rc.group(1).split()]
-    sizes = [int(line.split()[0]) for line in stdout[m_rc.end() : m_data.start()].splitlines()
+    if m_rc is None or m_sizes is None or m_data is None or not m_rc.end() <= m_sizes.start() < m_data.start():
+        return out
+    records: list[tuple[str, int]] = []
+    for line in stdout[m_rc.end() : m_sizes.start()].splitlines():
+        m = _RC_LINE.fullmatch(line.strip())
+        if m is None:
+            return out  # not our framing: trust nothing
+        records.append((m.group(1).decode(), int(m.group(2))))
+    sizes = [int(line.split()[0]) for line in stdout[m_sizes.end() : m_data.start()].splitlines()
              if line.split() and line.split()[0].isdigit()]  # fmt: skip
-    if len(rcs) < n or len(sizes) < 2 * n:
-        return dict.fromkeys(names, missing)
-    out: dict[str, CommandResult] = {}
+    if len(sizes) < 2 * len(records):
+        return out
     pos = m_data.end()
-    for i, name in enumerate(names):
+    for i, (name, rc) in enumerate(records):
         n_out, n_err = sizes[2 * i], sizes[2 * i + 1]
         body = stdout[pos : pos + n_out + n_err]
         if len(body) < n_out + n_err:
             # Cut short: this and every later record are lost (never shift one into the next).
-            out.update(dict.fromkeys(names[i:], missing))
+            for later, _ in records[i:]:
+                out[later] = missing
             break
         pos += n_out + n_err
-        rc = rcs[i]
         err = body[n_out:].decode("utf-8", "replace")
-        if rc in _TIMED_OUT:
+        if rc == TIMED_OUT:
             err += "probe timed out\n"
         out[name] = CommandResult(rc, body[:n_out].decode("utf-8", "replace"), err)
     return out

@@ -15,7 +15,7 @@ from cluster_cli.config.inventory import Inventory, Node
 from cluster_cli.errors import SSHError
 from cluster_cli.facts import HcaPort, NodeFacts
 from cluster_cli.probe.batch import build_command, parse_records
-from cluster_cli.probe.commands import PROBES, sminfo_command
+from cluster_cli.probe.commands import PROBES, SMINFO_AFTER_IBSTAT, sminfo_command, sminfo_record
 from cluster_cli.probe.parsers.host import parse_meminfo, parse_nproc
 from cluster_cli.probe.parsers.ibstat import parse_ibstat, parse_sminfo
 from cluster_cli.probe.parsers.nvidia_smi import (
@@ -121,11 +121,13 @@ def facts_from_outputs(
     )
 
 
-async def run_batch(session: Session, commands: dict[str, str], timeout: float) -> dict[str, CommandResult]:
-    """Run ``commands`` in parallel as one remote exec; one result per command."""
+async def run_batch(
+    session: Session, commands: dict[str, str], timeout: float, then: dict[str, str] | None = None
+) -> dict[str, CommandResult]:
+    """Run ``commands`` in parallel as one remote exec; one result per record."""
     # Each probe gets well under the session's timeout, so one hung nvidia-smi is killed and
     # reported while the others' results still come back.
-    command, token = build_command(commands, per_command_timeout_s=max(1.0, timeout - 6))
+    command, token = build_command(commands, per_command_timeout_s=max(1.0, timeout - 6), then=then)
     rc, out, err = await session.run_raw(command, timeout=timeout)
     results = parse_records(commands, out, token)
     if rc not in (0, None) and all(r.rc is None for r in results.values()):
@@ -146,20 +148,25 @@ async def probe_node(
     started = time.time()
     try:
         async with connector.session(target) as session:
-            outputs = await run_batch(session, dict(PROBES), target.command_timeout_s)
+            # sminfo for the Active IB ports starts inside the same exec once ibstat is done.
+            outputs = await run_batch(
+                session, dict(PROBES), target.command_timeout_s, then={"ibstat": SMINFO_AFTER_IBSTAT}
+            )
             sm: dict[tuple[str, int], int | None] = {}
             ib = outputs.get("ibstat")
             if ib is not None and ib.rc == 0:
                 ports = [p for p in parse_ibstat(ib.stdout) if p.is_ib_attachment]
-                if ports:
-                    cmds = {f"{p.ca}:{p.port}": sminfo_command(p.ca, p.port) for p in ports}
+                got = {(p.ca, p.port): outputs.get(sminfo_record(p.ca, p.port)) for p in ports}
+                # Ports our parser sees that the in-batch shortcut missed: ask in a second exec.
+                again = [k for k, r in got.items() if r is None]
+                if again:
+                    cmds = {f"sm{i}": sminfo_command(ca, port) for i, (ca, port) in enumerate(again)}
                     try:
                         res = await run_batch(session, cmds, target.command_timeout_s)
                     except SSHError:
                         res = {}  # keep the facts already gathered; SM identity stays unknown
-                    for p in ports:
-                        r = res.get(f"{p.ca}:{p.port}")
-                        sm[(p.ca, p.port)] = parse_sminfo(r.stdout) if r is not None and r.rc == 0 else None
+                    got.update({k: res.get(f"sm{i}") for i, k in enumerate(again)})
+                sm = {k: parse_sminfo(r.stdout) if r is not None and r.rc == 0 else None for k, r in got.items()}
         return facts_from_outputs(inv, node, outputs, own_pids=own_pids, sm_guids=sm, probed_at=started)
     except SSHError as e:
         return unreachable(node, e.message.removeprefix(f"{node.name}: "), started)

@@ -40,6 +40,26 @@ PROBES: dict[str, str] = {
 }
 
 
+# Run inside the probe batch once ``ibstat`` succeeded (see batch.py's ``then``): start
+# ``sminfo`` for every Active InfiniBand port it printed, while nvidia-smi still runs, so
+# fabric identity needs no second round trip. ``$o`` is ibstat's output. Records are
+# named ``sm:<ca>:<port>`` (``sminfo_record``). This awk is only a shortcut: discover
+# checks the ports against its own parser and asks again for any that were missed.
+SMINFO_AFTER_IBSTAT = (
+    "for x in $(awk '"
+    "/^CA /{c=$2; gsub(/[^A-Za-z0-9_.-]/, \"\", c)} "
+    "/^[ \\t]*Port [0-9]+:/{p=$2; sub(/:.*/, \"\", p); s=\"\"} "
+    "/^[ \\t]*State:/{s=$2} "
+    "/^[ \\t]*Link layer:/{if (s == \"Active\" && $3 == \"InfiniBand\" && c != \"\") print c \":\" p}"
+    "' \"$o\"); do run \"sm:$x\" sminfo -C \"${x%:*}\" -P \"${x##*:}\"; done"
+)
+
+
+def sminfo_record(ca: str, port: int) -> str:
+    """The batch record name of ``sminfo`` for one port."""
+    return f"sm:{ca}:{int(port)}"
+
+
 def sminfo_command(ca: str, port: int) -> str:
     """Ask the master SM's identity through one local port (needs umad access; may fail)."""
     import shlex
