@@ -30,6 +30,7 @@ class Exchange:
     __slots__ = (
         "chunked",
         "client",
+        "out",
         "conn",
         "error",
         "first_at",
@@ -50,6 +51,7 @@ class Exchange:
         self.status = 0
         self.sent = False
         self.pending: bytes | None = None
+        self.out: list[bytes] = []  # bytes for the client, written by flush() once per upstream read
         self.sse = False
         self.chunked = False
         self.tail = b""
@@ -92,33 +94,38 @@ class Exchange:
                     return
         if self.chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
-        client = self.client
         if self.pending is not None:
-            data = self.pending + data
-            self.pending = None
-            self.sent = True
-            self.first_at = client.now()
-        client.write(data)
-        if client.paused:
-            self.conn.pause()
-
-    def on_end(self) -> None:
-        out = b""
-        if self.tail:
-            out = b"%x\r\n%b\r\n" % (len(self.tail), self.tail)
-            self.tail = b""
-        if self.chunked:
-            out += b"0\r\n\r\n"
-        if self.pending is not None:
-            out = self.pending + out
+            self.out.append(self.pending)
             self.pending = None
             self.sent = True
             self.first_at = self.client.now()
-        if out:
-            self.client.write(out)
+        self.out.append(data)
+
+    def on_end(self) -> None:
+        if self.tail:
+            self.out.append(b"%x\r\n%b\r\n" % (len(self.tail), self.tail))
+            self.tail = b""
+        if self.chunked:
+            self.out.append(b"0\r\n\r\n")
+        if self.pending is not None:
+            self.out.insert(0, self.pending)
+            self.pending = None
+            self.sent = True
+            self.first_at = self.client.now()
         self._resolve(OK)
 
+    def flush(self) -> None:
+        out = self.out
+        if not out:
+            return
+        client = self.client
+        client.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
+        if client.paused and not self.fut.done():
+            self.conn.pause()
+
     def on_error(self, exc: UpstreamError) -> None:
+        self.flush()  # what was relayed before the failure goes first
         self.error = exc
         if not self.sent:
             self._resolve(FAIL_BEFORE)

@@ -2,7 +2,8 @@
 
 An ``UpstreamConn`` carries one exchange at a time and reports it to a ``Sink`` from its
 protocol callbacks: ``on_head`` once, ``on_body`` per piece as it arrives (no
-buffering), then exactly one of ``on_end`` / ``on_error``. Finished connections that
+buffering), then exactly one of ``on_end`` / ``on_error``, and ``flush`` after each
+read, so a sink can send all that one read produced as one write. Finished connections that
 may be reused go back to their ``UpstreamPool``; ``abort`` drops the exchange and
 closes the socket at once (the engine sees the disconnect and frees the slot).
 Idle timeouts are enforced by the router's sweeper through ``last_io``.
@@ -39,6 +40,7 @@ class Sink(Protocol):
     def on_body(self, data: bytes) -> None: ...
     def on_end(self) -> None: ...
     def on_error(self, exc: UpstreamError) -> None: ...
+    def flush(self) -> None: ...
 
 
 class UpstreamConn(asyncio.Protocol):
@@ -88,6 +90,7 @@ class UpstreamConn(asyncio.Protocol):
         self.sink = None
         if self._mode == UNTIL_CLOSE:
             sink.on_end()
+            sink.flush()
             return
         stale = self.reused and not self.got_bytes
         what = "closed the connection" if exc is None else f"connection lost ({exc})"
@@ -107,11 +110,15 @@ class UpstreamConn(asyncio.Protocol):
             return
         self.got_bytes = True
         self.last_io = _monotonic()
-        if self._mode == HEAD:
-            data = self._head(data)
-            if not data or self.sink is None:
-                return
-        self._body(data)
+        try:
+            if self._mode == HEAD:
+                data = self._head(data)
+                if not data or self.sink is None:
+                    return
+            self._body(data)
+        finally:
+            # Everything this read produced (head, body, end of stream) goes out as one write.
+            sink.flush()
 
     # ---------------------------------------------------------------- parsing
     def _head(self, data: bytes) -> bytes:
