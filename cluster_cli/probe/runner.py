@@ -76,10 +76,13 @@ class AsyncsshConnector:
     def __init__(self, pinned_known_hosts: Path | None = None) -> None:
         self.pinned = pinned_known_hosts
         self._pin_lock = asyncio.Lock()
+        # Parsed known_hosts files by path, re-read when the file changes: asyncssh given a
+        # path parses every key in it on every connect, which is quadratic in the fleet size.
+        self._parsed: dict[str, tuple[tuple[int, int, int], asyncssh.SSHKnownHosts]] = {}
 
     @asynccontextmanager
     async def session(self, target: SSHTarget) -> AsyncIterator[Session]:
-        known_hosts = await self._known_hosts(target)
+        known_hosts = self._parse(await self._known_hosts(target))
         pinned = target.known_hosts == ACCEPT_NEW
         try:
             conn = await asyncio.wait_for(
@@ -114,6 +117,19 @@ class AsyncsshConnector:
             conn.close()
             with suppress(TimeoutError, asyncio.TimeoutError, OSError, asyncssh.Error):
                 await asyncio.wait_for(conn.wait_closed(), timeout=1.0)
+
+    def _parse(self, path: str) -> asyncssh.SSHKnownHosts | str:
+        try:
+            st = os.stat(path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            hit = self._parsed.get(path)
+            if hit is not None and hit[0] == stamp:
+                return hit[1]
+            parsed = asyncssh.read_known_hosts(path)
+        except (OSError, ValueError):
+            return path  # let asyncssh report it, per node
+        self._parsed[path] = (stamp, parsed)
+        return parsed
 
     async def _known_hosts(self, target: SSHTarget) -> str:
         if target.known_hosts != ACCEPT_NEW:

@@ -30,12 +30,12 @@ class Exchange:
     __slots__ = (
         "chunked",
         "client",
-        "out",
         "conn",
         "error",
         "first_at",
         "fut",
         "may_retry",
+        "out",
         "pending",
         "sent",
         "sse",
