@@ -107,6 +107,26 @@ def test_chunked_request_body_and_pipelining(fleet):
     assert b"chat.completion" in first and b'"id":"sim"' in rest
 
 
+def test_head_answers_with_the_head_alone_on_a_kept_alive_connection(fleet):
+    reqs = b"".join(
+        b"%s %s HTTP/1.1\r\nHost: x\r\n\r\n" % (m, p)
+        for m, p in ((b"HEAD", b"/health"), (b"HEAD", b"/v1/models"), (b"HEAD", b"/nope"), (b"GET", b"/v1/models"))
+    ) + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", fleet.port), timeout=10) as s:
+        s.sendall(reqs)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    # Five responses in order; the three HEAD ones carry a Content-Length but no body, so the
+    # GET answers that follow on the same connection start right after their heads.
+    parts = data.split(b"HTTP/1.1 ")[1:]
+    assert [p[:3] for p in parts] == [b"200", b"200", b"404", b"200", b"200"]
+    for p in parts[:3]:
+        head, _, body = p.partition(b"\r\n\r\n")
+        assert body == b"" and b"content-length: " in head.lower() and not head.lower().endswith(b"length: 0")
+    assert b'"id":"sim"' in parts[3] and b'"status":"ok"' in parts[4]
+
+
 def test_api_keys(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# team a\nsk-alpha\nsha256:" + digest("sk-beta").hex() + "\n")

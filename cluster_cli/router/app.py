@@ -225,20 +225,18 @@ class Router:
                 error_response(405 if path in _GET_PATHS else 404, "not found", "not_found", keep_alive=conn.keep_alive)
             )
             return None
+        # A HEAD answer is the GET answer's head alone (same Content-Length, no body).
+        write = conn.write if req.method == b"GET" else lambda data: conn.write(data[: data.find(b"\r\n\r\n") + 4])
         if path == b"/health":
             body = self._health_body()
-            conn.write(response(200 if not self._draining else 503, body, keep_alive=conn.keep_alive))
+            write(response(200 if not self._draining else 503, body, keep_alive=conn.keep_alive))
         elif path == b"/metrics":
-            conn.write(
-                response(200, self.metrics.render(), keep_alive=conn.keep_alive, ctype=b"text/plain; version=0.0.4")
-            )
+            write(response(200, self.metrics.render(), keep_alive=conn.keep_alive, ctype=b"text/plain; version=0.0.4"))
         elif path == b"/v1/models":
-            if self._authorized(conn, req):
-                conn.write(response(200, self.table.models_json, keep_alive=conn.keep_alive))
+            if self._authorized(conn, req, write):
+                write(response(200, self.table.models_json, keep_alive=conn.keep_alive))
         else:
-            conn.write(
-                error_response(404, f"no route for {path.decode('latin-1')}", "not_found", keep_alive=conn.keep_alive)
-            )
+            write(error_response(404, f"no route for {path.decode('latin-1')}", "not_found", keep_alive=conn.keep_alive))
         return None
 
     def _health_body(self) -> bytes:
@@ -252,11 +250,11 @@ class Router:
         }
         return json.dumps(body, separators=(",", ":")).encode()
 
-    def _authorized(self, conn: ClientConn, req: Request) -> bool:
+    def _authorized(self, conn: ClientConn, req: Request, write: Callable[[bytes], None] | None = None) -> bool:
         keys = self.api_keys
         if keys is None or keys.check(req.header(b"authorization")):
             return True
-        conn.write(
+        (write or conn.write)(
             error_response(
                 401,
                 "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
