@@ -87,7 +87,8 @@ def test_cut_short_output_means_no_result() -> None:
     cmds = {"a": "echo 1", "b": "echo 2"}
     command, token = build_command(cmds, per_command_timeout_s=5)
     out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
-    res = parse_records(cmds, out[: len(out) - 1], token)  # the node died during the last byte
+    last = out.rindex(b"@@CC " + token.encode() + b" END")
+    res = parse_records(cmds, out[: last - 1], token)  # the node died during the last byte of output
     assert res["a"].rc == 0 and res["b"].rc is None
 
 
@@ -228,3 +229,56 @@ def test_the_shortcut_agrees_with_the_parser_on_real_outputs(fixture: Path) -> N
     started = set(parse_records(cmds, out, token)) - {"ibstat"}
     expected = {sminfo_record(p.ca, p.port) for p in parse_ibstat(text) if p.is_ib_attachment}
     assert started == expected
+
+
+def test_builtins_as_first_word_run_in_a_shell() -> None:
+    _, res = run_local({"b": "command -v sh", "t": "type sh"})
+    assert res["b"].rc == 0 and res["b"].stdout.strip().endswith("/sh")
+    assert res["t"].rc == 0
+
+
+def test_only_probes_still_running_at_the_deadline_are_labelled_timed_out() -> None:
+    _, res = run_local({"hang": "sleep 39", "crash": "sh -c 'kill -SEGV $$'"}, timeout=1)
+    assert res["hang"].rc == 124
+    assert res["crash"].rc == 128 + 11 and "timed out" not in res["crash"].stderr
+
+
+def test_the_watchdog_never_signals_a_process_that_is_not_its_own_job() -> None:
+    # A finished job's pid can be reused by anyone; simulate that by putting a stranger's pid in
+    # the batch's pid list (found through the job's own stdout file) before the deadline.
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        add = (
+            "sh -c 'd=$(dirname \"$(readlink /proc/$$/fd/1)\"); "
+            f"echo {stranger.pid} >>\"$d/p\"; sleep 39'"
+        )
+        _, res = run_local({"hang": add}, timeout=1)
+        assert res["hang"].rc == 124
+        assert stranger.poll() is None, "the watchdog killed a process that was not one of its jobs"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_leftover_writer_never_shifts_output_into_other_records() -> None:
+    # The timed-out job leaves a child that keeps writing to its output file, also while the
+    # batch measures (wc) and then reads (cat) the files: the records after it must never get
+    # its bytes; when sizes and data disagree every record is reported missing instead.
+    mark = f"writer-{os.getpid()}"
+    cmds = {
+        "leaky": f"sh -c '( while :; do echo {mark}; sleep 0.001; done ) & wait'",
+        "mid": "echo mid",
+        "last": "echo last",
+    }
+    try:
+        for _ in range(3):
+            _, res = run_local(cmds, timeout=1)
+            assert res["mid"].stdout in ("mid\n", "") and res["last"].stdout in ("last\n", "")
+            if res["mid"].rc is None:
+                assert "changed" in res["mid"].stderr and res["last"].rc is None
+            # The watchdog signals the job's whole process tree: the writer is gone too.
+            assert res["leaky"].rc == 124
+            writer = subprocess.run(["pgrep", "-f", f"^sh -c [(] while :; do echo {mark}"], capture_output=True)
+            assert writer.stdout == b""
+    finally:
+        subprocess.run(["pkill", "-f", mark], check=False)

@@ -10,6 +10,7 @@ POSIX sh script that starts every command in the background, waits, and prints:
     <`wc -c` of out0 err0 out1 err1 ...>
     @@CC <token> DATA
     <out0><err0><out1><err1>...
+    @@CC <token> END
 
 Byte counts let any output, binary junk included, be split exactly.
 
@@ -46,39 +47,81 @@ _SHELL_SYNTAX = frozenset(";|&<>()$`\n\\\"*?[]{}~#!")
 _PRELUDE = r"""export LC_ALL=C
 d=$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d) || exit 97
 trap 'rm -rf "$d"' EXIT
-P=; R=; n=0
+R=; n=0
 run() {
   case $1 in ''|*[!A-Za-z0-9_.:-]*) return 1;; esac
+  [ -e "$d/t" ] && return 1  # the deadline has passed: start nothing more
   nm=$1; shift
   exec "$@" >"$d/$n.o" 2>"$d/$n.e" </dev/null &
-  P="$P $!"; R="$R $n:$nm:$!"; n=$((n+1))
-  echo "$P" >"$d/p"
+  R="$R $n:$nm:$!"; n=$((n+1))
+  echo $! >>"$d/p"
+}
+kl() {
+  sig=$1; all=
+  while read -r k; do
+    if [ -r /proc/$$/stat ]; then
+      # Only our own jobs still running: a finished job's pid may belong to someone else now.
+      l=; read -r l <"/proc/$k/stat" 2>/dev/null || continue
+      set -- ${l##*) }
+      [ "$2" = "$$" ] && [ "$1" != Z ] || continue
+    fi
+    [ "$sig" = TERM ] && echo "$k" >>"$d/t"
+    # The job and everything it started (an `sh -c` probe's children would outlive it, still
+    # writing to its output): collect the whole tree first, then signal it at once.
+    q=$k
+    while set -- $q; [ $# -gt 0 ]; do
+      c=$1; shift; q=$*; all="$all $c"
+      cs=; read -r cs <"/proc/$c/task/$c/children" 2>/dev/null
+      q="$q $cs"
+    done
+  done <"$d/p"
+  [ -n "$all" ] && kill -"$sig" $all 2>/dev/null
 }
 """
 
+# One watchdog for every job: at the deadline, flag it (``$d/t``), TERM the jobs still
+# running (recording their pids), and KILL what is left a second later.
 _WATCHDOG = (
-    "( trap 'kill $s 2>/dev/null; exit' TERM; sleep {t} & s=$!; wait $s; : >\"$d/t\"; "
-    "read -r k <\"$d/p\"; kill -TERM $k; sleep 1; read -r k <\"$d/p\"; kill -KILL $k ) "
+    "( trap 'kill $s 2>/dev/null; exit' TERM; sleep {t} & s=$!; wait $s; : >\"$d/t\"; kl TERM; "
+    "sleep 1 & s=$!; wait $s; kl KILL ) "
     ">/dev/null 2>&1 </dev/null & w=$!"
 )
 
-_COLLECT = r"""printf '@@CC {token} RC\n'
+_COLLECT = r"""for x in $R; do
+  i=${{x%%:*}}; pid=${{x##*:}}
+  eval "r=\${{x$i-}}"
+  if [ -z "$r" ]; then wait "$pid"; eval "x$i=\$?"; fi
+done
+kill $w 2>/dev/null
+K=" "
+if [ -e "$d/t" ]; then while read -r k; do K="$K$k "; done <"$d/t"; fi
+printf '@@CC {token} RC\n'
 set --
 for x in $R; do
   i=${{x%%:*}}; x=${{x#*:}}; nm=${{x%:*}}; pid=${{x##*:}}
-  eval "r=\${{x$i-}}"
-  if [ -z "$r" ]; then wait "$pid"; r=$?; fi
-  if [ "$r" -gt 128 ] && [ -e "$d/t" ]; then r={timed_out}; fi
+  eval "r=\$x$i"
+  case $K in *" $pid "*) if [ "$r" -gt 128 ]; then r={timed_out}; fi;; esac
   printf '%s %s\n' "$nm" "$r"
   set -- "$@" "$d/$i.o" "$d/$i.e"
 done
-kill $w 2>/dev/null
 printf '@@CC {token} SIZES\n'
 [ $# -gt 0 ] && wc -c "$@" </dev/null
 printf '@@CC {token} DATA\n'
 [ $# -gt 0 ] && cat "$@" </dev/null
+printf '@@CC {token} END\n'
 exit 0
 """
+
+# Words that are shell builtins or keywords, not programs: such a command needs its own sh.
+_NOT_PROGRAMS = frozenset(
+    (
+        ".", ":", "[", "alias", "bg", "break", "cd", "command", "continue", "eval", "exec", "exit",
+        "export", "fg", "getopts", "hash", "jobs", "kill", "local", "read", "readonly", "return", "set",
+        "shift", "test", "times", "trap", "type", "ulimit", "umask", "unalias", "unset", "wait", "case",
+        "do", "done", "elif", "else", "esac", "fi", "for", "if", "in", "then", "until", "while", "{",
+        "}", "!",
+    )
+)
 
 
 def _is_simple(cmd: str) -> bool:
@@ -87,7 +130,12 @@ def _is_simple(cmd: str) -> bool:
         return False
     bare = re.sub(r"'[^']*'", "''", cmd)  # anything goes inside single quotes
     words = bare.split()
-    return bool(words) and "=" not in words[0] and not (_SHELL_SYNTAX & set(bare))
+    return (
+        bool(words)
+        and "=" not in words[0]
+        and words[0] not in _NOT_PROGRAMS
+        and not (_SHELL_SYNTAX & set(bare))
+    )
 
 
 def build_command(
@@ -125,6 +173,7 @@ def build_command(
     return "sh -c " + shlex.quote("\n".join(lines)), token
 
 
+_CHANGED = CommandResult(None, "", "no result (an output changed while the batch read it)")
 _RC_LINE = re.compile(rb"(" + NAME_RE.pattern.encode() + rb") (\d+)")
 
 
@@ -154,6 +203,11 @@ def parse_records(commands: Mapping[str, str], stdout: bytes, token: str) -> dic
     if len(sizes) < 2 * len(records):
         return out
     pos = m_data.end()
+    end = stdout.rfind(b"@@CC " + token.encode() + b" END\n")
+    if end >= 0 and end != pos + sum(sizes[: 2 * len(records)]):
+        # An output grew between `wc` and `cat` (a leftover child of a timed-out probe still
+        # writing): every offset after it is wrong, so trust none of them.
+        return dict.fromkeys(out, _CHANGED) | {name: _CHANGED for name, _ in records}
     for i, (name, rc) in enumerate(records):
         n_out, n_err = sizes[2 * i], sizes[2 * i + 1]
         body = stdout[pos : pos + n_out + n_err]
