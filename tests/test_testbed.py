@@ -474,3 +474,22 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
         assert cli("down", "--dir", str(d)).returncode == 0
     assert _leftovers(tb_cluster.testbed_prefix(d), d.resolve()) == []
     assert cli("status", "--dir", str(d)).returncode == 1
+
+
+def test_loopback_mode_serves_discover_without_namespaces(testbed_factory: ClusterFactory) -> None:
+    # The fallback for users without root: plain sshds on 127.0.0.1 ports. Forced here so that
+    # a root CI run covers it too.
+    from cluster_cli.probe.collect import discover
+    from cluster_cli.probe.runner import AsyncsshConnector
+
+    c = testbed_factory("a=hgx-h200x8:fabric=ib-a,b=cpu-only", mode="loopback")
+    assert c.mode == "loopback"
+    assert all(n.host == "127.0.0.1" and n.netns is None for n in c.nodes.values())
+    inv = load_inventory(c.inventory_path)
+    facts = {f.name: f for f in asyncio.run(discover(inv, connector=AsyncsshConnector()))}
+    assert facts["a"].reachable and len(facts["a"].gpus) == 8
+    assert {h.sm_guid for h in facts["a"].hcas if h.is_ib_attachment} == {hw.fabric_sm_guid("ib-a")}
+    assert facts["b"].reachable and facts["b"].gpus == ()
+    c.kill("b")
+    facts = {f.name: f for f in asyncio.run(discover(inv, connector=AsyncsshConnector()))}
+    assert facts["a"].reachable and not facts["b"].reachable
