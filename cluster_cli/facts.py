@@ -11,6 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def _num(d: dict[str, Any], key: str) -> Any:
+    """``d[key]`` if it is a number or missing/null; anything else is a ValueError naming the key."""
+    v = d.get(key)
+    if v is None or (isinstance(v, int | float) and not isinstance(v, bool)):
+        return v
+    raise ValueError(f"{key}: expected a number, got {v!r}")
+
+
 @dataclass(frozen=True)
 class GpuProcess:
     """A compute process on a GPU, from ``nvidia-smi --query-compute-apps``."""
@@ -85,10 +93,10 @@ class Gpu:
             uuid=str(d.get("uuid") or ""),
             product=str(d.get("product") or ""),
             gpu_class=str(d.get("class") or d.get("gpu_class") or ""),
-            memory_total_mib=d.get("memory_total_mib"),
-            memory_used_mib=d.get("memory_used_mib"),
+            memory_total_mib=_num(d, "memory_total_mib"),
+            memory_used_mib=_num(d, "memory_used_mib"),
             pci_bus_id=d.get("pci_bus_id"),
-            ecc_uncorrected=d.get("ecc_uncorrected"),
+            ecc_uncorrected=_num(d, "ecc_uncorrected"),
             retired_pages_pending=d.get("retired_pages_pending"),
             remapped_rows_pending=d.get("remapped_rows_pending"),
             mig_mode=d.get("mig_mode"),
@@ -229,8 +237,8 @@ class NodeFacts:
             host=str(d.get("host") or ""),
             reachable=bool(d.get("reachable", True)),
             error=d.get("error"),
-            cpus=d.get("cpus"),
-            memory_mib=d.get("memory_mib"),
+            cpus=_num(d, "cpus"),
+            memory_mib=_num(d, "memory_mib"),
             gpus=tuple(Gpu.from_dict(g) for g in d.get("gpus") or ()),
             nvlink_domains=None if doms is None else tuple(tuple(int(i) for i in x) for x in doms),
             hcas=tuple(HcaPort.from_dict(h) for h in d.get("hcas") or ()),
@@ -300,6 +308,6 @@ class Replica:
             shards=tuple(Shard.from_dict(s) for s in d.get("shards") or ()),
             fabric=d.get("fabric"),
             gpu_class=d.get("gpu_class"),
-            cpus=d.get("cpus"),
-            memory_mib=d.get("memory_mib"),
+            cpus=_num(d, "cpus"),
+            memory_mib=_num(d, "memory_mib"),
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import asyncssh
 import pytest
 from typer.testing import CliRunner
 
@@ -11,6 +12,15 @@ from cluster_cli.cli.main import app
 from cluster_cli.state.store import Store
 
 runner = CliRunner()
+
+
+def write_key(path: Path, passphrase: str | None = None) -> Path:
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    if passphrase:  # PKCS#8 encryption needs no bcrypt (OpenSSH's own format does)
+        key.write_private_key(path, format_name="pkcs8-pem", passphrase=passphrase)
+    else:
+        key.write_private_key(path)
+    return path
 
 
 def inv(tmp_path: Path, body: str) -> Path:
@@ -62,7 +72,7 @@ def test_discover_missing_identity_file_names_node(tmp_path: Path) -> None:
 
 
 def test_discover_missing_known_hosts(tmp_path: Path) -> None:
-    (tmp_path / "id").write_text("x")
+    write_key(tmp_path / "id")
     body = "defaults: {identity_file: id, known_hosts: nofile}\nnodes:\n  - {name: gpu-07, host: 198.18.0.77}\n"
     r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)))
     assert r.exit_code == 2
@@ -71,7 +81,7 @@ def test_discover_missing_known_hosts(tmp_path: Path) -> None:
 
 
 def test_discover_unknown_node_flag(tmp_path: Path) -> None:
-    (tmp_path / "id").write_text("x")
+    write_key(tmp_path / "id")
     (tmp_path / "kh").write_text("")
     body = "defaults: {identity_file: id, known_hosts: kh}\nnodes:\n  - {name: a, host: 198.18.0.77}\n"
     r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)), "--node", "zz")
@@ -106,3 +116,54 @@ def test_corrupt_state_file(tmp_path: Path) -> None:
     assert r.exit_code == 2
     (line,) = error_lines(r)
     assert "state.db" in line and "not a usable state database" in line
+
+
+@pytest.mark.parametrize(
+    ("setup", "identity", "needle"),
+    [
+        (lambda d: (d / "keydir").mkdir(), "keydir", "identity file is not a file"),
+        (lambda d: write_key(d / "enc", passphrase="secret"), "enc", "passphrase-protected"),
+        (lambda d: (d / "junk").write_text("not a key"), "junk", "unusable"),
+    ],
+    ids=["directory", "encrypted", "junk"],
+)
+def test_local_ssh_mistakes_are_config_errors_and_save_nothing(tmp_path: Path, setup, identity, needle) -> None:
+    # A local mistake is not "every node unreachable": exit 2, one line, the state untouched.
+    setup(tmp_path)
+    (tmp_path / "kh").write_text("")
+    body = f"defaults: {{identity_file: {identity}, known_hosts: kh}}\nnodes:\n  - {{name: a, host: 198.18.0.77}}\n"
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)))
+    assert r.exit_code == 2
+    (line,) = error_lines(r)
+    assert needle in line and "nodes.0 (a)" in line and "inventory.yaml" in line
+    assert not (tmp_path / "state.db").exists()
+
+
+def test_missing_ssh_config_is_a_config_error(tmp_path: Path) -> None:
+    write_key(tmp_path / "id")
+    (tmp_path / "kh").write_text("")
+    body = "ssh_config: nosuch\ndefaults: {identity_file: id, known_hosts: kh}\nnodes:\n  - {name: a, host: h}\n"
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)))
+    assert r.exit_code == 2 and "ssh_config: not a readable file" in r.output
+
+
+def test_non_utf8_and_empty_inventories_are_one_line_errors(tmp_path: Path) -> None:
+    p = tmp_path / "inventory.yaml"
+    p.write_bytes(b"\xff\xfe nodes")
+    r = run(tmp_path, "discover", "-i", str(p))
+    assert r.exit_code == 2 and "not UTF-8" in r.output and "Traceback" not in r.output
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, "defaults: {user: root}\n")))
+    assert r.exit_code == 2 and "lists no nodes" in r.output
+
+
+def test_timeout_must_be_positive(tmp_path: Path) -> None:
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, "nodes:\n  - {name: a, host: h}\n")), "--timeout", "-1")
+    assert r.exit_code == 2 and not (tmp_path / "state.db").exists()
+
+
+def test_several_validation_errors_are_all_named(tmp_path: Path) -> None:
+    body = "nodes:\n  - {name: a, host: h, prot: 22, usr: x}\n"
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)))
+    assert r.exit_code == 2
+    (line,) = error_lines(r)
+    assert "nodes.0.prot: unknown key" in line and "nodes.0.usr: unknown key" in line

@@ -155,6 +155,10 @@ def test_facts_file_gets_the_stores_cordons(tmp_path: Path) -> None:
         (lambda p: (p / "facts.json").write_text('{"nodes": 3}'), "facts.json: nodes: expected a list"),
         (lambda p: (p / "facts.json").unlink(), "facts.json: file not found"),
         (lambda p: (p / "inventory.yaml").write_text("nodes: [{name: a}]\n"), "inventory.yaml: nodes.0.host"),
+        (lambda p: (p / "facts.json").write_text("[]"), "facts.json: has facts for none of the inventory's 1 nodes"),
+        (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "zz"}]}'), "none of the inventory's 1 nodes (zz)"),
+        (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "gpu-01", "cpus": "many"}]}'),
+         "facts.json: nodes.0 (gpu-01): invalid facts: cpus: expected a number, got 'many'"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, setup, needle: str) -> None:
@@ -205,3 +209,14 @@ def test_facts_bare_list_and_reachability_round_trip(tmp_path: Path) -> None:
     facts.write_text(json.dumps([dgx("gpu-01", cpus=8).to_dict()]))
     r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
     assert r.exit_code == 3 and json.loads(r.stdout)["replicas"][0]["shards"][0]["node"] == "gpu-01"
+
+
+def test_place_reads_the_state_without_writing_it(tmp_path: Path) -> None:
+    inv, cat, _ = write_inputs(tmp_path, [dgx("gpu-01")])
+    with Store(tmp_path / "state.db") as st:
+        st.save_discovery([dgx("gpu-01")])
+        version = st.version()
+    before = (tmp_path / "state.db").read_bytes()
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["state_version"] == version
+    assert (tmp_path / "state.db").read_bytes() == before

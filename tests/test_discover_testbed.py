@@ -153,7 +153,7 @@ def test_accept_new_pins_then_refuses_a_changed_key(testbed_factory, tmp_path: P
     inv = derived_inventory(c.inventory_path, "inv-tofu.yaml", known_hosts="accept-new")
     state = tmp_path / "st" / "s.db"
     assert discover(state, inv)[0] == 0
-    pinned = state.parent / "known_hosts"
+    pinned = state.with_suffix(".known_hosts")  # beside the state, named after it
     line = pinned.read_text().strip()
     assert line.startswith("n1 ssh-")  # pinned per node name, whatever ssh_config resolves
     assert discover(state, inv)[0] == 0
@@ -237,4 +237,5 @@ def test_ssh_config_supplies_user_key_and_accept_new_pins_by_name(testbed_factor
         code, doc, err = discover(state, inv)
         assert code == 0, err
         assert by_name(doc)["n1"]["reachable"] is True
-    assert (state.parent / "known_hosts").read_text().count("\n") == 1
+    assert state.with_suffix(".known_hosts").read_text().count("\n") == 1
+    assert not (state.parent / "known_hosts").exists()  # never an OpenSSH-named file

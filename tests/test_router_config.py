@@ -149,6 +149,47 @@ def test_cli_help_shows_example():
     assert "--config" in res.output and "--api-keys-file" in res.output and "endpoints:" in res.output
 
 
+def test_cli_help_states_defaults_choices_and_exit_codes():
+    """Every option's help is a sentence naming its default; choices are listed; exit codes are documented."""
+    import typing
+
+    from cluster_cli.cli.serve_router import LogLevel, Policy
+    from cluster_cli.router.config import RouterSpec
+    from cluster_cli.router.policy import POLICIES
+
+    allowed = set(typing.get_args(RouterSpec.model_fields["policy"].annotation))
+    assert {p.value for p in Policy} == set(POLICIES) == allowed
+    res = CliRunner().invoke(_app(), ["serve-router", "--help"], env={"COLUMNS": "250"})  # one row per option
+    assert res.exit_code == 0
+    out = res.output
+    assert " ." not in out  # rich ate "[default: ...]" in the help text and left the period behind
+    rows = {}
+    for line in out.splitlines():
+        parts = line.strip("│ *").split()
+        if parts and parts[0].startswith("--"):
+            rows[parts[0]] = " ".join(parts[1:])
+    assert set(rows) >= {"--config", "--policy", "--max-body-bytes", "--connect-timeout", "--idle-timeout",
+                         "--max-queue", "--queue-timeout", "--log-level", "--watch-interval"}  # fmt: skip
+    for opt, row in rows.items():
+        if opt not in ("--config", "--help"):
+            assert "default" in row, (opt, row)
+    assert "<least_load|p2c|round_robin>" in rows["--policy"] and "least_load if unset" in rows["--policy"]
+    assert "<debug|info|warning|error>" in rows["--log-level"] and "[default: warning]" in rows["--log-level"]
+    assert "32 MiB" in rows["--max-body-bytes"] and "5 if unset" in rows["--connect-timeout"]
+    assert "300 if unset" in rows["--idle-timeout"] and "256 if unset" in rows["--max-queue"]
+    assert "30 if unset" in rows["--queue-timeout"]
+    assert "Exit codes: 0 clean shutdown" in out and "2 bad config" in out and "130 interrupted" in out
+    assert "clusterctl serve-router --config router.yaml" in out  # the example stays
+    assert [m.value for m in LogLevel] == ["debug", "info", "warning", "error"]
+
+
+def test_cli_rejects_unknown_choices_with_exit_2(tmp_path):
+    p = write(tmp_path, "models: {m: {endpoints: [{url: 'http://h:1'}]}}")
+    for flag, value in (("--policy", "random"), ("--log-level", "loud")):
+        res = CliRunner().invoke(_app(), ["serve-router", "--config", str(p), flag, value])
+        assert res.exit_code == 2 and value in res.output, res.output
+
+
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     p = write(tmp_path, "models: {m: {endpoints: [{url: 'http://h:1', nope: 1}]}}")
     res = subprocess.run(
@@ -160,8 +201,8 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "models.m.endpoints.0.nope: unknown key" in lines[0]
-    res = subprocess.run(
-        [*CLI, "serve-router", "--config", str(tmp_path / "missing.yaml")],
+    res = subprocess.run(  # --log-level is case-insensitive, as before
+        [*CLI, "serve-router", "--config", str(tmp_path / "missing.yaml"), "--log-level", "INFO", "--policy", "p2c"],
         capture_output=True,
         text=True,
         timeout=60,

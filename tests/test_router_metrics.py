@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from simengine import Fleet
 
 from cluster_cli.router.accesslog import AccessLog
+from cluster_cli.router.breaker import State
 
 MSG = [{"role": "user", "content": "hello"}]
 
@@ -59,7 +60,7 @@ def test_metrics_and_access_log():
         assert all(e["breaker"]["state"] == "closed" and e["inflight"] == 0 for e in health["endpoints"])
         f.lt.call(f.router.access.flush)
         lines = [json.loads(line) for line in buf.getvalue().splitlines()]
-        assert [(r["model"], r["status"]) for r in lines] == [("sim", 200)] * 3 + [("", 404)]
+        assert [(r["model"], r["status"]) for r in lines] == [("sim", 200)] * 3 + [("nope", 404)]
         assert all(r["path"] == "/v1/chat/completions" and r["attempts"] <= 1 for r in lines)
         assert lines[0]["endpoint"] in ("r0", "r1") and lines[0]["duration_ms"] >= lines[0]["ttfb_ms"] > 0
     finally:
@@ -73,3 +74,77 @@ def test_access_log_escapes_client_strings():
     log.flush()
     rec = json.loads(buf.getvalue())
     assert rec["path"] == '/v1/x"\n' and rec["model"] == 'm"odel' and rec["note"] == 'a "b"' and rec["ttfb_ms"] is None
+
+
+def test_access_log_records_the_unknown_model_asked_for():
+    """A 404 for an unknown model logs the name the client sent (escaped, capped); metrics keep ""."""
+    buf = io.StringIO()
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=2).start(access_log=AccessLog(buf))
+    long_name = 'x"\n\u00e9' + "y" * 1000
+    try:
+        for name in ("no-such-model", long_name):
+            r = httpx.post(f.base + "/chat/completions", json={"model": name, "messages": MSG})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = httpx.post(f.base + "/chat/completions", json={"messages": MSG})  # no model at all: nothing to log
+        assert r.status_code == 400
+        f.lt.call(f.router.access.flush)
+        lines = [json.loads(line) for line in buf.getvalue().splitlines()]
+        assert [(r["model"], r["status"]) for r in lines] == [
+            ("no-such-model", 404),
+            (long_name[:200], 404),
+            ("", 400),
+        ]
+        s = samples(httpx.get(f.url + "/metrics").text)
+        assert s[("clusterctl_router_requests_total", (("endpoint", ""), ("model", ""), ("status", "404")))] == 2
+        assert not any(("model", "no-such-model") in lab for _n, lab in s)
+    finally:
+        f.close()
+
+
+def test_health_is_degraded_while_a_model_has_no_endpoint():
+    """Open breakers and draining endpoints leave a model unservable: still 200 (liveness), "degraded"."""
+    f = Fleet(3, capacity=4, token_delay_s=0.001, tokens=2)
+    r0, r1, r2 = ({"url": e.url, "engine": "vllm", "replica": f"r{i}"} for i, e in enumerate(f.engines))
+    cfg = {
+        "models": {
+            "sim": {"endpoints": [r0, r1]},
+            "solo": {"endpoints": [r0]},
+            "gone": {"endpoints": [{**r2, "draining": True}]},
+        },
+        "router": {"scrape_interval_s": 0.1, "health_interval_s": 0.2},
+    }
+    f.start(cfg=cfg)
+    w0 = f.router.table.workers[f.engines[0].url]
+    try:
+        r = httpx.get(f.url + "/health")
+        assert r.status_code == 200
+        h = r.json()
+        assert h["status"] == "degraded" and h["unavailable_models"] == ["gone"]  # its only endpoint drains
+        assert set(h) >= {"models", "endpoints", "last_reload_error"} and h["last_reload_error"] is None
+
+        # r0's breaker held open (as failed requests open it; passing health checks do not close it)
+        f.lt.call(lambda: setattr(w0.breaker, "state", State.OPEN) or setattr(w0.breaker, "opened_at", 1e18))
+        r = httpx.get(f.url + "/health")
+        assert r.status_code == 200
+        assert r.json()["status"] == "degraded" and r.json()["unavailable_models"] == ["solo", "gone"]
+        assert httpx.post(f.base + "/chat/completions", json={"model": "solo", "messages": MSG}).status_code == 503
+        assert httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG}).status_code == 200
+
+        f.lt.call(lambda: setattr(w0.breaker, "state", State.CLOSED))
+        h = httpx.get(f.url + "/health").json()
+        assert h["status"] == "degraded" and h["unavailable_models"] == ["gone"]
+    finally:
+        f.close()
+
+
+def test_health_is_ok_when_every_model_can_be_served():
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2)
+    f.start(cfg=f.config(endpoint_extra={1: {"draining": True}}))  # one endpoint left is enough
+    try:
+        r = httpx.get(f.url + "/health")
+        assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["unavailable_models"] == []
+        f.lt.call(lambda: setattr(f.router, "_draining", True))  # what stop() sets first
+        r = httpx.get(f.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "draining"
+    finally:
+        f.close()

@@ -90,11 +90,17 @@ def test_bad_config_is_rejected_and_old_one_keeps_serving(tmp_path):
     try:
         path.write_text("models: {sim: {endpoints: [{url: 'ftp://x'}]}}\n")
         f.lt.wait_for(lambda: f.router.reloads_rejected >= 1, what="rejection")
-        health = httpx.get(f.url + "/health").json()
+        resp = httpx.get(f.url + "/health")
+        health = resp.json()
         assert "only http:// upstreams" in health["last_reload_error"] and "router.yaml" in health["last_reload_error"]
+        assert resp.status_code == 200 and health["status"] == "degraded" and health["unavailable_models"] == []
         r = httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG})
         assert r.status_code == 200
         assert 'clusterctl_router_config_reloads_total{result="rejected"}' in httpx.get(f.url + "/metrics").text
+        path.write_text(yaml.safe_dump(_cfg(f, [0])))  # fixed: accepted, the error clears
+        f.lt.wait_for(lambda: f.router.reloads_ok >= 1, what="reload")
+        health = httpx.get(f.url + "/health").json()
+        assert health["status"] == "ok" and health["last_reload_error"] is None
     finally:
         f.close()
 

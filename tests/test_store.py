@@ -5,6 +5,9 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
+import pytest
+
+from cluster_cli.errors import StateError
 from cluster_cli.facts import Gpu, NodeFacts, Replica, Shard
 from cluster_cli.state.store import Store
 
@@ -100,3 +103,21 @@ def test_a_locked_database_is_a_one_line_state_error(tmp_path: Path) -> None:
         holder.close()
     with Store(path) as s:
         assert s.cordons() == {}  # nothing half-written
+
+
+def test_a_readonly_handle_reads_and_refuses_to_write(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    with pytest.raises(StateError, match="no state yet"):
+        Store(path, readonly=True)
+    assert not path.exists()
+    with Store(path) as s:
+        s.save_discovery([node("a")])
+    with Store(path, readonly=True) as ro:
+        assert [f.name for f in ro.nodes()] == ["a"]
+        with pytest.raises(StateError):
+            ro.cordon("a", "x")
+    with Store(path) as s:
+        assert s.cordons() == {}
+    (tmp_path / "junk.db").write_bytes(b"not sqlite at all" * 100)
+    with pytest.raises(StateError, match="not a usable state database"):
+        Store(tmp_path / "junk.db", readonly=True)

@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 
 from cluster_cli.cli import ui
-from cluster_cli.cli.common import INVENTORY_HELP, inventory_or_abort, open_store
+from cluster_cli.cli.common import INVENTORY_HELP, inventory_or_abort, open_store, pinned_hosts_path
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError, ExitCode
 from cluster_cli.facts import NodeFacts
@@ -34,7 +34,9 @@ def discover(
     inventory: Path = typer.Option(..., "--inventory", "-i", help=INVENTORY_HELP),
     node: list[str] = typer.Option(None, "--node", "-n", help="Probe only this node (repeatable)."),
     parallel: int = typer.Option(64, "--parallel", "-p", min=1, help="Nodes probed at once."),
-    timeout: float = typer.Option(None, "--timeout", help="Per-node deadline in seconds (default connect + command timeouts)."),
+    timeout: float = typer.Option(
+        None, "--timeout", min=0.1, help="Per-node deadline in seconds (default connect + command timeouts)."
+    ),
     output: ui.Output = ui.OUTPUT_OPTION,
 ) -> None:
     """Probe nodes over SSH (GPUs, NVLink, InfiniBand, CPU, memory) and save the facts."""
@@ -54,7 +56,7 @@ def discover(
             ui.abort(f"{inventory}: no node named {', '.join(map(repr, unknown))} in the inventory")
         nodes = [n for n in inv.nodes if n.name in set(node)]
     store = open_store(state.state_path)
-    connector = AsyncsshConnector(pinned_known_hosts=state.state_path.parent / "known_hosts")
+    connector = AsyncsshConnector(pinned_known_hosts=pinned_hosts_path(state.state_path))
 
     with Progress(
         TextColumn("[bold]discover"),
@@ -138,7 +140,7 @@ def render(facts: list[NodeFacts]) -> None:
             str(f.cpus) if f.cpus is not None else "?",
             f"{f.memory_mib / 1024:.0f}" if f.memory_mib else "?",
             "[yellow]cordoned[/]" if f.cordoned else "-",
-            str(len(node_problems(f))) if node_problems(f) else "-",
+            "[red]unreachable[/]" if not f.reachable else str(len(node_problems(f))) if node_problems(f) else "-",
         )
     ui.out.print(t)
     for f in facts:

@@ -76,7 +76,7 @@ def _inputs(
     inv: Inventory, state_path: Path, facts_path: Path | None
 ) -> tuple[list[NodeFacts], list[Replica], int | None, str]:
     """Facts of the inventory's nodes, current allocations, state version, and where facts came from."""
-    store = Store(state_path, create=False) if facts_path is None or state_path.exists() else None
+    store = Store(state_path, readonly=True) if facts_path is None or state_path.exists() else None
     try:
         if facts_path is not None:
             raw = read_facts(facts_path)
@@ -95,6 +95,15 @@ def _inputs(
     finally:
         if store is not None:
             store.close()
+    if facts_path is not None:
+        named = {f.name for f in raw}
+        if not named & {n.name for n in inv.nodes}:
+            raise ConfigError(
+                f"{facts_path}: has facts for none of the inventory's {len(inv.nodes)} nodes "
+                f"({', '.join(sorted(named)[:5]) or 'no nodes at all'})"
+            )
+        if extra := sorted(named - {n.name for n in inv.nodes}):
+            ui.warn(f"{facts_path}: ignoring facts of nodes not in the inventory: {', '.join(extra)}")
     return for_inventory(inv, raw), current, version, source
 
 

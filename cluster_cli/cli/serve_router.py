@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from enum import StrEnum
 from pathlib import Path
 
 import typer
@@ -32,48 +33,103 @@ Example config (router.yaml):
     curl -N localhost:8000/v1/chat/completions -d '{"model":"tiny","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 
 The config file is watched and re-read on change or SIGHUP; an invalid new config is
-logged and the previous one keeps serving.
+logged and the previous one keeps serving. Options given here override the config's
+router: section. GET /health answers 200 while the router runs (503 while it shuts
+down); its "status" is "degraded" when some model has no endpoint that can take a
+request (listed in "unavailable_models") or the last reload was rejected.
+
+Exit codes: 0 clean shutdown on SIGTERM or SIGINT; 2 bad config, API keys file or
+option value, an access log that cannot be opened, or an address it cannot listen on;
+130 interrupted before it started serving; 1 an unexpected internal error.
 """
+
+
+class Policy(StrEnum):
+    """Load-balancing policies (``cluster_cli.router.policy.POLICIES``)."""
+
+    least_load = "least_load"
+    p2c = "p2c"
+    round_robin = "round_robin"
+
+
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
 
 
 @app.command("serve-router", help=HELP)
 def serve_router(
-    config: Path = typer.Option(..., "--config", "-c", help="Router config file (YAML).", show_default=False),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    port: int = typer.Option(8000, "--port", "-p", help="Port to listen on.", min=0, max=65535),
-    api_keys_file: Path | None = typer.Option(
-        None, "--api-keys-file", help="One API key per line (or sha256:HEX); clients send 'Authorization: Bearer KEY'."
+    config: Path = typer.Option(
+        ..., "--config", "-c", help="Router config file (YAML), watched for changes.", show_default=False
     ),
-    policy: str | None = typer.Option(None, "--policy", help="least_load (default), p2c or round_robin."),
-    max_body_bytes: int | None = typer.Option(None, "--max-body-bytes", help="Request body limit [default: 32 MiB]."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", "-p", help="Port to listen on (0 picks a free one).", min=0, max=65535),
+    api_keys_file: Path | None = typer.Option(
+        None,
+        "--api-keys-file",
+        help="File with one API key per line (or sha256:HEX) that clients send as 'Authorization: Bearer KEY'; "
+        "default none: no key needed.",
+        show_default=False,
+    ),
+    policy: Policy | None = typer.Option(
+        None,
+        "--policy",
+        help="Load-balancing policy; default the config's router.policy, least_load if unset.",
+        show_default=False,
+    ),
+    max_body_bytes: int | None = typer.Option(
+        None,
+        "--max-body-bytes",
+        help="Largest request body accepted, in bytes; default the config's router.limits.max_body_bytes, "
+        "32 MiB (33554432) if unset.",
+        show_default=False,
+    ),
     connect_timeout: float | None = typer.Option(
-        None, "--connect-timeout", help="Upstream connect timeout, s [default: 5]."
+        None,
+        "--connect-timeout",
+        help="Upstream connect timeout in seconds; default the config's router.limits.connect_timeout_s, 5 if unset.",
+        show_default=False,
     ),
     idle_timeout: float | None = typer.Option(
-        None, "--idle-timeout", help="Upstream idle (no bytes) timeout, s [default: 300]."
+        None,
+        "--idle-timeout",
+        help="Seconds an upstream may send no bytes before the request fails; default the config's "
+        "router.limits.idle_timeout_s, 300 if unset.",
+        show_default=False,
     ),
     max_queue: int | None = typer.Option(
-        None, "--max-queue", help="Requests that may wait per model when all endpoints are full [default: 256]."
+        None,
+        "--max-queue",
+        help="Requests that may wait per model while every endpoint is full; default the config's "
+        "router.admission.max_queue, 256 if unset.",
+        show_default=False,
     ),
     queue_timeout: float | None = typer.Option(
-        None, "--queue-timeout", help="Longest wait in that queue before 429, s [default: 30]."
+        None,
+        "--queue-timeout",
+        help="Longest wait in that queue before a 429, in seconds; default the config's "
+        "router.admission.max_wait_s, 30 if unset.",
+        show_default=False,
     ),
     access_log: str = typer.Option("-", "--access-log", help="Access log: '-' for stderr, a file path, or 'off'."),
-    log_level: str = typer.Option("warning", "--log-level", help="debug, info, warning or error."),
+    log_level: LogLevel = typer.Option(
+        LogLevel.warning, "--log-level", help="Least severe log messages written to stderr.", case_sensitive=False
+    ),
     watch_interval: float = typer.Option(1.0, "--watch-interval", help="Seconds between config file checks."),
 ) -> None:
     from cluster_cli.router.accesslog import AccessLog
     from cluster_cli.router.config import RouterConfig, with_overrides
     from cluster_cli.router.run import install_uvloop, serve
 
-    level = getattr(logging, log_level.upper(), None)
-    if not isinstance(level, int):
-        ui.abort(f"--log-level: unknown level {log_level!r}")
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if policy is not None and policy not in ("least_load", "p2c", "round_robin"):
-        ui.abort(f"--policy: unknown policy {policy!r} (least_load, p2c, round_robin)")
+    logging.basicConfig(
+        level=getattr(logging, log_level.value.upper()),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     overrides: dict[str, dict[str, object]] = {
-        "": {"policy": policy},
+        "": {"policy": policy.value if policy is not None else None},
         "limits": {
             "max_body_bytes": max_body_bytes,
             "connect_timeout_s": connect_timeout,

@@ -102,6 +102,8 @@ class Inventory(_Strict):
                 if p in products and products[p] != cls_name:
                     raise ValueError(f"gpu_classes: {p!r} is listed under both {products[p]!r} and {cls_name!r}")
                 products[p] = cls_name
+        if not self.nodes:
+            raise ValueError("nodes: the inventory lists no nodes")
         return self
 
     # ---- resolved views -------------------------------------------------

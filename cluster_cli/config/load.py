@@ -37,6 +37,10 @@ def read_yaml(path: Path) -> object:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a file") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
@@ -51,19 +55,22 @@ def read_yaml(path: Path) -> object:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
 
 
-def format_validation_error(path: Path | str, err: ValidationError) -> str:
-    """First pydantic error as ``file: field.path: message`` on one line."""
-    e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"])
-    msg = str(e["msg"]).removeprefix("Value error, ")
-    if e["type"] == "extra_forbidden":
-        msg = "unknown key"
-    if not loc:
-        loc, _, rest = msg.partition(": ") if ": " in msg else ("(top level)", "", msg)
-        msg = rest
-    more = len(err.errors()) - 1
-    suffix = f" (and {more} more error{'s' if more > 1 else ''})" if more else ""
-    return f"{path}: {loc}: {msg}{suffix}"
+def format_validation_error(path: Path | str, err: ValidationError, most: int = 3) -> str:
+    """Pydantic errors as ``file: field.path: message`` on one line (up to ``most``, then a count)."""
+    parts = []
+    errors = err.errors()
+    for e in errors[:most]:
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        if not loc:
+            loc, _, rest = msg.partition(": ") if ": " in msg else ("(top level)", "", msg)
+            msg = rest
+        parts.append(f"{loc}: {msg}")
+    more = len(errors) - most
+    suffix = f" (and {more} more error{'s' if more > 1 else ''})" if more > 0 else ""
+    return f"{path}: {'; '.join(parts)}{suffix}"
 
 
 def load_model(path: Path | str, model: type[M]) -> M:

@@ -180,10 +180,13 @@ def ssh_error_message(e: BaseException, target: SSHTarget | None = None) -> str:
         return f"cannot open a channel: {e.reason}"
     if isinstance(e, asyncssh.KeyImportError):
         return f"cannot load identity file: {e}"
+    where = f" ({target.host}:{target.port or 22})" if target else ""
     if isinstance(e, ConnectionRefusedError):
-        return "connection refused"
+        return f"connection refused{where}"
     if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
         return "timed out"
     if isinstance(e, OSError):
+        if e.errno:  # asyncio's "Connect call failed (...)" hides the reason in errno
+            return f"{os.strerror(e.errno).lower()}{where}"
         return e.strerror or str(e) or type(e).__name__
     return str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -40,6 +40,7 @@ log = logging.getLogger("clusterctl.router")
 
 PROXY_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"})
 SWEEP_S = 0.1
+LOGGED_MODEL_CHARS = 200  # an unknown model name is client text: log at most this much of it
 
 
 class Router:
@@ -240,11 +241,26 @@ class Router:
         return None
 
     def _health_body(self) -> bytes:
+        """The router's state. ``status`` is "draining" (answered with 503) while it shuts down,
+        "degraded" while some model has no endpoint that would take a request now, by the
+        balancer's own test (each one draining, its breaker open, or half-open with its probe
+        in flight: a request would get 503), such models listed in ``unavailable_models``, or
+        after a rejected config reload (``last_reload_error``); else "ok". Only draining changes
+        the HTTP status: /health is the router's liveness, and a degraded router still works.
+        """
         now = self.clock()
         t = self.table
+        unavailable = [n for n, e in t.models.items() if not self.balancer.any_eligible(e)]
+        if self._draining:
+            status = "draining"
+        elif unavailable or self.last_reload_error is not None:
+            status = "degraded"
+        else:
+            status = "ok"
         body = {
-            "status": "draining" if self._draining else "ok",
+            "status": status,
             "models": {n: len(e.queue) for n, e in t.models.items()},
+            "unavailable_models": unavailable,
             "endpoints": [w.snapshot(now) for w in list(t.workers.values()) + t.retired],
             "last_reload_error": self.last_reload_error,
         }
@@ -276,9 +292,10 @@ class Router:
         attempts = 0
         ttfb: float | None = None
         note = ""
+        asked: list[str] = []  # the model the client named, once the body is parsed (for the access log)
         self._inflight_total += 1
         try:
-            status, model, endpoint, attempts, ttfb, note = await self._proxy(conn, req, t0)
+            status, model, endpoint, attempts, ttfb, note = await self._proxy(conn, req, t0, asked)
         except asyncio.CancelledError:
             status = 499
             note = "client closed the connection"
@@ -293,7 +310,7 @@ class Router:
                     conn.peer,
                     req.method.decode("latin-1"),
                     req.path.decode("latin-1"),
-                    model,
+                    model or (asked[0] if asked else ""),
                     endpoint,
                     status,
                     attempts,
@@ -313,7 +330,14 @@ class Router:
         """Reply with an error and return ``_proxy``'s result tuple for the access log."""
         return self._reply_error(conn, status, message, code, extra), model, endpoint, attempts, None, ""
 
-    async def _proxy(self, conn: ClientConn, req: Request, t0: float) -> tuple[int, str, str, int, float | None, str]:
+    async def _proxy(
+        self, conn: ClientConn, req: Request, t0: float, asked: list[str]
+    ) -> tuple[int, str, str, int, float | None, str]:
+        """Serve one proxied request; returns (status, model, endpoint, attempts, ttfb, note).
+
+        ``model`` is a configured model name or "" (it labels metrics); the name the client
+        asked for, capped at ``LOGGED_MODEL_CHARS``, is appended to ``asked`` for the access log.
+        """
         if not self._authorized(conn, req):
             return 401, "", "", 0, None, ""
         if self._draining:
@@ -326,6 +350,7 @@ class Router:
         if not isinstance(model, str) or not model:
             msg = "you must provide a model parameter"
             return self._fail(conn, 400, msg, "missing_model")
+        asked.append(model[:LOGGED_MODEL_CHARS])
         entry = self.table.models.get(model)
         if entry is None:
             msg = f"The model `{model}` does not exist or is not served by this router."

@@ -15,6 +15,7 @@ touch only their own rows, so neither loses the other's work:
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from cluster_cli.errors import StateError
 from cluster_cli.facts import NodeFacts, Replica
@@ -67,15 +69,23 @@ CREATE TABLE IF NOT EXISTS events (
 class Store:
     """A handle on the state database. Cheap to open; use as a context manager."""
 
-    def __init__(self, path: Path | str, *, create: bool = True, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, path: Path | str, *, create: bool = True, readonly: bool = False, timeout_s: float = 30.0
+    ) -> None:
+        """Open (by default create) the state. ``readonly`` never writes: for commands that only read."""
         self.path = Path(path)
         if not self.path.exists():
-            if not create:
+            if not create or readonly:
                 raise StateError(f"{self.path}: no state yet (run 'clusterctl discover' first)")
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise StateError(f"{self.path}: cannot create state folder: {e.strerror or e}") from None
+            if not os.access(self.path.parent, os.W_OK | os.X_OK):
+                raise StateError(f"{self.path}: cannot create the state: folder {self.path.parent} is not writable")
+        if readonly:
+            self._db = self._open_readonly(timeout_s)
+            return
         try:
             self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -96,6 +106,33 @@ class Store:
                     )
         except sqlite3.DatabaseError as e:
             raise StateError(f"{self.path}: not a usable state database: {e}") from None
+
+    def _open_readonly(self, timeout_s: float) -> sqlite3.Connection:
+        uri = f"file:{quote(str(self.path.resolve()))}?mode=ro"
+        db = None
+        try:
+            db = sqlite3.connect(uri, uri=True, timeout=timeout_s, isolation_level=None)
+            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except sqlite3.OperationalError:
+            if db is not None:
+                db.close()
+            # A WAL database in a folder we cannot write to (no -shm to create): read it as a
+            # snapshot. Nobody can be writing it through this folder's permissions anyway.
+            try:
+                db = sqlite3.connect(uri + "&immutable=1", uri=True, timeout=timeout_s, isolation_level=None)
+                row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            except sqlite3.DatabaseError as e:
+                raise StateError(f"{self.path}: not a usable state database: {e}") from None
+        except sqlite3.DatabaseError as e:
+            raise StateError(f"{self.path}: not a usable state database: {e}") from None
+        if row is None:
+            raise StateError(f"{self.path}: not a clusterctl state database (no schema version)")
+        if int(row[0]) > SCHEMA_VERSION:
+            raise StateError(
+                f"{self.path}: state schema {row[0]} is newer than this clusterctl understands "
+                f"({SCHEMA_VERSION}); upgrade clusterctl"
+            )
+        return db
 
     # ---- plumbing ---------------------------------------------------------
     def close(self) -> None:
