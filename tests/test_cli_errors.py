@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import asyncssh
@@ -167,3 +169,25 @@ def test_several_validation_errors_are_all_named(tmp_path: Path) -> None:
     assert r.exit_code == 2
     (line,) = error_lines(r)
     assert "nodes.0.prot: unknown key" in line and "nodes.0.usr: unknown key" in line
+
+
+def test_global_options_may_follow_the_command(tmp_path: Path) -> None:
+    from cluster_cli.cli.main import hoist_global_options as hoist
+
+    assert hoist(["discover", "-i", "inv.yaml", "--state", "s.db", "-v"]) == [
+        "--state", "s.db", "-v", "discover", "-i", "inv.yaml",
+    ]  # fmt: skip
+    # An option's value is never taken for a global option; nothing after -- moves.
+    assert hoist(["cordon", "n1", "--reason", "-v"]) == ["cordon", "n1", "--reason", "-v"]
+    assert hoist(["place", "--state=x", "--", "--state", "y"]) == ["--state=x", "place", "--", "--state", "y"]
+    # End to end through the console entry point: the state goes where --state says.
+    p = inv(tmp_path, "nodes:\n  - {name: gpu-01, host: h}\n")
+    state = tmp_path / "elsewhere.db"
+    r = subprocess.run(
+        [sys.executable, "-m", "cluster_cli", "cordon", "gpu-01", "-i", str(p), "--reason", "rma", "--state", str(state)],
+        capture_output=True, text=True, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    with Store(state) as s:
+        assert s.cordons()["gpu-01"]["reason"] == "rma"
+    assert not (tmp_path / ".clusterctl").exists()

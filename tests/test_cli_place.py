@@ -220,3 +220,13 @@ def test_place_reads_the_state_without_writing_it(tmp_path: Path) -> None:
     r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json")
     assert r.exit_code == 0 and json.loads(r.stdout)["state_version"] == version
     assert (tmp_path / "state.db").read_bytes() == before
+
+
+def test_a_gpu_class_nothing_has_is_flagged_once(tmp_path: Path) -> None:
+    typo = CATALOG.replace("gpu_class: H100", "gpu_class: H1OO", 1)
+    assert typo != CATALOG
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01")], catalog=typo)
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    warnings = [x for x in r.stderr.splitlines() if "H1OO" in x]
+    assert len(warnings) == 1 and "gpu_class: no GPU of class 'H1OO'" in warnings[0] and "known: H100" in warnings[0]
+    json.loads(r.stdout)  # stdout stays clean JSON

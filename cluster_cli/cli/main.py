@@ -18,7 +18,7 @@ DEFAULT_STATE = Path(".clusterctl/state.db")
 
 app = typer.Typer(
     name="clusterctl",
-    help="Turn a fleet of SSH-reachable servers into an LLM serving cluster.",
+    help="Turn a fleet of SSH-reachable servers into an LLM serving cluster.\n\nGlobal options (--state, -v) may also follow the command.",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",
@@ -73,8 +73,56 @@ def _register() -> None:
 _register()
 
 
+_GLOBAL_FLAGS = ("-v", "--verbose")
+_GLOBAL_VALUED = ("--state",)
+
+
+def hoist_global_options(args: list[str]) -> list[str]:
+    """Let ``--state``/``-v`` follow the command too (``clusterctl discover -i x --state s.db``).
+
+    They are moved in front of the command name, which is where click looks for them. The
+    values of the command's own options are skipped, never mistaken for global options, and
+    nothing after ``--`` moves.
+    """
+    import typer.main
+
+    group = typer.main.get_command(app)
+    i, n = 0, len(args)
+    while i < n and args[i].startswith("-"):  # global options before the command
+        i += 2 if args[i] in _GLOBAL_VALUED else 1
+    if i >= n or not hasattr(group, "commands") or args[i] not in group.commands:
+        return args
+    sub = group.commands[args[i]]
+    takes_value = {o for p in sub.params if getattr(p, "opts", None) and not getattr(p, "is_flag", True)
+                   for o in (*p.opts, *p.secondary_opts)}  # fmt: skip
+    front, rest = args[: i + 1], []
+    hoisted: list[str] = []
+    j = i + 1
+    while j < n:
+        a = args[j]
+        if a == "--":
+            rest += args[j:]
+            break
+        if a in _GLOBAL_FLAGS:
+            hoisted.append(a)
+        elif a in _GLOBAL_VALUED and j + 1 < n:
+            hoisted += [a, args[j + 1]]
+            j += 1
+        elif a.split("=", 1)[0] in _GLOBAL_VALUED and "=" in a:
+            hoisted.append(a)
+        else:
+            rest.append(a)
+            if a in takes_value and j + 1 < n:
+                rest.append(args[j + 1])
+                j += 1
+        j += 1
+    return [*hoisted, *front, *rest]
+
+
 def run() -> None:
-    app()
+    import sys
+
+    app(args=hoist_global_options(sys.argv[1:]), prog_name="clusterctl")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ def place(
         nodes, current, version, source = _inputs(inv, state.state_path, facts)
     except ClusterctlError as e:
         ui.fail(e)
+    _warn_unknown_classes(catalog, cat, inv, nodes)
     result = plan(nodes, cat, current)
     code = ExitCode.OK if result.complete else ExitCode.UNPLACED
     if output is ui.Output.table:
@@ -70,6 +71,18 @@ def place(
 
 
 # --------------------------------------------------------------------------- inputs
+
+
+def _warn_unknown_classes(path: Path, cat: Any, inv: Inventory, nodes: list[NodeFacts]) -> None:
+    """A GPU class nothing in the fleet has is most likely a typo: say so once, not per node."""
+    known = set(inv.gpu_classes) | {g.gpu_class for n in nodes for g in n.gpus if g.gpu_class}
+    for i, m in enumerate(cat.models):
+        for j, p in enumerate(m.profiles):
+            if p.gpu_class and p.gpu_class not in known:
+                ui.warn(
+                    f"{path}: models.{i}.profiles.{j}.gpu_class: no GPU of class {p.gpu_class!r} in the inventory "
+                    f"or the facts (known: {', '.join(sorted(known)) or 'none'})"
+                )
 
 
 def _inputs(
