@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from pathlib import Path
 
 import typer
-from rich import box
-from rich.table import Table
 
 from cluster_cli.cli import ui
 from cluster_cli.cli.common import INVENTORY_HELP, inventory_or_abort, open_store, pinned_hosts_path
@@ -40,7 +37,9 @@ def discover(
     output: ui.Output = ui.OUTPUT_OPTION,
 ) -> None:
     """Probe nodes over SSH (GPUs, NVLink, InfiniBand, CPU, memory) and save the facts."""
-    # Imported here so that other commands (and --help) don't pay for asyncssh.
+    # Imported here so that other commands (and --help) don't pay for asyncio and asyncssh.
+    import asyncio
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from cluster_cli.probe.collect import discover as run_discover
@@ -127,6 +126,9 @@ def node_problems(f: NodeFacts) -> list[str]:
 
 
 def render(facts: list[NodeFacts]) -> None:
+    from rich import box
+    from rich.table import Table
+
     t = Table(header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("NODE", "UP", "GPUS FREE/TOTAL", "NVLINK", "FABRICS", "CPUS", "MEM GiB", "CORDON", "PROBLEMS"):
         t.add_column(col, no_wrap=col != "PROBLEMS")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.text import Text
@@ -18,12 +18,13 @@ from rich.text import Text
 from cluster_cli.cli import ui
 from cluster_cli.cli.common import INVENTORY_HELP
 from cluster_cli.cli.main import App, app
-from cluster_cli.config.catalog import load_catalog
 from cluster_cli.config.inventory import Inventory, load_inventory
 from cluster_cli.errors import ClusterctlError, ConfigError, ExitCode
 from cluster_cli.facts import Gpu, NodeFacts, Replica
-from cluster_cli.placement import Plan, plan, render_plan
 from cluster_cli.state.store import Store
+
+if TYPE_CHECKING:
+    from cluster_cli.placement import Plan
 
 EXAMPLE = """
 Examples:
@@ -49,6 +50,10 @@ def place(
     output: ui.Output = ui.OUTPUT_OPTION,
 ) -> None:
     """Plan where each replica runs, with the reason for every node a profile could not use."""
+    # Imported here so that other commands don't pay for the planner at start-up.
+    from cluster_cli.config.catalog import load_catalog
+    from cluster_cli.placement import plan
+
     if not dry_run:
         ui.abort(
             "applying a plan is 'clusterctl up' (not yet available); use 'clusterctl place --dry-run' to preview it"
@@ -174,6 +179,8 @@ def _reclass(g: Gpu, inv: Inventory) -> Gpu:
 
 
 def _render(result: Plan, *, version: int | None, source: str, nodes: int) -> None:
+    from cluster_cli.placement import render_plan
+
     where = f"state version {version}" if version is not None else "no state store"
     header = f"Plan for {nodes} node{'s' if nodes != 1 else ''} (facts: {source}; {where})"
     for line in render_plan(result, header=header):

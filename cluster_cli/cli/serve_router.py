@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from enum import StrEnum
@@ -159,6 +158,8 @@ def serve_router(
 
     install_uvloop()
     try:
+        import asyncio
+
         asyncio.run(
             serve(
                 config,
