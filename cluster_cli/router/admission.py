@@ -33,31 +33,53 @@ class Rejected(Exception):
 
 
 class Waiter:
-    __slots__ = ("deadline", "fut")
+    __slots__ = ("deadline", "fut", "live")
 
     def __init__(self, fut: asyncio.Future[Worker], deadline: float) -> None:
         self.fut = fut
         self.deadline = deadline
+        self.live = True  # counted in its queue's ``live`` (until resolved, cancelled or removed)
 
 
 class ModelQueue:
-    __slots__ = ("limits", "rejected_full", "rejected_timeout", "waiters")
+    """FIFO of waiters. A client that gives up leaves its (cancelled) entry in place until it
+    reaches the head, so the length that matters (room, ``/metrics``, Retry-After) is ``live``:
+    the waiters still waiting, kept exact by each future's done-callback and by the pops."""
+
+    __slots__ = ("limits", "live", "rejected_full", "rejected_timeout", "waiters")
 
     def __init__(self, limits: QueueLimits) -> None:
         self.limits = limits
         self.waiters: deque[Waiter] = deque()
+        self.live = 0
         self.rejected_full = 0
         self.rejected_timeout = 0
 
     def __len__(self) -> int:
-        return len(self.waiters)
+        return self.live
 
     def has_room(self) -> bool:
-        return len(self.waiters) < self.limits.max_queue
+        return self.live < self.limits.max_queue
+
+    def _gone(self, w: Waiter) -> None:
+        if w.live:
+            w.live = False
+            self.live -= 1
 
     def push(self, fut: asyncio.Future[Worker], now: float) -> Waiter:
+        q = self.waiters
+        if len(q) > 2 * self.live + 16:  # mostly clients that gave up: drop them (amortised O(1))
+            keep: deque[Waiter] = deque()
+            for old in q:
+                if old.fut.done():
+                    self._gone(old)
+                else:
+                    keep.append(old)
+            self.waiters = q = keep
         w = Waiter(fut, now + self.limits.max_wait_s)
-        self.waiters.append(w)
+        q.append(w)
+        self.live += 1
+        fut.add_done_callback(lambda _f, w=w: self._gone(w))
         return w
 
     def pop_live(self) -> Waiter | None:
@@ -65,6 +87,7 @@ class ModelQueue:
         q = self.waiters
         while q:
             w = q.popleft()
+            self._gone(w)
             if not w.fut.done():
                 return w
         return None
@@ -72,7 +95,7 @@ class ModelQueue:
     def peek_live(self) -> bool:
         q = self.waiters
         while q and q[0].fut.done():
-            q.popleft()
+            self._gone(q.popleft())
         return bool(q)
 
     def expired(self, now: float) -> list[Waiter]:
@@ -81,9 +104,10 @@ class ModelQueue:
         q = self.waiters
         while q and (q[0].fut.done() or q[0].deadline <= now):
             w = q.popleft()
+            self._gone(w)
             if not w.fut.done():
                 out.append(w)
         return out
 
     def retry_after(self) -> float:
-        return max(1.0, min(self.limits.max_wait_s, 1.0 + len(self.waiters) / 100.0))
+        return max(1.0, min(self.limits.max_wait_s, 1.0 + self.live / 100.0))

@@ -218,7 +218,8 @@ class Router:
         path = req.path
         if path in PROXY_PATHS:
             if req.method != b"POST":
-                conn.write(error_response(405, "use POST", "method_not_allowed", keep_alive=conn.keep_alive))
+                data = error_response(405, "use POST", "method_not_allowed", keep_alive=conn.keep_alive)
+                conn.write(data if req.method != b"HEAD" else data[: data.find(b"\r\n\r\n") + 4])
                 return None
             return self.proxy(conn, req)
         if req.method not in (b"GET", b"HEAD"):
@@ -371,6 +372,11 @@ class Router:
         try:
             while True:
                 attempts += 1
+                if attempts > 1:  # a reload may have replaced the model's endpoints since the last try
+                    entry = self.table.models.get(model)
+                    if entry is None:
+                        msg = f"the model `{model}` was removed from this router while the request was retried"
+                        return self._fail(conn, 503, msg, "model_removed", model, endpoint, attempts)
                 try:
                     lease: Lease = self.balancer.try_acquire(entry, tried) or await self.balancer.acquire(entry, tried)
                 except Rejected as r:
@@ -410,6 +416,8 @@ class Router:
                     return ex.status, model, endpoint, attempts, ex.first_at - t0, ""  # type: ignore[union-attr]
                 if code == FAIL_AFTER:
                     lease.release(False)
+                    if ex is not None and ex.abort_client:
+                        conn.abort()
                     err = ex.error.message if ex and ex.error else "upstream failed"
                     return ex.status, model, endpoint, attempts, ex.first_at - t0, f"cut: {err}"  # type: ignore[union-attr]
                 reason = "connect"

@@ -25,13 +25,17 @@ from cluster_cli.router.worker import Worker
 
 
 class Lease:
-    __slots__ = ("_balancer", "probe", "released", "worker")
+    __slots__ = ("_balancer", "gen", "released", "worker")
 
-    def __init__(self, balancer: Balancer, worker: Worker, probe: bool) -> None:
+    def __init__(self, balancer: Balancer, worker: Worker, gen: int) -> None:
         self._balancer = balancer
         self.worker = worker
-        self.probe = probe
+        self.gen = gen  # the breaker's half-open generation when this is a probe, else 0
         self.released = False
+
+    @property
+    def probe(self) -> bool:
+        return self.gen > 0
 
     def release(self, outcome: bool | None) -> None:
         """outcome: True = the endpoint served it, False = the endpoint failed, None = no verdict."""
@@ -40,9 +44,9 @@ class Lease:
         self.released = True
         w = self.worker
         if outcome is None:
-            w.breaker.on_abandon(self.probe)
+            w.breaker.on_abandon(self.gen)
         else:
-            w.breaker.on_result(outcome, self.probe)
+            w.breaker.on_result(outcome, self.gen)
         w.release(outcome)
         self._balancer.on_release(w)
 

@@ -9,6 +9,11 @@ time; ``success_threshold`` successes close it, one failure reopens it. A passin
 health check moves a breaker that failed health checks opened to half-open at once
 (the engine is back); one opened by failed requests waits out its open time, since
 an engine can pass ``/health`` and still fail requests.
+Each half-open period has its own number (``generation``); ``on_send`` returns it for a
+probe and the caller hands it back with the result. Only the current period's probes
+count towards closing (and towards the probes in flight): a probe sent before a re-open,
+or a request sent while closed, must not close the breaker while the new probe is out.
+A failure seen while half-open still reopens it, whatever its age.
 The clock is injected so tests never sleep.
 """
 
@@ -45,6 +50,7 @@ class Breaker:
         "_on_change",
         "cfg",
         "failures",
+        "generation",
         "health_failures",
         "name",
         "opened_at",
@@ -73,7 +79,8 @@ class Breaker:
         self.openings = 0  # openings in a row (reset when closed)
         self.opened_at = 0.0
         self.opened_by_health = False
-        self.probes = 0  # half-open requests in flight
+        self.probes = 0  # half-open requests in flight (of the current generation)
+        self.generation = 0  # number of the current (or last) half-open period
 
     # ---------------------------------------------------------------- queries
     def open_for(self) -> float:
@@ -98,27 +105,34 @@ class Breaker:
         return self.state
 
     # ---------------------------------------------------------------- request outcomes
-    def on_send(self) -> bool:
-        """A request goes out; returns True when it is a half-open probe (pass it back to ``on_result``)."""
+    def on_send(self) -> int:
+        """A request goes out. Returns 0 for an ordinary request; for a half-open probe, the
+        half-open period's ``generation`` (>= 1). Pass it back to ``on_result`` / ``on_abandon``."""
         if self.state is State.CLOSED:
-            return False
+            return 0
         self._tick()
         if self.state is State.HALF_OPEN:
             self.probes += 1
-            return True
-        return False
+            return self.generation
+        return 0
 
-    def on_result(self, ok: bool, probe: bool = False) -> None:
-        if probe and self.probes > 0:
+    def _current_probe(self, probe: int) -> bool:
+        return bool(probe) and self.state is State.HALF_OPEN and probe == self.generation
+
+    def on_result(self, ok: bool, probe: int = 0) -> None:
+        """``probe``: what ``on_send`` returned for this request."""
+        current = self._current_probe(probe)
+        if current and self.probes > 0:
             self.probes -= 1
         if ok:
-            self._success()
+            if self.state is not State.HALF_OPEN or current:  # stale results cannot close it
+                self._success()
         else:
             self._failure()
 
-    def on_abandon(self, probe: bool) -> None:
+    def on_abandon(self, probe: int) -> None:
         """The request ended without telling anything about the endpoint (client went away)."""
-        if probe and self.probes > 0:
+        if self._current_probe(probe) and self.probes > 0:
             self.probes -= 1
 
     def _success(self) -> None:
@@ -168,7 +182,9 @@ class Breaker:
         self.failures = 0
         if new is State.CLOSED:
             self.openings = 0
-        if new is not State.HALF_OPEN:
+        if new is State.HALF_OPEN:
+            self.generation += 1
+        else:
             self.probes = 0
         if old is not new:
             log.warning("breaker %s: %s -> %s", self.name, old.name.lower(), new.name.lower())

@@ -28,6 +28,7 @@ FAIL_AFTER = 3  # upstream failed after bytes reached the client: stream closed 
 
 class Exchange:
     __slots__ = (
+        "abort_client",
         "chunked",
         "client",
         "conn",
@@ -52,6 +53,7 @@ class Exchange:
         self.sent = False
         self.pending: bytes | None = None
         self.out: list[bytes] = []  # bytes for the client, written by flush() once per upstream read
+        self.abort_client = False  # set when the client must see a cut: the waiting coroutine aborts it
         self.sse = False
         self.chunked = False
         self.tail = b""
@@ -134,9 +136,21 @@ class Exchange:
             event = sse_error_event(f"the upstream stream was cut: {exc.message}", "upstream_stream_cut")
             self.tail = b""
             self.client.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event))
-        else:  # a truncated plain body must not look complete
-            self.client.abort()
+        else:
+            # A truncated plain body must not look complete: the client's connection is reset,
+            # by the waiting coroutine once it has recorded the engine's failure (aborting here
+            # would cancel it first, and the cut would read as the client's doing).
+            self.abort_client = True
         self._resolve(FAIL_AFTER)
+
+    def client_backlog(self) -> int:
+        """Bytes written to the client that it has not taken yet."""
+        tr = self.client.tr
+        return tr.get_write_buffer_size() if tr is not None and not self.client.closed else 0
+
+    def client_stalled(self) -> None:
+        """The client stopped reading for a whole idle timeout: drop it (the engine is not at fault)."""
+        self.client.abort()
 
     def cancel(self) -> None:
         """The client went away: drop the upstream request now so the engine frees the slot."""

@@ -49,6 +49,7 @@ class ClientConn(asyncio.Protocol):
         "last_io",
         "paused",
         "peer",
+        "reading_paused",
         "task",
         "tr",
     )
@@ -64,6 +65,7 @@ class ClientConn(asyncio.Protocol):
         self.busy = False
         self.closed = False
         self.paused = False
+        self.reading_paused = False  # we paused reading: a client pipelining far ahead
         self.keep_alive = True
         self.task: asyncio.Task[None] | None = None
         self.exchange: Exchange | None = None
@@ -103,7 +105,9 @@ class ClientConn(asyncio.Protocol):
         self._buf = self._buf + data if self._buf else data
         if not self.busy:
             self._parse()
-        elif len(self._buf) > self.h.max_header_bytes:  # a client pipelining far ahead: stop reading
+        elif len(self._buf) > self.h.max_header_bytes and not self.reading_paused:
+            # A client pipelining far ahead: stop reading until this request is answered.
+            self.reading_paused = True
             self.tr.pause_reading()  # type: ignore[union-attr]
 
     # ---------------------------------------------------------------- parsing
@@ -116,8 +120,8 @@ class ClientConn(asyncio.Protocol):
                 if not buf:
                     return
                 idx = buf.find(b"\r\n\r\n")
-                if idx < 0:
-                    if len(buf) > h.max_header_bytes:
+                if idx < 0 or idx > h.max_header_bytes:
+                    if idx > h.max_header_bytes or len(buf) > h.max_header_bytes:
                         self._reject(431, "request head too large", "request_header_too_large")
                     return
                 try:
@@ -198,9 +202,11 @@ class ClientConn(asyncio.Protocol):
         if not self.keep_alive:
             self.close()
             return
+        if self.reading_paused and self.tr is not None:
+            # Always resume: the next request may be complete in the buffer, or still arriving.
+            self.reading_paused = False
+            self.tr.resume_reading()
         if self._buf:
-            if self.tr is not None and len(self._buf) <= self.h.max_header_bytes:
-                self.tr.resume_reading()
             self._parse()
 
     # ---------------------------------------------------------------- writing

@@ -41,6 +41,8 @@ class Sink(Protocol):
     def on_end(self) -> None: ...
     def on_error(self, exc: UpstreamError) -> None: ...
     def flush(self) -> None: ...
+    def client_stalled(self) -> None: ...
+    def client_backlog(self) -> int: ...
 
 
 class UpstreamConn(asyncio.Protocol):
@@ -53,6 +55,8 @@ class UpstreamConn(asyncio.Protocol):
         "closed",
         "got_bytes",
         "last_io",
+        "paused_at",
+        "paused_backlog",
         "pool",
         "reused",
         "sink",
@@ -72,6 +76,8 @@ class UpstreamConn(asyncio.Protocol):
         self.got_bytes = False
         self.reused = False
         self.last_io = _monotonic()
+        self.paused_at: float | None = None
+        self.paused_backlog = -1  # the client's unsent bytes at the last sweep while paused
 
     # ---------------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -240,6 +246,7 @@ class UpstreamConn(asyncio.Protocol):
     # ---------------------------------------------------------------- driving
     def send(self, data: bytes, sink: Sink) -> None:
         self.sink = sink
+        self.paused_at = None
         self._mode = HEAD
         self._buf = b""
         self.got_bytes = False
@@ -261,11 +268,17 @@ class UpstreamConn(asyncio.Protocol):
                 self.tr.abort()
 
     def pause(self) -> None:
+        """The client is not reading: stop reading the engine (TCP backpressure all the way)."""
         if self.tr is not None and not self.closed:
+            if self.paused_at is None:
+                self.paused_at = _monotonic()
+                self.paused_backlog = -1
             self.tr.pause_reading()
 
     def resume(self) -> None:
         if self.tr is not None and not self.closed:
+            self.paused_at = None
+            self.last_io = _monotonic()  # the engine was not idle: we were not reading it
             self.tr.resume_reading()
 
 
@@ -315,8 +328,18 @@ class UpstreamPool:
         self.active.discard(conn)
 
     def sweep(self, now: float, idle_timeout: float) -> None:
-        for c in [c for c in self.active if now - c.last_io > idle_timeout]:
-            c.timed_out()
+        for c in list(self.active):
+            if c.paused_at is not None:
+                # Paused because the client is not reading fast enough: the engine is not at
+                # fault. A client that drained nothing for a whole idle timeout loses its
+                # connection (its lease is released without a verdict on the engine).
+                backlog = c.sink.client_backlog() if c.sink is not None else 0
+                if backlog != c.paused_backlog:  # it read something: progress, not a stall
+                    c.paused_backlog, c.paused_at = backlog, now
+                elif now - c.paused_at > idle_timeout and c.sink is not None:
+                    c.sink.client_stalled()
+            elif now - c.last_io > idle_timeout:
+                c.timed_out()
 
     def close(self) -> None:
         self.closed = True

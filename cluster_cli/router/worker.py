@@ -13,7 +13,8 @@ Load signals:
   engine is full at its ``running`` count; the estimate is the highest such reading in
   the last ``CAP_WINDOW_S`` seconds (a momentary queue between scheduler steps must not
   shrink it). When the engine runs at the estimate with nothing waiting for ``probe_s``
-  after the last confirmation, the estimate grows by one. ``max_inflight`` caps it.
+  after the last confirmation, the estimate grows by one. ``max_inflight`` caps it; a
+  reload that changes ``max_inflight`` restarts the estimate from the new limit.
 """
 
 from __future__ import annotations
@@ -93,15 +94,20 @@ class Worker:
 
     # ---------------------------------------------------------------- config
     def update_view(self, view: EndpointView, *, breaker_cfg: BreakerConfig, stale_s: float, probe_s: float) -> None:
-        """Take a reloaded config's static fields; keep every piece of live state."""
+        """Take a reloaded config's static fields; keep every piece of live state.
+
+        The one exception is learned capacity when ``max_inflight`` changes: every estimate so
+        far was clipped to the old limit, so it restarts from the new one (None: unknown)."""
+        if view.max_inflight != self.view.max_inflight:
+            self.cap = view.max_inflight
+            self._cap_obs.clear()
+            self.cap_confirmed_at = -1e18
         self.view = view
         self.breaker.cfg = breaker_cfg
         self.breaker.name = view.replica
         self.stale_s = stale_s
         self.probe_s = probe_s
         self.removed = False
-        if view.max_inflight is not None:
-            self.cap = min(self.cap or view.max_inflight, view.max_inflight)
 
     # ---------------------------------------------------------------- eligibility
     def unavailable_reason(self) -> str | None:
