@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -282,3 +284,58 @@ def test_a_leftover_writer_never_shifts_output_into_other_records() -> None:
             assert writer.stdout == b""
     finally:
         subprocess.run(["pkill", "-f", mark], check=False)
+
+
+def test_the_probe_deadline_leaves_room_at_small_timeouts() -> None:
+    class Capture:
+        command = ""
+
+        async def run_raw(self, command: str, *, timeout: float):
+            Capture.command = command
+            return 0, b"", b""
+
+    for timeout, probe_deadline in ((7.0, 4), (30.0, 24), (2.0, 1)):
+        asyncio.run(collect.run_batch(Capture(), {"a": "true"}, timeout))
+        assert f"sleep {probe_deadline} & s=$!" in Capture.command
+
+
+def test_the_scratch_folder_goes_when_the_client_hangs_up() -> None:
+    # The SSH client drops the connection (node deadline): sshd sends SIGHUP to the batch.
+    command, _ = build_command({"hang": "sh -c 'readlink /proc/$$/fd/1; sleep 39'"}, per_command_timeout_s=30)
+    p = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        time.sleep(0.5)
+        out_files = [*Path("/dev/shm").glob("tmp.*/0.o"), *Path("/tmp").glob("tmp.*/0.o")]
+        mine = [f.parent for f in out_files if f.parent.stat().st_mtime > time.time() - 5]  # this batch's $d
+        assert mine
+        subprocess.run(["pkill", "-HUP", "-s", str(p.pid), "-x", "sh"], check=False)
+        p.wait(timeout=10)
+        time.sleep(0.3)
+        assert not any(d.exists() for d in mine)
+    finally:
+        subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
+        subprocess.run(["pkill", "-f", "sleep 39"], check=False)
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@pytest.mark.skipif(not (FREEZER.is_dir() and os.access(FREEZER, os.W_OK)), reason="needs the cgroup v1 freezer")
+def test_a_probe_that_even_kill_cannot_stop_is_given_up_on() -> None:
+    # A job in a frozen cgroup ignores SIGKILL until thawed, like nvidia-smi stuck in D state.
+    cg = FREEZER / f"clusterctl-test-{os.getpid()}"
+    cg.mkdir()
+    try:
+        freeze = f"sh -c 'echo $$ > {cg}/cgroup.procs; echo FROZEN > {cg}/freezer.state; sleep 39'"
+        t0 = time.monotonic()
+        _, res = run_local({"stuck": freeze, "fine": "echo fine"}, timeout=1)
+        assert time.monotonic() - t0 < 10
+        assert res["stuck"].rc == 124 and res["fine"].stdout == "fine\n"
+    finally:
+        (cg / "freezer.state").write_text("THAWED")
+        for pid in (cg / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), 9)
+        time.sleep(0.3)
+        with contextlib.suppress(OSError):
+            cg.rmdir()

@@ -111,3 +111,14 @@ def test_lost_gpu_is_recorded() -> None:
     assert len(lost_gpus) == 1 and not lost_gpus[0].healthy
     assert lost_gpus[0].pci_bus_id == "0000:ca:00.0"
     assert len(f.gpus) == 4
+
+
+@pytest.mark.parametrize("rc", [124, 6])
+def test_a_gpu_list_cut_short_frees_nothing(rc: int) -> None:
+    # nvidia-smi printed two rows, then timed out (or failed): the list may be incomplete.
+    first_two = "".join(GPUS.splitlines(keepends=True)[:2])
+    f = facts_from_outputs(INV, NODE, outputs(gpus=CommandResult(rc, first_two, "")))
+    assert len(f.gpus) == 2 and not any(g.free for g in f.gpus)
+    assert all("unknown: GPU list incomplete" in g.problems for g in f.gpus)
+    assert f.nvlink_domains is None  # not (0,1),(2,3): the topology names GPUs the list lacks
+    assert any("may be incomplete" in p for p in f.problems)

@@ -121,3 +121,13 @@ def test_a_readonly_handle_reads_and_refuses_to_write(tmp_path: Path) -> None:
     (tmp_path / "junk.db").write_bytes(b"not sqlite at all" * 100)
     with pytest.raises(StateError, match="not a usable state database"):
         Store(tmp_path / "junk.db", readonly=True)
+
+
+def test_an_older_probe_never_replaces_newer_facts(tmp_path: Path) -> None:
+    # Two discovers overlap: the one that probed later finishes first.
+    with Store(tmp_path / "s.db") as s:
+        s.save_discovery([NodeFacts(name="a", host="h", cpus=64, probed_at=200.0)])
+        s.save_discovery([NodeFacts(name="a", host="h", cpus=32, probed_at=100.0)])
+        assert s.nodes(["a"])[0].cpus == 64
+        s.save_discovery([NodeFacts(name="a", host="h", cpus=16, probed_at=300.0)])
+        assert s.nodes(["a"])[0].cpus == 16

@@ -47,6 +47,8 @@ _SHELL_SYNTAX = frozenset(";|&<>()$`\n\\\"*?[]{}~#!")
 _PRELUDE = r"""export LC_ALL=C
 d=$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d) || exit 97
 trap 'rm -rf "$d"' EXIT
+trap 'exit 129' HUP; trap 'exit 141' PIPE; trap 'exit 143' TERM INT  # the client left: still clean up
+g=; trap 'g=1' USR1  # from the watchdog: jobs that outlived KILL (D state) are given up on
 R=; n=0
 run() {
   case $1 in ''|*[!A-Za-z0-9_.:-]*) return 1;; esac
@@ -83,14 +85,21 @@ kl() {
 # running (recording their pids), and KILL what is left a second later.
 _WATCHDOG = (
     "( trap 'kill $s 2>/dev/null; exit' TERM; sleep {t} & s=$!; wait $s; : >\"$d/t\"; kl TERM; "
-    "sleep 1 & s=$!; wait $s; kl KILL ) "
+    "sleep 1 & s=$!; wait $s; kl KILL; sleep 1 & s=$!; wait $s; kill -USR1 $$ ) "
     ">/dev/null 2>&1 </dev/null & w=$!"
 )
 
 _COLLECT = r"""for x in $R; do
   i=${{x%%:*}}; pid=${{x##*:}}
   eval "r=\${{x$i-}}"
-  if [ -z "$r" ]; then wait "$pid"; eval "x$i=\$?"; fi
+  if [ -z "$r" ]; then
+    if [ -n "$g" ] && kill -0 "$pid" 2>/dev/null; then r={timed_out}  # unkillable: give up on it
+    else
+      wait "$pid"; r=$?
+      if [ -n "$g" ] && [ "$r" -gt 128 ] && kill -0 "$pid" 2>/dev/null; then r={timed_out}; fi
+    fi
+    eval "x$i=\$r"
+  fi
 done
 kill $w 2>/dev/null
 K=" "

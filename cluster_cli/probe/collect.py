@@ -87,6 +87,13 @@ def facts_from_outputs(
                 nvlink = ()
             elif topo is not None and topo.rc == 0:
                 nvlink = parse_topo(topo.stdout)
+            if smi.rc not in (0, None) and not lost:
+                # Rows, but nvidia-smi failed or timed out: the list may be cut short. Nothing
+                # on this node is free until a discover reads it whole.
+                why = "timed out" if smi.rc == 124 else f"exited with rc {smi.rc}"
+                problems.append(f"nvidia-smi: {why} after listing {len(rows)} GPU(s); the list may be incomplete")
+                gpus = tuple(replace(g, problems=(*g.problems, "unknown: GPU list incomplete")) for g in gpus)
+                nvlink = None
             n_lost = sum(g.lost for g in gpus)
             if n_lost:
                 problems.append(f"gpu: {n_lost} GPU(s) lost")
@@ -127,7 +134,8 @@ async def run_batch(
     """Run ``commands`` in parallel as one remote exec; one result per record."""
     # Each probe gets well under the session's timeout, so one hung nvidia-smi is killed and
     # reported while the others' results still come back.
-    command, token = build_command(commands, per_command_timeout_s=max(1.0, timeout - 6), then=then)
+    # The probes' deadline leaves the batch time to kill stragglers and send what it has.
+    command, token = build_command(commands, per_command_timeout_s=max(1.0, 0.6 * timeout, timeout - 6), then=then)
     rc, out, err = await session.run_raw(command, timeout=timeout)
     results = parse_records(commands, out, token)
     if rc not in (0, None) and all(r.rc is None for r in results.values()):

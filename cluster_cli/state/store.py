@@ -201,7 +201,10 @@ class Store:
                     "INSERT INTO nodes(name, host, reachable, error, facts, probed_at, updated_at) "
                     "VALUES (?,?,?,?,?,?,?) ON CONFLICT(name) DO UPDATE SET host=excluded.host, "
                     "reachable=excluded.reachable, error=excluded.error, facts=excluded.facts, "
-                    "probed_at=excluded.probed_at, updated_at=excluded.updated_at",
+                    "probed_at=excluded.probed_at, updated_at=excluded.updated_at "
+                    # A discover that finishes last but probed earlier never replaces newer facts.
+                    "WHERE excluded.probed_at IS NULL OR nodes.probed_at IS NULL "
+                    "OR excluded.probed_at >= nodes.probed_at",
                     (f.name, f.host, int(f.reachable), f.error, json.dumps(doc), f.probed_at, now),
                 )
             self._event(db, "discover", None, "facts saved")
