@@ -163,9 +163,11 @@ class LocalSession:
         self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
         self.execs = 0
 
-    async def run_raw(self, command: str, *, timeout: float) -> tuple[int | None, bytes, bytes]:
+    async def run_raw(
+        self, command: str, *, timeout: float, input: bytes | None = None
+    ) -> tuple[int | None, bytes, bytes]:
         self.execs += 1
-        p = subprocess.run(command, shell=True, capture_output=True, timeout=timeout, env=self.env)
+        p = subprocess.run(command, shell=True, capture_output=True, timeout=timeout, env=self.env, input=input)
         return p.returncode, p.stdout, p.stderr
 
 
@@ -290,8 +292,8 @@ def test_the_probe_deadline_leaves_room_at_small_timeouts() -> None:
     class Capture:
         command = ""
 
-        async def run_raw(self, command: str, *, timeout: float):
-            Capture.command = command
+        async def run_raw(self, command: str, *, timeout: float, input: bytes | None = None):
+            Capture.command = (input or b"").decode()
             return 0, b"", b""
 
     for timeout, probe_deadline in ((7.0, 4), (30.0, 24), (2.0, 1)):
@@ -339,3 +341,15 @@ def test_a_probe_that_even_kill_cannot_stop_is_given_up_on() -> None:
         time.sleep(0.3)
         with contextlib.suppress(OSError):
             cg.rmdir()
+
+
+def test_the_remote_command_is_one_line_any_login_shell_can_run() -> None:
+    # The script travels on stdin; the command line is plain words (csh/tcsh/fish can run it).
+    class Capture:
+        async def run_raw(self, command: str, *, timeout: float, input: bytes | None = None):
+            Capture.seen = (command, input)
+            return 0, b"", b""
+
+    asyncio.run(collect.run_batch(Capture(), {"a": "echo 'x'"}, 10))
+    command, script = Capture.seen
+    assert command == "sh -s" and b"echo 'x'" in script

@@ -147,6 +147,12 @@ def _is_simple(cmd: str) -> bool:
     )
 
 
+# The remote command of a batch: the script itself goes on stdin. A script inside the
+# command line would have to survive the user's login shell, and csh/tcsh cannot take a
+# quoted string that spans lines.
+BATCH_SHELL = "sh -s"
+
+
 def build_command(
     commands: Mapping[str, str],
     *,
@@ -154,7 +160,19 @@ def build_command(
     token: str | None = None,
     then: Mapping[str, str] | None = None,
 ) -> tuple[str, str]:
-    """The remote command (``sh -c`` + script) running ``commands`` in parallel, and its token.
+    """The batch as one ``sh -c`` command line and its token (see ``build_script``)."""
+    script, token = build_script(commands, per_command_timeout_s=per_command_timeout_s, token=token, then=then)
+    return "sh -c " + shlex.quote(script), token
+
+
+def build_script(
+    commands: Mapping[str, str],
+    *,
+    per_command_timeout_s: float,
+    token: str | None = None,
+    then: Mapping[str, str] | None = None,
+) -> tuple[str, str]:
+    """The sh script running ``commands`` in parallel (feed it to ``BATCH_SHELL``), and its token.
 
     Each command is shell text inserted as is (callers build it with ``shlex.quote``);
     it runs with ``LC_ALL=C``. ``then`` is described in the module docstring.
@@ -179,7 +197,7 @@ def build_command(
             lines.append(f'wait "$p{i}"; x{i}=$?')
             lines.append(f'if [ "$x{i}" -eq 0 ]; then o="$d/{i}.o"\n{then[name].strip()}\nfi')
     lines.append(_COLLECT.format(token=token, timed_out=TIMED_OUT))
-    return "sh -c " + shlex.quote("\n".join(lines)), token
+    return "\n".join(lines) + "\n", token
 
 
 _CHANGED = CommandResult(None, "", "no result (an output changed while the batch read it)")

@@ -14,7 +14,7 @@ from dataclasses import replace
 from cluster_cli.config.inventory import Inventory, Node
 from cluster_cli.errors import SSHError
 from cluster_cli.facts import HcaPort, NodeFacts
-from cluster_cli.probe.batch import build_command, parse_records
+from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
 from cluster_cli.probe.commands import PROBES, SMINFO_AFTER_IBSTAT, sminfo_command, sminfo_record
 from cluster_cli.probe.parsers.host import parse_meminfo, parse_nproc
 from cluster_cli.probe.parsers.ibstat import parse_ibstat, parse_sminfo
@@ -135,8 +135,8 @@ async def run_batch(
     # Each probe gets well under the session's timeout, so one hung nvidia-smi is killed and
     # reported while the others' results still come back.
     # The probes' deadline leaves the batch time to kill stragglers and send what it has.
-    command, token = build_command(commands, per_command_timeout_s=max(1.0, 0.6 * timeout, timeout - 6), then=then)
-    rc, out, err = await session.run_raw(command, timeout=timeout)
+    script, token = build_script(commands, per_command_timeout_s=max(1.0, 0.6 * timeout, timeout - 6), then=then)
+    rc, out, err = await session.run_raw(BATCH_SHELL, timeout=timeout, input=script.encode())
     results = parse_records(commands, out, token)
     if rc not in (0, None) and all(r.rc is None for r in results.values()):
         why = err.decode("utf-8", "replace").strip().splitlines()

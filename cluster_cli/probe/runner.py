@@ -37,7 +37,9 @@ class CommandResult:
 class Session(Protocol):
     async def run(self, command: str, *, timeout: float) -> CommandResult: ...
 
-    async def run_raw(self, command: str, *, timeout: float) -> tuple[int | None, bytes, bytes]: ...
+    async def run_raw(
+        self, command: str, *, timeout: float, input: bytes | None = None
+    ) -> tuple[int | None, bytes, bytes]: ...
 
 
 class Connector(Protocol):
@@ -53,9 +55,11 @@ class AsyncsshSession:
         rc, out, err = await self.run_raw(command, timeout=timeout)
         return CommandResult(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
 
-    async def run_raw(self, command: str, *, timeout: float) -> tuple[int | None, bytes, bytes]:
+    async def run_raw(
+        self, command: str, *, timeout: float, input: bytes | None = None
+    ) -> tuple[int | None, bytes, bytes]:
         try:
-            r = await self._conn.run(command, check=False, timeout=timeout, encoding=None)
+            r = await self._conn.run(command, check=False, timeout=timeout, encoding=None, input=input)
         except asyncssh.TimeoutError as e:
             raise SSHError(f"{self._name}: command timed out after {timeout:g}s") from e
         except (asyncssh.Error, OSError) as e:
