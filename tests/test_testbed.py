@@ -344,7 +344,9 @@ def test_faults_kill_freeze_partition(testbed_factory: ClusterFactory) -> None:
         await asyncio.sleep(0.3)
         await asyncio.to_thread(c.kill, "k")
         res = await asyncio.wait_for(running, 5)
-        assert res.exit_status is None
+        # The command dies with the node: usually the connection just drops (no exit status);
+        # when sshd outlives its session child by a moment it reports the KILL instead.
+        assert res.exit_status is None or (res.exit_signal is not None and res.exit_signal[0] == "KILL")
         assert not any(alive(p) for p in engine) and not c.nodes["k"].processes()
         k = c.nodes["k"]
         assert _tcp(k.host, k.port) == "refused"
