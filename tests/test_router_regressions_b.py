@@ -197,3 +197,25 @@ def test_a_slow_but_steady_reader_gets_the_whole_stream() -> None:
         assert b"data: [DONE]" in got and b"upstream_stream_cut" not in got
     finally:
         f.close()
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_an_http10_client_gets_a_plain_stream_that_ends_with_the_connection(cut: bool) -> None:
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=5).start()
+    try:
+        if cut:
+            f.lt.call(lambda: setattr(f.engines[0], "cut_after", 2))
+        body = json.dumps({"model": "sim", "messages": [], "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", f.port)) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+            s.settimeout(5)
+            data = b""
+            while d := s.recv(65536):  # the router closes the connection at the end of the body
+                data += d
+        head, _, payload = data.partition(b"\r\n\r\n")
+        assert b"transfer-encoding" not in head.lower() and payload.startswith(b"data: ")
+        events = [e for e in payload.split(b"\n\n") if e]
+        assert all(e.startswith(b"data: ") for e in events), events  # no chunk-size lines in between
+        assert (b"upstream_stream_cut" in payload) == cut and (events[-1] == b"data: [DONE]") != cut
+    finally:
+        f.close()

@@ -395,7 +395,7 @@ class Router:
                     if up is None:
                         up = await w.pool.connect()  # type: ignore[union-attr]
                     fut: asyncio.Future[int] = loop.create_future()
-                    ex = Exchange(conn, up, may_retry, fut)
+                    ex = Exchange(conn, up, may_retry, fut, http10=req.version == b"HTTP/1.0")
                     conn.exchange = ex
                     up.send(start_line + w.host_header + head_tail + req.body, ex)
                     code = await fut

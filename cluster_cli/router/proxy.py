@@ -35,6 +35,7 @@ class Exchange:
         "error",
         "first_at",
         "fut",
+        "http10",
         "may_retry",
         "out",
         "pending",
@@ -44,8 +45,11 @@ class Exchange:
         "tail",
     )
 
-    def __init__(self, client: ClientConn, conn: UpstreamConn, may_retry: bool, fut: asyncio.Future[int]) -> None:
+    def __init__(
+        self, client: ClientConn, conn: UpstreamConn, may_retry: bool, fut: asyncio.Future[int], http10: bool = False
+    ) -> None:
         self.client = client
+        self.http10 = http10  # an HTTP/1.0 client knows no chunked encoding: the body ends with the connection
         self.conn = conn
         self.may_retry = may_retry
         self.fut = fut
@@ -75,6 +79,8 @@ class Exchange:
         head = [b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"Upstream")), *lines]
         if framing == LENGTH:
             head.append(b"Content-Length: %d" % self.conn._remaining)
+        elif self.http10:
+            self.client.keep_alive = False  # the close marks the end of the body
         else:
             self.chunked = True
             head.append(b"Transfer-Encoding: chunked")
@@ -132,10 +138,10 @@ class Exchange:
         if not self.sent:
             self._resolve(FAIL_BEFORE)
             return
-        if self.sse and self.chunked:
+        if self.sse and (self.chunked or self.http10):
             event = sse_error_event(f"the upstream stream was cut: {exc.message}", "upstream_stream_cut")
             self.tail = b""
-            self.client.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event))
+            self.client.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event) if self.chunked else event)
         else:
             # A truncated plain body must not look complete: the client's connection is reset,
             # by the waiting coroutine once it has recorded the engine's failure (aborting here
