@@ -2,7 +2,8 @@
 
 One SSH channel per probe costs a channel open, a request and several packets each;
 on a 64-node fleet that, not the handshakes, dominated discover's CPU. The batch is a
-POSIX sh script that starts every command in the background, waits, and prints:
+POSIX sh script, sent on stdin to ``sh -s`` (so any login shell can start it), that starts
+every command in the background, waits, and prints:
 
     @@CC <token> RC
     <name> <rc>                  one line per record, in start order
@@ -12,12 +13,15 @@ POSIX sh script that starts every command in the background, waits, and prints:
     <out0><err0><out1><err1>...
     @@CC <token> END
 
-Byte counts let any output, binary junk included, be split exactly.
+Byte counts let any output, binary junk included, be split exactly; the END marker must
+sit right after the data, or an output grew after it was measured and nothing is trusted.
 
 Process cost matters as much as packets: on a shared box every extra ``fork``/``exec``
 per node is paid 64 times. So a command runs directly as the background job (one
 process, no wrapper), one watchdog (a subshell and a ``sleep``) times out all of them
-together (TERM, then KILL a second later, reported as rc 124), and the scratch files
+together (TERM to each job's process tree, KILL a second later, reported as rc 124; a job
+that even KILL cannot stop, such as nvidia-smi in D state, is given up on a second after
+that), and the scratch files
 live in ``/dev/shm`` where there is one (creating and removing files on a journalled
 disk costs more than running the probes).
 
@@ -82,7 +86,8 @@ kl() {
 """
 
 # One watchdog for every job: at the deadline, flag it (``$d/t``), TERM the jobs still
-# running (recording their pids), and KILL what is left a second later.
+# running (recording their pids), KILL what is left a second later, and a second after that
+# wake the batch (USR1) so that it stops waiting for jobs that even KILL could not end.
 _WATCHDOG = (
     "( trap 'kill $s 2>/dev/null; exit' TERM; sleep {t} & s=$!; wait $s; : >\"$d/t\"; kl TERM; "
     "sleep 1 & s=$!; wait $s; kl KILL; sleep 1 & s=$!; wait $s; kill -USR1 $$ ) "
