@@ -89,7 +89,7 @@ kl() {
 # running (recording their pids), KILL what is left a second later, and a second after that
 # wake the batch (USR1) so that it stops waiting for jobs that even KILL could not end.
 _WATCHDOG = (
-    "( trap 'kill $s 2>/dev/null; exit' TERM; sleep {t} & s=$!; wait $s; : >\"$d/t\"; kl TERM; "
+    "( trap 'kill $s 2>/dev/null; exit' TERM; sleep {t} & s=$!; : >\"$d/w\"; wait $s; : >\"$d/t\"; kl TERM; "
     "sleep 1 & s=$!; wait $s; kl KILL; sleep 1 & s=$!; wait $s; kill -USR1 $$ ) "
     ">/dev/null 2>&1 </dev/null & w=$!"
 )
@@ -106,6 +106,8 @@ _COLLECT = r"""for x in $R; do
     eval "x$i=\$r"
   fi
 done
+# Stop the watchdog only once its sleep is known ($d/w), or that sleep would outlive the batch.
+c=0; while [ ! -e "$d/w" ] && [ $c -lt 100000 ]; do c=$((c+1)); done
 kill $w 2>/dev/null
 K=" "
 if [ -e "$d/t" ]; then while read -r k; do K="$K$k "; done <"$d/t"; fi
