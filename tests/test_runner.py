@@ -32,3 +32,30 @@ def test_known_hosts_is_parsed_once_and_again_when_it_changes(tmp_path: Path) ->
 def test_a_missing_known_hosts_is_left_to_asyncssh_to_report(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope")
     assert AsyncsshConnector()._parse(missing) == missing
+
+
+def test_two_first_contacts_at_once_pin_one_key(tmp_path: Path, monkeypatch) -> None:
+    # Two clusterctl processes (two connectors) meet a new node at the same moment, and see
+    # different keys (a race, or someone in the middle): only one key may be pinned for the name.
+    import asyncio
+
+    from cluster_cli.config.inventory import ACCEPT_NEW, SSHTarget
+    from cluster_cli.probe import runner
+
+    keys = iter([asyncssh.generate_private_key("ssh-ed25519") for _ in range(2)])
+
+    async def fake_host_key(*args, **kwargs):
+        await asyncio.sleep(0.01)
+        return next(keys)
+
+    monkeypatch.setattr(runner.asyncssh, "get_server_host_key", fake_host_key)
+    pinned = tmp_path / "state.known_hosts"
+    target = SSHTarget(name="n1", host="198.18.0.77", port=None, user=None, identity_file=None,
+                       known_hosts=ACCEPT_NEW)  # fmt: skip
+
+    async def both() -> None:
+        await asyncio.gather(*(AsyncsshConnector(pinned)._known_hosts(target) for _ in range(2)))
+
+    asyncio.run(both())
+    lines = pinned.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("n1 ssh-ed25519 ")

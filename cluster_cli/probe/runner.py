@@ -8,6 +8,7 @@ against a pinned file that learns a node's key on first contact and never again.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
@@ -163,8 +164,13 @@ class AsyncsshConnector:
         if key is None:
             raise SSHError(f"{target.name}: server offered no host key")
         async with self._pin_lock:
-            with self.pinned.open("a") as f:
-                f.write(f"{target.name} {key.export_public_key('openssh').decode().strip()}\n")
+            # Another clusterctl may be pinning the same node right now: under an exclusive file
+            # lock, pin only if nobody did, so a name never gets two keys (either would pass).
+            with self.pinned.open("a+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                f.seek(0)
+                if not any(line.split(" ", 1)[0] == target.name for line in f.read().splitlines()):
+                    f.write(f"{target.name} {key.export_public_key('openssh').decode().strip()}\n")
         return str(self.pinned)
 
 
