@@ -17,17 +17,23 @@ from hypothesis import strategies as st
 import testbed.hardware as hw
 from cluster_cli.config.inventory import Inventory
 from cluster_cli.probe import collect
-from cluster_cli.probe.batch import build_command, parse_records
+from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
 from cluster_cli.probe.collect import probe_node
 from cluster_cli.probe.commands import SMINFO_AFTER_IBSTAT, sminfo_record
 from cluster_cli.probe.parsers.ibstat import parse_ibstat
 from testbed.hardware import parse_node
 
 
+def batch_output(commands: dict[str, str], timeout: float = 5.0, **kw) -> tuple[int, bytes, str]:
+    """Run the batch with the local sh, as discover runs it remotely: (rc, stdout, token)."""
+    script, token = build_script(commands, per_command_timeout_s=timeout, **kw)
+    p = subprocess.run(BATCH_SHELL, shell=True, input=script.encode(), capture_output=True, timeout=30)
+    return p.returncode, p.stdout, token
+
+
 def run_local(commands: dict[str, str], timeout: float = 5.0):
-    command, token = build_command(commands, per_command_timeout_s=timeout)
-    p = subprocess.run(command, shell=True, capture_output=True, timeout=30)
-    return p.returncode, parse_records(commands, p.stdout, token)
+    rc, out, token = batch_output(commands, timeout)
+    return rc, parse_records(commands, out, token)
 
 
 def test_results_rc_stdout_stderr_per_command() -> None:
@@ -87,8 +93,7 @@ def test_parse_never_raises(blob: bytes, token: str) -> None:
 
 def test_cut_short_output_means_no_result() -> None:
     cmds = {"a": "echo 1", "b": "echo 2"}
-    command, token = build_command(cmds, per_command_timeout_s=5)
-    out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
+    _, out, token = batch_output(cmds)
     last = out.rindex(b"@@CC " + token.encode() + b" END")
     res = parse_records(cmds, out[: last - 1], token)  # the node died during the last byte of output
     assert res["a"].rc == 0 and res["b"].rc is None
@@ -96,8 +101,7 @@ def test_cut_short_output_means_no_result() -> None:
 
 def test_a_cut_in_an_early_record_never_shifts_output_into_later_ones() -> None:
     cmds = {"a": "echo first-output", "b": "echo 2", "c": "echo 3"}
-    command, token = build_command(cmds, per_command_timeout_s=5)
-    out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
+    _, out, token = batch_output(cmds)
     cut = out.index(b"first-output") + 5
     res = parse_records(cmds, out[:cut], token)
     assert all(r.rc is None for r in res.values())
@@ -106,8 +110,7 @@ def test_a_cut_in_an_early_record_never_shifts_output_into_later_ones() -> None:
 def test_then_starts_more_records_from_a_finished_ones_output() -> None:
     cmds = {"list": "printf 'a:1\\nb:2\\nbad/name\\n'", "other": "echo other"}
     then = {"list": 'for x in $(cat "$o"); do run "sub:$x" echo "got $x"; done'}
-    command, token = build_command(cmds, per_command_timeout_s=5, then=then)
-    out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
+    _, out, token = batch_output(cmds, then=then)
     res = parse_records(cmds, out, token)
     # "bad/name" is not a valid record name: skipped, never run under a mangled name.
     assert set(res) == {"list", "other", "sub:a:1", "sub:b:2"}
@@ -117,17 +120,16 @@ def test_then_starts_more_records_from_a_finished_ones_output() -> None:
 
 def test_then_does_not_run_after_a_failure() -> None:
     cmds = {"list": "echo a:1; exit 4"}
-    command, token = build_command(cmds, per_command_timeout_s=5, then={"list": 'run "sub:x" echo no'})
-    out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
+    _, out, token = batch_output(cmds, then={"list": 'run "sub:x" echo no'})
     res = parse_records(cmds, out, token)
     assert set(res) == {"list"} and res["list"].rc == 4
 
 
 def test_bad_record_names_are_refused() -> None:
     with pytest.raises(ValueError, match="record name"):
-        build_command({"has space": "true"}, per_command_timeout_s=1)
+        build_script({"has space": "true"}, per_command_timeout_s=1)
     with pytest.raises(ValueError, match="unknown records"):
-        build_command({"a": "true"}, per_command_timeout_s=1, then={"b": "true"})
+        build_script({"a": "true"}, per_command_timeout_s=1, then={"b": "true"})
 
 
 def _procs_with(arg: str) -> list[str]:
@@ -228,8 +230,7 @@ def test_the_shortcut_agrees_with_the_parser_on_real_outputs(fixture: Path) -> N
     text = fixture.read_text()
     cmds = {"ibstat": f"cat {fixture}"}
     then = {"ibstat": SMINFO_AFTER_IBSTAT.replace(" sminfo ", " echo ")}
-    command, token = build_command(cmds, per_command_timeout_s=5, then=then)
-    out = subprocess.run(command, shell=True, capture_output=True, timeout=30).stdout
+    _, out, token = batch_output(cmds, then=then)
     started = set(parse_records(cmds, out, token)) - {"ibstat"}
     expected = {sminfo_record(p.ca, p.port) for p in parse_ibstat(text) if p.is_ib_attachment}
     assert started == expected
@@ -303,8 +304,11 @@ def test_the_probe_deadline_leaves_room_at_small_timeouts() -> None:
 
 def test_the_scratch_folder_goes_when_the_client_hangs_up() -> None:
     # The SSH client drops the connection (node deadline): sshd sends SIGHUP to the batch.
-    command, _ = build_command({"hang": "sh -c 'readlink /proc/$$/fd/1; sleep 39'"}, per_command_timeout_s=30)
-    p = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    script, _ = build_script({"hang": "sh -c 'readlink /proc/$$/fd/1; sleep 39'"}, per_command_timeout_s=30)
+    p = subprocess.Popen(BATCH_SHELL, shell=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    p.stdin.write(script.encode())
+    p.stdin.close()
     try:
         time.sleep(0.5)
         out_files = [*Path("/dev/shm").glob("tmp.*/0.o"), *Path("/tmp").glob("tmp.*/0.o")]

@@ -84,6 +84,8 @@ def hoist_global_options(args: list[str]) -> list[str]:
     values of the command's own options are skipped, never mistaken for global options, and
     nothing after ``--`` moves.
     """
+    if not any(a in _GLOBAL_FLAGS or a.split("=", 1)[0] in _GLOBAL_VALUED for a in args[1:]):
+        return args  # the common case: nothing to move, and no second build of the command tree
     import typer.main
 
     group = typer.main.get_command(app)

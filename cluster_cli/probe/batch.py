@@ -160,18 +160,6 @@ def _is_simple(cmd: str) -> bool:
 BATCH_SHELL = "sh -s"
 
 
-def build_command(
-    commands: Mapping[str, str],
-    *,
-    per_command_timeout_s: float,
-    token: str | None = None,
-    then: Mapping[str, str] | None = None,
-) -> tuple[str, str]:
-    """The batch as one ``sh -c`` command line and its token (see ``build_script``)."""
-    script, token = build_script(commands, per_command_timeout_s=per_command_timeout_s, token=token, then=then)
-    return "sh -c " + shlex.quote(script), token
-
-
 def build_script(
     commands: Mapping[str, str],
     *,

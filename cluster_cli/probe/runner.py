@@ -146,9 +146,9 @@ class AsyncsshConnector:
         async with self._pin_lock:
             self.pinned.parent.mkdir(parents=True, exist_ok=True)
             self.pinned.touch(exist_ok=True)
-            for line in self.pinned.read_text().splitlines():
-                if line.split(" ", 1)[0] == target.name:
-                    return str(self.pinned)
+            pins = self._parse(str(self.pinned))  # parsed once per change of the file, not per node
+            if isinstance(pins, asyncssh.SSHKnownHosts) and pins.match(target.name, "", None)[0]:
+                return str(self.pinned)
         # First contact: learn the key, pin it, then connect verifying against the pin.
         try:
             key = await asyncio.wait_for(

@@ -99,40 +99,37 @@ class Store:
                 if row is None:
                     self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
                     self._db.execute("INSERT INTO meta VALUES ('state_version', '0')")
-                elif int(row[0]) > SCHEMA_VERSION:
-                    raise StateError(
-                        f"{self.path}: state schema {row[0]} is newer than this clusterctl understands "
-                        f"({SCHEMA_VERSION}); upgrade clusterctl"
-                    )
+                else:
+                    self._check_schema(row[0])
         except sqlite3.DatabaseError as e:
             raise StateError(f"{self.path}: not a usable state database: {e}") from None
 
     def _open_readonly(self, timeout_s: float) -> sqlite3.Connection:
         uri = f"file:{quote(str(self.path.resolve()))}?mode=ro"
-        db = None
-        try:
-            db = sqlite3.connect(uri, uri=True, timeout=timeout_s, isolation_level=None)
-            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        except sqlite3.OperationalError:
-            if db is not None:
-                db.close()
-            # A WAL database in a folder we cannot write to (no -shm to create): read it as a
-            # snapshot. Nobody can be writing it through this folder's permissions anyway.
+        # A WAL database in a folder we cannot write to (no -shm to create) is read as a
+        # snapshot on the second try: nobody can be writing it through this folder anyway.
+        for extra in ("", "&immutable=1"):
+            db = None
             try:
-                db = sqlite3.connect(uri + "&immutable=1", uri=True, timeout=timeout_s, isolation_level=None)
+                db = sqlite3.connect(uri + extra, uri=True, timeout=timeout_s, isolation_level=None)
                 row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+                break
             except sqlite3.DatabaseError as e:
-                raise StateError(f"{self.path}: not a usable state database: {e}") from None
-        except sqlite3.DatabaseError as e:
-            raise StateError(f"{self.path}: not a usable state database: {e}") from None
+                if db is not None:
+                    db.close()
+                if extra or not isinstance(e, sqlite3.OperationalError):
+                    raise StateError(f"{self.path}: not a usable state database: {e}") from None
         if row is None:
             raise StateError(f"{self.path}: not a clusterctl state database (no schema version)")
-        if int(row[0]) > SCHEMA_VERSION:
+        self._check_schema(row[0])
+        return db
+
+    def _check_schema(self, version: str) -> None:
+        if int(version) > SCHEMA_VERSION:
             raise StateError(
-                f"{self.path}: state schema {row[0]} is newer than this clusterctl understands "
+                f"{self.path}: state schema {version} is newer than this clusterctl understands "
                 f"({SCHEMA_VERSION}); upgrade clusterctl"
             )
-        return db
 
     # ---- plumbing ---------------------------------------------------------
     def close(self) -> None:
