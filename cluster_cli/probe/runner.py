@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import asyncssh
-
 from cluster_cli.config.inventory import ACCEPT_NEW, SSHTarget
 from cluster_cli.errors import SSHError
+from cluster_cli.probe.libsearch import quick_find_library
+
+with quick_find_library():  # asyncssh's liboqs lookup would otherwise run ldconfig, gcc and ld
+    import asyncssh
 
 
 @dataclass(frozen=True)

@@ -247,10 +247,10 @@ def classify_failure(rc: int | None, output: str) -> SmiFailure | None:
     whose only complaints are lost-GPU lines (those become lost GPUs, not a failure).
     """
     lines = [ln.strip() for ln in _lines(output) if ln.strip()]
-    joined = _one_line("; ".join(lines))
     rc = rc if isinstance(rc, int) and not isinstance(rc, bool) else None
 
     def fail(kind: str) -> SmiFailure:
+        joined = _one_line("; ".join(lines))  # only on failure: a full GPU list is long
         if kind == "failed":
             if rc is None:
                 msg = f"nvidia-smi failed: {joined}" if joined else "nvidia-smi gave no exit status and no output"

@@ -1,0 +1,80 @@
+"""Import asyncssh without running a compiler.
+
+When it is imported, asyncssh looks for liboqs (for the sntrup761 post-quantum key
+exchange) and for nettle (UMAC) with ``ctypes.util.find_library``. On Linux that runs
+``ldconfig -p`` for each and, when a library is not installed (liboqs usually is not),
+``gcc`` and ``ld`` as well: about 45 ms of wall time and 35 ms of CPU in child processes
+on every ``discover`` (bench/README.md, Discovery). While asyncssh is imported, :func:`quick_find_library` answers the lookup for
+those names by looking in the dynamic loader's directories instead, and leaves every
+other lookup to ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import glob
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+# The names asyncssh asks for (asyncssh/crypto/pq.py and umac.py).
+ASYNCSSH_LIBS = frozenset({"oqs", "liboqs", "nettle"})
+
+
+def loader_dirs() -> list[str]:
+    """The directories the dynamic loader searches: LD_LIBRARY_PATH, ld.so.conf(.d), defaults."""
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    for conf in ["/etc/ld.so.conf", *sorted(glob.glob("/etc/ld.so.conf.d/*.conf"))]:
+        try:
+            text = Path(conf).read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("/"):
+                dirs.append(line)
+    arch = getattr(sys.implementation, "_multiarch", "")
+    if arch:
+        dirs += [f"/lib/{arch}", f"/usr/lib/{arch}"]
+    dirs += ["/lib64", "/usr/lib64", "/lib", "/usr/lib", "/usr/local/lib"]
+    return list(dict.fromkeys(dirs))
+
+
+def _version(path: str) -> tuple[int, ...]:
+    tail = path.rsplit(".so", 1)[1].lstrip(".")
+    return tuple(int(p) for p in tail.split(".") if p.isdigit())
+
+
+def find_in_dirs(name: str, dirs: list[str]) -> str | None:
+    """The path of ``lib<name>.so*`` in the first directory that has one, else None.
+
+    Like the loader, prefer a versioned file (``libX.so.8``, the highest) over the bare
+    development link ``libX.so``.
+    """
+    for d in dirs:
+        found = glob.glob(os.path.join(glob.escape(d), f"lib{glob.escape(name)}.so*"))
+        if found:
+            return max(found, key=lambda p: (bool(_version(p)), _version(p), p))
+    return None
+
+
+@contextmanager
+def quick_find_library(names: frozenset[str] = ASYNCSSH_LIBS) -> Iterator[None]:
+    """Within the block, ``ctypes.util.find_library(n)`` for ``n`` in ``names`` spawns nothing."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    original = ctypes.util.find_library
+
+    def find_library(name: str) -> str | None:
+        if name in names:
+            return find_in_dirs(name, loader_dirs())
+        return original(name)
+
+    ctypes.util.find_library = find_library
+    try:
+        yield
+    finally:
+        ctypes.util.find_library = original

@@ -1,0 +1,87 @@
+"""Importing asyncssh through cluster_cli spawns no ldconfig/gcc/ld, and still finds libraries."""
+
+from __future__ import annotations
+
+import ctypes.util
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from cluster_cli.probe import libsearch
+from cluster_cli.probe.libsearch import find_in_dirs, loader_dirs, quick_find_library
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ctypes lookup differs elsewhere")
+
+
+def test_find_in_dirs_prefers_first_dir_and_highest_version(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    assert find_in_dirs("foo", [str(a), str(b)]) is None
+    for name in ("libfoo.so", "libfoo.so.2", "libfoo.so.10", "libfoobar.so.99"):
+        (b / name).write_bytes(b"")
+    assert find_in_dirs("foo", [str(a), str(b)]) == str(b / "libfoo.so.10")
+    (a / "libfoo.so").write_bytes(b"")
+    assert find_in_dirs("foo", [str(a), str(b)]) == str(a / "libfoo.so")  # the first directory wins
+    assert find_in_dirs("fo[o]", [str(b)]) is None  # a name is not a pattern
+
+
+def test_loader_dirs_start_with_ld_library_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"{tmp_path}::/nonexistent")
+    dirs = loader_dirs()
+    assert dirs[:2] == [str(tmp_path), "/nonexistent"]
+    assert len(dirs) == len(set(dirs))
+
+
+@linux_only
+def test_quick_find_library_answers_listed_names_without_processes(monkeypatch, tmp_path):
+    (tmp_path / "liboqs.so.7").write_bytes(b"")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
+    spawned: list = []
+    real_popen = subprocess.Popen
+
+    class Spy(real_popen):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **k):
+            spawned.append(a[0] if a else k.get("args"))
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(subprocess, "Popen", Spy)
+    original = ctypes.util.find_library
+    with quick_find_library():
+        assert ctypes.util.find_library("oqs") == str(tmp_path / "liboqs.so.7")
+        assert ctypes.util.find_library("liboqs") is None  # it would be libliboqs.so*
+        assert spawned == []
+        # Any other name still goes to ctypes' own lookup.
+        ctypes.util.find_library("c")
+        assert spawned  # ctypes' lookup ran ldconfig
+    assert ctypes.util.find_library is original
+
+
+@linux_only
+def test_importing_the_ssh_layer_runs_no_programs():
+    # A fresh interpreter: asyncssh is imported there for the first time.
+    code = textwrap.dedent(
+        """
+        import subprocess
+        spawned = []
+        real = subprocess.Popen.__init__
+        def spy(self, *a, **k):
+            spawned.append(a[0] if a else k.get("args"))
+            return real(self, *a, **k)
+        subprocess.Popen.__init__ = spy
+        import cluster_cli.probe.runner
+        from asyncssh.mac import get_mac_algs
+        import ctypes.util
+        print(repr(spawned))
+        print(any(b"umac" in a for a in get_mac_algs()) == bool(ctypes.util.find_library("nettle")))
+        print(ctypes.util.find_library.__module__)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    spawned, umac_consistent, module = out.stdout.split("\n")[:3]
+    assert spawned == "[]", f"importing the SSH layer ran {spawned}"
+    assert umac_consistent == "True"  # nettle is found exactly when ctypes would find it
+    assert module == "ctypes.util"  # restored afterwards
+    assert {"oqs", "liboqs", "nettle"} <= libsearch.ASYNCSSH_LIBS
