@@ -230,3 +230,32 @@ def test_a_gpu_class_nothing_has_is_flagged_once(tmp_path: Path) -> None:
     warnings = [x for x in r.stderr.splitlines() if "H1OO" in x]
     assert len(warnings) == 1 and "gpu_class: no GPU of class 'H1OO'" in warnings[0] and "known: H100" in warnings[0]
     json.loads(r.stdout)  # stdout stays clean JSON
+
+
+MULTI_NODE_CATALOG = """
+models:
+  - name: big
+    replicas: 1
+    profiles:
+      - {name: h100-2x8, engine: vllm, model: /m, gpu_class: H100, gpus: 8, nodes: 2}
+"""
+
+
+def test_inventory_fabric_overrides_the_fabric_recorded_with_the_facts(tmp_path: Path) -> None:
+    # Both nodes were discovered on ib-a; the operator has since moved gpu-02 to ib-b.
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01"), dgx("gpu-02")], catalog=MULTI_NODE_CATALOG)
+    both_a = "nodes:\n  - {name: gpu-01, host: 10.0.0.1, fabric: ib-a}\n  - {name: gpu-02, host: 10.0.0.2, fabric: ib-a}\n"
+    inv.write_text(both_a)
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["replicas"][0]["fabric"] == "ib-a"
+    inv.write_text(both_a.replace("10.0.0.2, fabric: ib-a", "10.0.0.2, fabric: ib-b"))
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert r.exit_code == 3, r.output  # no fabric has two nodes now: never one replica across ib-a and ib-b
+    doc = json.loads(r.stdout)
+    assert doc["replicas"] == [] and doc["unplaced"][0]["model"] == "big"
+    # A per-HCA override counts as a declaration too: all of gpu-02's rails on ib-a again.
+    over = "{" + ", ".join(f"mlx5_{i}: ib-a" for i in range(8)) + "}"
+    inv.write_text(both_a.replace("10.0.0.2, fabric: ib-a", f"10.0.0.2, fabric: ib-b, hca_fabrics: {over}"))
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert r.exit_code == 0, r.output

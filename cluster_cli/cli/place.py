@@ -154,6 +154,10 @@ def read_facts(path: Path) -> list[NodeFacts]:
 def for_inventory(inv: Inventory, facts: list[NodeFacts]) -> list[NodeFacts]:
     """Only the inventory's nodes, with its fabric assignments and GPU classes applied.
 
+    The inventory is the source of truth for fabrics: on a node it puts on a fabric, every
+    port's fabric is the one it gives now (node default or per-HCA override), whatever the
+    facts recorded. Facts of a node it puts on no fabric keep their own (hand-written facts).
+
     A node the inventory names but that has no facts is listed as unreachable, so
     explanations say so instead of leaving it out.
     """
@@ -165,9 +169,14 @@ def for_inventory(inv: Inventory, facts: list[NodeFacts]) -> list[NodeFacts]:
         if f is None:
             out.append(NodeFacts(n.name, host=n.host, reachable=False, error="no facts (not discovered yet)"))
             continue
-        hcas = tuple(h if h.fabric else replace(h, fabric=inv.fabric_for(n, h.ca)) for h in f.hcas)
+        # The inventory says which fabric a port is on, now: a fabric stored with the facts is
+        # what the inventory said when the node was probed, and a node may have moved since.
+        # Only for a node the inventory puts on no fabric at all do the facts' fabrics stand.
+        declared = n.fabric is not None or bool(n.hca_fabrics)
+        hcas = tuple(replace(h, fabric=inv.fabric_for(n, h.ca)) if declared else h for h in f.hcas)
         gpus = tuple(_reclass(g, inv) if g.product in listed else g for g in f.gpus)
-        out.append(replace(f, hcas=hcas, gpus=gpus, fabric=f.fabric or n.fabric, labels={**n.labels, **f.labels}))
+        fabric = n.fabric if declared else f.fabric
+        out.append(replace(f, hcas=hcas, gpus=gpus, fabric=fabric, labels={**n.labels, **f.labels}))
     return out
 
 
