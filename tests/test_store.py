@@ -131,3 +131,18 @@ def test_an_older_probe_never_replaces_newer_facts(tmp_path: Path) -> None:
         assert s.nodes(["a"])[0].cpus == 64
         s.save_discovery([NodeFacts(name="a", host="h", cpus=16, probed_at=300.0)])
         assert s.nodes(["a"])[0].cpus == 16
+
+
+def test_newest_observation_wins_when_one_of_them_is_unreachable(tmp_path: Path) -> None:
+    lost = dict(reachable=False, error="connect timed out")
+    with Store(tmp_path / "s.db") as s:
+        s.save_discovery([NodeFacts(name="a", host="h", cpus=64, probed_at=100.0)])
+        s.save_discovery([NodeFacts(name="a", host="h", probed_at=300.0, **lost)])
+        s.save_discovery([NodeFacts(name="a", host="h", cpus=32, probed_at=200.0)])  # older, finished last
+        (a,) = s.nodes(["a"])
+        assert (a.reachable, a.error, a.probed_at, a.cpus) == (False, "connect timed out", 300.0, 64)
+    with Store(tmp_path / "t.db") as s:
+        s.save_discovery([NodeFacts(name="a", host="h", cpus=64, probed_at=300.0)])
+        s.save_discovery([NodeFacts(name="a", host="h", probed_at=200.0, **lost)])  # an older silence
+        (a,) = s.nodes(["a"])
+        assert (a.reachable, a.error, a.probed_at, a.cpus) == (True, None, 300.0, 64)

@@ -190,7 +190,12 @@ class Store:
                     row = db.execute("SELECT facts FROM nodes WHERE name=?", (f.name,)).fetchone()
                     if row is not None:
                         old = NodeFacts.from_dict(json.loads(row[0]))
-                        f = replace(old, host=f.host, reachable=False, error=f.error, labels=f.labels, fabric=f.fabric)
+                        # The old hardware facts, stamped with this probe's time: the guard
+                        # below must compare when each answer (or silence) was observed.
+                        f = replace(
+                            old, host=f.host, reachable=False, error=f.error, labels=f.labels, fabric=f.fabric,
+                            probed_at=f.probed_at,
+                        )
                 doc = f.to_dict()
                 doc.pop("cordoned", None)
                 doc.pop("cordon_reason", None)
