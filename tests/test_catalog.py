@@ -114,6 +114,21 @@ def test_defaults_and_tie_order(tmp_path: Path) -> None:
             "greater than 0",
         ),
         (
+            one_model("      - {name: a, engine: llamacpp, memory_gib: .inf}\n"),
+            "models.0.profiles.0.memory_gib",
+            "finite number",
+        ),
+        (
+            one_model("      - {name: a, engine: llamacpp, memory_gib: 1e400}\n"),
+            "models.0.profiles.0.memory_gib",
+            "finite number",
+        ),
+        (
+            one_model("      - {name: a, engine: llamacpp, memory_gib: 0.0001}\n"),
+            "models.0.profiles.0.memory_gib",
+            "at least 1 MiB",
+        ),
+        (
             one_model("      - {name: a, engine: vllm, gpu_class: H100}\n", replicas="0"),
             "models.0.replicas",
             "greater than 0",

@@ -55,6 +55,8 @@ def test_good_inventory_resolves_paths_and_defaults(tmp_path: Path) -> None:
         ("- just\n- a list\n", "expected a mapping"),
         ("defaults: {user: a}\ndefaults: {user: b}\n", "duplicate key 'defaults'"),
         ("gpu_classes: {A: [X], B: [X]}\n", "listed under both"),
+        ("defaults: {connect_timeout_s: .inf}\nnodes:\n  - {name: a, host: h}\n", "defaults.connect_timeout_s"),
+        ("defaults: {command_timeout_s: .nan}\nnodes:\n  - {name: a, host: h}\n", "defaults.command_timeout_s"),
     ],
 )
 def test_bad_inventory_is_one_located_line(tmp_path: Path, text: str, needle: str) -> None:

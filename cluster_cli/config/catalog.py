@@ -60,7 +60,7 @@ class Profile(_Strict):
     gpus: int | None = Field(default=None, gt=0)
     nodes: int = Field(default=1, gt=0)
     cpus: int | None = Field(default=None, gt=0)
-    memory_gib: float | None = Field(default=None, gt=0)
+    memory_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     priority: int = 0
     model: str | None = None  # path or hub id the engine loads (default: the model's name)
     args: list[str] = Field(default_factory=list)
@@ -69,6 +69,13 @@ class Profile(_Strict):
     @classmethod
     def _name_ok(cls, v: str) -> str:
         return _check_name(v)
+
+    @field_validator("memory_gib")
+    @classmethod
+    def _at_least_a_mib(cls, v: float | None) -> float | None:
+        if v is not None and round(v * 1024) < 1:
+            raise ValueError("memory_gib must be at least 1 MiB (0.001)")
+        return v
 
     @field_validator("gpu_class")
     @classmethod

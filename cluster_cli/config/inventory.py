@@ -39,8 +39,8 @@ class SSHDefaults(_Strict):
     port: int | None = Field(default=None, ge=1, le=65535)
     identity_file: str | None = None
     known_hosts: str = "~/.ssh/known_hosts"
-    connect_timeout_s: float = Field(default=10.0, gt=0)
-    command_timeout_s: float = Field(default=30.0, gt=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    command_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
 
 
 class Fabric(_Strict):
