@@ -7,16 +7,35 @@ tested with hand-made instances.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
 def _num(d: dict[str, Any], key: str) -> Any:
-    """``d[key]`` if it is a number or missing/null; anything else is a ValueError naming the key."""
+    """``d[key]`` if it is a finite number >= 0, or missing/null; else a ValueError naming the key.
+
+    Every number in the facts is a count, a size or a time: NaN (which ``json.loads``
+    accepts), infinities and negatives would slip past every comparison made with them.
+    """
     v = d.get(key)
-    if v is None or (isinstance(v, int | float) and not isinstance(v, bool)):
+    if v is None:
+        return v
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{key}: expected a finite number >= 0, got {v!r}")
         return v
     raise ValueError(f"{key}: expected a number, got {v!r}")
+
+
+def _bool(d: dict[str, Any], key: str, default: bool | None) -> Any:
+    """``d[key]`` if it is true/false, ``default`` if missing/null; a string like "false" is an error."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool):
+        return v
+    raise ValueError(f"{key}: expected true or false, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -88,7 +107,11 @@ class Gpu:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Gpu:
-        return cls(
+        """From ``to_dict``'s shape. Hand-written facts may set the fields and leave out
+        ``problems``: a fault in the fields still makes the GPU not free."""
+        if _num(d, "index") is None:
+            raise KeyError("index")
+        g = cls(
             index=int(d["index"]),
             uuid=str(d.get("uuid") or ""),
             product=str(d.get("product") or ""),
@@ -97,16 +120,26 @@ class Gpu:
             memory_used_mib=_num(d, "memory_used_mib"),
             pci_bus_id=d.get("pci_bus_id"),
             ecc_uncorrected=_num(d, "ecc_uncorrected"),
-            retired_pages_pending=d.get("retired_pages_pending"),
-            remapped_rows_pending=d.get("remapped_rows_pending"),
-            mig_mode=d.get("mig_mode"),
-            lost=bool(d.get("lost", False)),
+            retired_pages_pending=_bool(d, "retired_pages_pending", None),
+            remapped_rows_pending=_bool(d, "remapped_rows_pending", None),
+            mig_mode=_bool(d, "mig_mode", None),
+            lost=_bool(d, "lost", False),
             processes=tuple(
                 GpuProcess(int(p["pid"]), str(p.get("name", "")), str(p.get("gpu_uuid", "")), p.get("used_mib"))
                 for p in d.get("processes") or ()
             ),
-            problems=tuple(d.get("problems") or ()),
+            problems=tuple(str(p) for p in d.get("problems") or ()),
         )
+        have = {problem_key(p) for p in g.problems}
+        implied = [
+            (g.lost, "lost", "lost: GPU is lost"),
+            (bool(g.ecc_uncorrected), "ecc", f"ecc: {g.ecc_uncorrected} uncorrected ECC error(s)"),
+            (g.retired_pages_pending, "retired-pages", "retired-pages: page retirement pending"),
+            (g.remapped_rows_pending, "remap", "remap: row remap pending"),
+            (g.mig_mode, "mig", "mig: MIG mode enabled"),
+        ]
+        missing = tuple(text for on, key, text in implied if on and key not in have)
+        return replace(g, problems=g.problems + missing) if missing else g
 
 
 # Problem keys that make a GPU unhealthy (as opposed to merely busy).
@@ -235,7 +268,7 @@ class NodeFacts:
         return cls(
             name=str(d["name"]),
             host=str(d.get("host") or ""),
-            reachable=bool(d.get("reachable", True)),
+            reachable=_bool(d, "reachable", True),
             error=d.get("error"),
             cpus=_num(d, "cpus"),
             memory_mib=_num(d, "memory_mib"),
@@ -244,10 +277,10 @@ class NodeFacts:
             hcas=tuple(HcaPort.from_dict(h) for h in d.get("hcas") or ()),
             fabric=d.get("fabric"),
             labels=dict(d.get("labels") or {}),
-            cordoned=bool(d.get("cordoned", False)),
+            cordoned=_bool(d, "cordoned", False),
             cordon_reason=d.get("cordon_reason"),
             problems=tuple(d.get("problems") or ()),
-            probed_at=d.get("probed_at"),
+            probed_at=_num(d, "probed_at"),
         )
 
 

@@ -145,6 +145,37 @@ def test_facts_file_gets_the_stores_cordons(tmp_path: Path) -> None:
     assert r.exit_code == 3 and "detail: cordoned (RMA)" in r.stdout
 
 
+GPU_ONLY = "models:\n  - {{name: m, replicas: {replicas}, profiles: [{{name: tp8, engine: vllm, gpu_class: H100, gpus: 8}}]}}\n"
+
+
+def test_with_a_store_cordons_come_from_the_store_only(tmp_path: Path) -> None:
+    # A facts file saved while gpu-01 was cordoned; the operator has uncordoned it since.
+    nodes = [replace(dgx("gpu-01"), cordoned=True, cordon_reason="old"), dgx("gpu-02")]
+    inv, cat, facts = write_inputs(tmp_path, nodes, catalog=GPU_ONLY.format(replicas=2))
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert r.exit_code == 3 and "cordoned (old)" in r.stdout  # no store: the file's word stands
+    with Store(tmp_path / "state.db") as s:
+        s.cordon("gpu-01", "old")
+        s.uncordon("gpu-01")
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert r.exit_code == 0, r.output
+
+
+def test_hand_written_gpu_faults_count_without_a_problems_list(tmp_path: Path) -> None:
+    doc = dgx("gpu-01").to_dict()
+    for g in doc["gpus"]:
+        g["problems"] = []
+    faults = {0: ("lost", True), 1: ("ecc_uncorrected", 4), 2: ("mig_mode", True), 3: ("remapped_rows_pending", True),
+              4: ("retired_pages_pending", True)}  # fmt: skip
+    for i, (key, value) in faults.items():
+        doc["gpus"][i][key] = value
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01")], catalog=GPU_ONLY.format(replicas=1))
+    facts.write_text(json.dumps({"nodes": [doc]}))
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts))
+    assert r.exit_code == 3, r.output
+    assert "3 of 8 H100 free (1 lost, 1 ECC, 1 retired pages pending, 1 row remap pending, 1 MIG)" in r.output
+
+
 @pytest.mark.parametrize(
     ("setup", "needle"),
     [
@@ -159,6 +190,15 @@ def test_facts_file_gets_the_stores_cordons(tmp_path: Path) -> None:
         (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "zz"}]}'), "none of the inventory's 1 nodes (zz)"),
         (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "gpu-01", "cpus": "many"}]}'),
          "facts.json: nodes.0 (gpu-01): invalid facts: cpus: expected a number, got 'many'"),
+        (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "gpu-01", "reachable": "false"}]}'),
+         "invalid facts: reachable: expected true or false, got 'false'"),
+        (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "gpu-01", "cpus": NaN}]}'),
+         "invalid facts: cpus: expected a finite number >= 0, got nan"),
+        (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "gpu-01", "memory_mib": -1}]}'),
+         "invalid facts: memory_mib: expected a finite number >= 0, got -1"),
+        (lambda p: (p / "facts.json").write_text(
+            '{"nodes": [{"name": "gpu-01", "gpus": [{"index": 0, "lost": "no"}]}]}'),
+         "invalid facts: lost: expected true or false, got 'no'"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, setup, needle: str) -> None:

@@ -146,3 +146,20 @@ def test_newest_observation_wins_when_one_of_them_is_unreachable(tmp_path: Path)
         s.save_discovery([NodeFacts(name="a", host="h", probed_at=200.0, **lost)])  # an older silence
         (a,) = s.nodes(["a"])
         assert (a.reachable, a.error, a.probed_at, a.cpus) == (True, None, 300.0, 64)
+
+
+def test_reads_in_a_snapshot_see_one_state_version(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    with Store(path) as w:
+        w.save_discovery([NodeFacts(name="a", host="h", cpus=8, probed_at=1.0)])
+    reader = Store(path, readonly=True)
+    try:
+        with reader.snapshot():
+            v = reader.version()
+            with Store(path) as w:  # an operator's cordon lands in the middle of a plan's reads
+                w.cordon("a", "disk")
+            assert [n.cordoned for n in reader.nodes()] == [False]
+            assert reader.cordons() == {} and reader.version() == v
+        assert reader.version() > v and reader.nodes()[0].cordoned
+    finally:
+        reader.close()

@@ -8,6 +8,7 @@ a diff and a scheduler dry-run block, like ``nomad job plan``. It never writes.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,20 +97,8 @@ def _inputs(
     """Facts of the inventory's nodes, current allocations, state version, and where facts came from."""
     store = Store(state_path, readonly=True) if facts_path is None or state_path.exists() else None
     try:
-        if facts_path is not None:
-            raw = read_facts(facts_path)
-            cordons = store.cordons() if store else {}
-            raw = [
-                replace(f, cordoned=True, cordon_reason=cordons[f.name]["reason"]) if f.name in cordons else f
-                for f in raw
-            ]
-            source = str(facts_path)
-        else:
-            assert store is not None
-            raw = store.nodes()
-            source = str(state_path)
-        current = store.replicas() if store else []
-        version = store.version() if store else None
+        with store.snapshot() if store is not None else nullcontext():
+            raw, current, version, source = _read(store, facts_path, state_path)
     finally:
         if store is not None:
             store.close()
@@ -123,6 +112,28 @@ def _inputs(
         if extra := sorted(named - {n.name for n in inv.nodes}):
             ui.warn(f"{facts_path}: ignoring facts of nodes not in the inventory: {', '.join(extra)}")
     return for_inventory(inv, raw), current, version, source
+
+
+def _read(
+    store: Store | None, facts_path: Path | None, state_path: Path
+) -> tuple[list[NodeFacts], list[Replica], int | None, str]:
+    if facts_path is not None:
+        raw = read_facts(facts_path)
+        if store is not None:
+            # Cordons live in the state store: a file's stale "cordoned" never outlives an uncordon.
+            cordons = store.cordons()
+            raw = [
+                replace(f, cordoned=f.name in cordons, cordon_reason=cordons.get(f.name, {}).get("reason"))
+                for f in raw
+            ]
+        source = str(facts_path)
+    else:
+        assert store is not None
+        raw = store.nodes()
+        source = str(state_path)
+    current = store.replicas() if store else []
+    version = store.version() if store else None
+    return raw, current, version, source
 
 
 def read_facts(path: Path) -> list[NodeFacts]:

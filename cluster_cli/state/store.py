@@ -163,6 +163,28 @@ class Store:
                 raise StateError(f"{self.path}: cannot write the state: {e}") from None
 
     @contextmanager
+    def snapshot(self) -> Iterator[Store]:
+        """Reads inside the block all see one state version (a read transaction).
+
+        Without it each read is its own transaction: a cordon committed between reading the
+        nodes and reading the version would give a plan labelled with a state it did not use.
+        Nested use is a no-op.
+        """
+        if self._db.in_transaction:
+            yield self
+            return
+        try:
+            self._db.execute("BEGIN")
+            self.version()  # the snapshot starts at the first read, so take it now
+        except sqlite3.Error as e:
+            raise StateError(f"{self.path}: cannot read the state: {e}") from None
+        try:
+            yield self
+        finally:
+            if self._db.in_transaction:
+                self._db.execute("COMMIT")
+
+    @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction; bumps the state version."""
         with self._tx() as db:
@@ -213,10 +235,12 @@ class Store:
 
     def nodes(self, names: Iterable[str] | None = None) -> list[NodeFacts]:
         """Stored facts with cordons applied, sorted by name (optionally only ``names``)."""
-        cordons = self.cordons()
+        with self.snapshot():  # the cordons and the facts of one state version
+            cordons = self.cordons()
+            rows = self._db.execute("SELECT name, facts FROM nodes ORDER BY name").fetchall()
         wanted = None if names is None else set(names)
         out = []
-        for name, facts in self._db.execute("SELECT name, facts FROM nodes ORDER BY name"):
+        for name, facts in rows:
             if wanted is not None and name not in wanted:
                 continue
             f = NodeFacts.from_dict(json.loads(facts))
