@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
+
 import pytest
 
 from cluster_cli.engines import LaunchSpec, MetricMapping, get_engine
@@ -85,24 +88,71 @@ def test_vllm_command_line_single_node_tp() -> None:
         "--host", "0.0.0.0", "--port", "8000",
         "--tensor-parallel-size", "4",
     ]  # fmt: skip
-    assert VLLM.env(spec) == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert VLLM.env(spec) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     assert VLLM.health_path == "/health"
 
 
-def test_vllm_command_line_multi_node() -> None:
-    spec = LaunchSpec(model="m", served_name="m", host="h", port=1, gpus=tuple(range(8)), tensor_parallel=8, nodes=2)
-    argv = VLLM.command(spec, binary="vllm")
-    assert argv[argv.index("--tensor-parallel-size") + 1] == "8"
-    assert argv[argv.index("--pipeline-parallel-size") + 1] == "2"
-    assert argv[argv.index("--distributed-executor-backend") + 1] == "ray"
+def _multi_node(rank: int, **kw) -> LaunchSpec:
+    return LaunchSpec(model="/m/deep seek;x", served_name="deepseek-r1", host="0.0.0.0", port=8000,
+                      gpus=tuple(range(8)), tensor_parallel=8, nodes=2, node_rank=rank,
+                      head_address=None if rank == 0 else "10.0.0.12", **kw)  # fmt: skip
+
+
+def test_vllm_multi_node_head_starts_ray_head_then_serves() -> None:
+    argv = VLLM.command(_multi_node(0, extra_args=("--max-model-len", "8192")), binary="/opt/vllm/bin/vllm")
+    assert argv[:2] == ["sh", "-c"] and len(argv) == 3
+    head, rest = argv[2].split(" && unset NCCL_IB_HCA && exec ")
+    assert shlex.split(head) == ["/opt/vllm/bin/ray", "start", "--head", "--port=6379", "--num-gpus=8"]
+    # every word is quoted: a model path with a space and a ';' stays one argument
+    assert shlex.split(rest) == [
+        "/opt/vllm/bin/vllm", "serve", "/m/deep seek;x",
+        "--served-model-name", "deepseek-r1",
+        "--host", "0.0.0.0", "--port", "8000",
+        "--tensor-parallel-size", "8",
+        "--pipeline-parallel-size", "2", "--distributed-executor-backend", "ray",
+        "--max-model-len", "8192",
+    ]  # fmt: skip
+
+
+def test_vllm_multi_node_workers_join_the_head() -> None:
+    argv = VLLM.command(_multi_node(1, cpus=32, extra_args=("--max-model-len", "8192")), binary="vllm")
+    assert argv == ["ray", "start", "--block", "--address=10.0.0.12:6379", "--num-gpus=8", "--num-cpus=32"]
+    with pytest.raises(ValueError, match="head_address"):
+        VLLM.command(dataclasses.replace(_multi_node(1), head_address=None))
+
+
+def test_vllm_multi_node_pins_nccl_to_the_shards_hcas() -> None:
+    for rank in (0, 1):
+        env = VLLM.env(_multi_node(rank, hcas=("mlx5_0", "mlx5_3")))
+        assert env == {
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
+            "NCCL_IB_HCA": "=mlx5_0,mlx5_3",  # exact names, not prefixes (mlx5_1 would match mlx5_10)
+        }
+    single = LaunchSpec(model="m", served_name="m", host="h", port=1, gpus=(2, 5), tensor_parallel=2, hcas=("mlx5_0",))
+    assert "NCCL_IB_HCA" not in VLLM.env(single)
+    assert VLLM.command(single)[0] == "vllm"
+
+
+def test_launch_spec_hcas_default_keeps_old_call_sites() -> None:
+    assert LaunchSpec(model="m", served_name="m", host="h", port=1).hcas == ()
 
 
 def test_llamacpp_command_line() -> None:
     spec = LaunchSpec(model="/m/tiny.gguf", served_name="tiny", host="127.0.0.1", port=8080, cpus=4)
     assert LLAMA.command(spec, binary="llama-server") == [
         "llama-server", "-m", "/m/tiny.gguf", "--alias", "tiny", "--host", "127.0.0.1", "--port", "8080",
-        "--metrics", "-t", "4",
+        "--metrics", "-t", "4", "-ngl", "0",
     ]  # fmt: skip
-    assert LLAMA.env(spec) == {}
     gpu = LaunchSpec(model="x", served_name="x", host="h", port=1, gpus=(3,))
-    assert LLAMA.command(gpu)[-2:] == ["-ngl", "999"] and LLAMA.env(gpu) == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert LLAMA.command(gpu)[-2:] == ["-ngl", "999"]
+    assert LLAMA.env(gpu) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "3"}
+
+
+def test_llamacpp_cpu_replica_touches_no_gpu() -> None:
+    # the placer may put a CPU replica on a GPU node: llama-server's default -ngl (auto)
+    # would offload onto every visible GPU, including ones other replicas hold
+    spec = LaunchSpec(model="/m/tiny.gguf", served_name="tiny", host="0.0.0.0", port=8081, cpus=8)
+    argv = LLAMA.command(spec)
+    assert argv[argv.index("-ngl") + 1] == "0"
+    assert LLAMA.env(spec) == {"CUDA_VISIBLE_DEVICES": ""}  # empty: no device visible

@@ -87,6 +87,19 @@ class LaunchSpec:
     head_address: str | None = None  # multi-node: the rank-0 shard's address
     cpus: int | None = None
     extra_args: tuple[str, ...] = ()
+    hcas: tuple[str, ...] = ()  # multi-node: this shard's InfiniBand CA names on the replica's fabric
+
+
+def cuda_env(gpus: tuple[int, ...]) -> dict[str, str]:
+    """Make exactly ``gpus`` (nvidia-smi indices) visible to CUDA, and nothing else.
+
+    nvidia-smi numbers GPUs in PCI bus order while CUDA's default order is fastest
+    first, so the indices only name the same devices under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+    No GPUs gives ``CUDA_VISIBLE_DEVICES=""``: no device visible at all.
+    """
+    if not gpus:
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
 
 
 class Engine(Protocol):
@@ -100,9 +113,9 @@ class Engine(Protocol):
         ...
 
     def command(self, spec: LaunchSpec, *, binary: str) -> list[str]:
-        """argv of the engine process."""
+        """argv of this shard's process (each element is one shlex.quote-able argument)."""
         ...
 
     def env(self, spec: LaunchSpec) -> dict[str, str]:
-        """Extra environment of the engine process."""
+        """Extra environment of the shard's process; an empty value is meaningful and must be kept."""
         ...

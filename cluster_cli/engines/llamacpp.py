@@ -7,7 +7,7 @@ device while the catalog believed otherwise, so such profiles are refused.
 
 from __future__ import annotations
 
-from cluster_cli.engines.base import LaunchSpec, MetricMapping
+from cluster_cli.engines.base import LaunchSpec, MetricMapping, cuda_env
 
 # Exported with --metrics. Current builds no longer export llamacpp:kv_cache_usage_ratio.
 LLAMACPP_RUNNING = "llamacpp:requests_processing"
@@ -40,9 +40,13 @@ class LlamaCpp:
         ]  # fmt: skip
         if spec.cpus:
             argv += ["-t", str(spec.cpus)]
-        if spec.gpus:
-            argv += ["-ngl", "999"]
+        # -ngl defaults to "auto" in current llama-server: a GPU build would offload onto
+        # every visible GPU, including ones other replicas hold. Always say it: all layers
+        # onto the assigned GPUs (999 = all, accepted by old and new builds), or none.
+        argv += ["-ngl", "999" if spec.gpus else "0"]
         return argv + list(spec.extra_args)
 
     def env(self, spec: LaunchSpec) -> dict[str, str]:
-        return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in spec.gpus)} if spec.gpus else {}
+        # A CPU replica also hides every GPU: even with -ngl 0 a CUDA build offloads
+        # large-batch matmuls to a visible GPU.
+        return cuda_env(spec.gpus)

@@ -1,8 +1,30 @@
-"""vLLM adapter: GPU only; tensor parallel within a node, pipeline parallel across nodes."""
+"""vLLM adapter: GPU only; tensor parallel within a node, pipeline parallel across nodes.
+
+A multi-node replica runs on a Ray cluster, as vLLM's multi-node docs describe: the
+rank-0 shard starts the Ray head and then runs ``vllm serve`` (the only process that
+serves HTTP), every other shard runs a Ray worker that joins the head and blocks.
+"""
 
 from __future__ import annotations
 
-from cluster_cli.engines.base import LaunchSpec, MetricMapping
+import posixpath
+import shlex
+
+from cluster_cli.engines.base import LaunchSpec, MetricMapping, cuda_env
+
+RAY_PORT = 6379  # the Ray head's GCS port (Ray's and vLLM's docs default)
+
+
+def _ray_binary(vllm_binary: str) -> str:
+    """``ray`` from the same environment as the vllm binary (a venv path), else from PATH."""
+    return posixpath.join(posixpath.dirname(vllm_binary), "ray") if "/" in vllm_binary else "ray"
+
+
+def _ray_resources(spec: LaunchSpec) -> list[str]:
+    res = [f"--num-gpus={len(spec.gpus)}"]
+    if spec.cpus:
+        res.append(f"--num-cpus={spec.cpus}")
+    return res
 
 
 class VLLM:
@@ -19,17 +41,36 @@ class VLLM:
         return None
 
     def command(self, spec: LaunchSpec, *, binary: str = "vllm") -> list[str]:
-        argv = [
+        if spec.nodes > 1 and spec.node_rank > 0:
+            if not spec.head_address:
+                raise ValueError(f"vllm shard {spec.node_rank} of {spec.nodes} needs the rank-0 shard's head_address")
+            # A Ray worker joining the head; vLLM places its workers here through Ray.
+            return [
+                _ray_binary(binary), "start", "--block",
+                f"--address={spec.head_address}:{RAY_PORT}",
+                *_ray_resources(spec),
+            ]  # fmt: skip
+        serve = [
             binary, "serve", spec.model,
             "--served-model-name", spec.served_name,
             "--host", spec.host,
             "--port", str(spec.port),
             "--tensor-parallel-size", str(spec.tensor_parallel),
         ]  # fmt: skip
-        if spec.nodes > 1:
-            argv += ["--pipeline-parallel-size", str(spec.nodes), "--distributed-executor-backend", "ray"]
-        return argv + list(spec.extra_args)
+        if spec.nodes == 1:
+            return serve + list(spec.extra_args)
+        serve += ["--pipeline-parallel-size", str(spec.nodes), "--distributed-executor-backend", "ray"]
+        serve += spec.extra_args
+        head = [_ray_binary(binary), "start", "--head", f"--port={RAY_PORT}", *_ray_resources(spec)]
+        # vLLM copies the driver's NCCL_* variables onto every Ray worker, which would
+        # push this node's HCA names onto the other nodes. Each node's raylet already
+        # carries its own NCCL_IB_HCA (see env()), so the driver must not have one.
+        script = f"{shlex.join(head)} && unset NCCL_IB_HCA && exec {shlex.join(serve)}"
+        return ["sh", "-c", script]
 
     def env(self, spec: LaunchSpec) -> dict[str, str]:
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in spec.gpus)}
+        env = cuda_env(spec.gpus)
+        if spec.nodes > 1 and spec.hcas:
+            # "=" makes the names exact: a bare mlx5_1 is a prefix that also matches mlx5_10...
+            env["NCCL_IB_HCA"] = "=" + ",".join(spec.hcas)
         return env
