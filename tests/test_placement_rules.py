@@ -281,6 +281,18 @@ def test_double_claimed_gpus_keep_the_first_only() -> None:
 # --------------------------------------------------------------------------- explanations
 
 
+def test_a_lost_gpu_of_unknown_class_is_mentioned_in_the_reason() -> None:
+    from cluster_cli.facts import Gpu
+
+    n = dgx("gpu-01")
+    lost = Gpu(index=7, uuid="", product="unknown", gpu_class="unknown", lost=True,
+               problems=("lost: GPU 00000000:9D:00.0 has fallen off the bus",))  # fmt: skip
+    n = replace(n, gpus=(*n.gpus[:7], lost))
+    p = plan([n], catalog(("llama", 1, [H100x8])))
+    (u,) = p.unplaced
+    assert u.reasons[0].detail == "7 of 7 H100 free, profile needs 8; also 1 lost GPU of unknown class"
+
+
 def test_exact_node_reason_and_nomad_summary() -> None:
     gpu03 = dgx("gpu-03", problems={0: "ecc", 1: "ecc", 2: "ecc", 3: "foreign"})
     cur = rep("other", 0, "tp2", [("gpu-03", (4, 5))], gpu_class="H100")

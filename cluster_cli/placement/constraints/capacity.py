@@ -88,6 +88,11 @@ class Capacity:
         total = node.class_total.get(cls, 0)
         why = gpu_breakdown(node, cls)
         detail = f"{free} of {total} {cls} free" + (f" ({why})" if why else "") + f", profile needs {req.gpus}"
+        # A GPU that fell off the bus has no readable product, so no class: it may well
+        # have been one of these.
+        unknown = len({g.index for g in node.facts.gpus if g.lost and g.gpu_class == "unknown"})
+        if unknown and cls != "unknown":
+            detail += f"; also {unknown} lost GPU{'s' if unknown > 1 else ''} of unknown class"
         return Verdict.exhausted(self.name, "gpus", "insufficient gpus", detail)
 
     def _host(self, node: NodeState, req: Request) -> Verdict:
