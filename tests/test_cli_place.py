@@ -299,3 +299,20 @@ def test_inventory_fabric_overrides_the_fabric_recorded_with_the_facts(tmp_path:
     inv.write_text(both_a.replace("10.0.0.2, fabric: ib-a", f"10.0.0.2, fabric: ib-b, hca_fabrics: {over}"))
     r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
     assert r.exit_code == 0, r.output
+
+
+def test_a_fabric_whose_ports_see_two_sms_hosts_no_multi_node_replica(tmp_path: Path) -> None:
+    def on_sm(n: NodeFacts, sm: int) -> NodeFacts:
+        return replace(n, hcas=tuple(replace(h, sm_guid=sm) for h in n.hcas))
+
+    nodes = [on_sm(dgx("gpu-01"), 0xA1), on_sm(dgx("gpu-02"), 0xA1), on_sm(dgx("gpu-03"), 0xB2)]
+    inv, cat, facts = write_inputs(tmp_path, nodes, catalog=MULTI_NODE_CATALOG.replace("replicas: 1", "replicas: 2"))
+    inv.write_text("nodes:\n" + "".join(f"  - {{name: gpu-0{i}, host: 10.0.0.{i}, fabric: ib-a}}\n" for i in (1, 2, 3)))
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert r.exit_code == 3, r.output
+    assert "warning: fabric conflict: fabric ib-a: gpu-01 mlx5_0 sees SM 0x00000000000000a1 but gpu-03" in r.stderr
+    doc = json.loads(r.stdout)
+    (placed,) = doc["replicas"]
+    assert {s["node"] for s in placed["shards"]} == {"gpu-01", "gpu-02"}  # the two that agree
+    reasons = {x["node"]: x["detail"] for x in doc["unplaced"][0]["reasons"]}
+    assert "mlx5_0 port 1 sees SM 0x00000000000000b2 but fabric ib-a is declared" in reasons["gpu-03"]

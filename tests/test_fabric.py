@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_cli.facts import HcaPort, NodeFacts
-from cluster_cli.probe.fabric import fabric_conflicts
+from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts
 from cluster_cli.probe.parsers.ibstat import parse_ibstat, parse_sminfo
 
 FIXTURES = Path(__file__).parent / "fixtures" / "probes"
@@ -197,3 +197,43 @@ def test_one_sm_shared_by_fabrics_is_flagged(fabrics: list[str]) -> None:
     result = fabric_conflicts(nodes)
     assert len(result) == len(fabrics) - 1
     assert all(m.endswith("(declared different fabrics)") for m in result)
+
+
+# ---- ports taken off a fabric they contradict (what `place` plans with) -------------------
+
+
+def test_minority_ports_leave_the_fabric_with_a_reason() -> None:
+    nodes = [node("gpu-01"), node("gpu-02"), node("gpu-03", overrides={"mlx5_3": {"sm_guid": SM_B}})]
+    out = distrust_conflicting_ports(nodes)
+    assert out[:2] == nodes[:2]  # the majority is untouched, the very same objects
+    bad = {h.ca: h.fabric for h in out[2].hcas if h.is_ib_attachment}
+    assert bad["mlx5_3"] is None and all(f == "ib-a" for ca, f in bad.items() if ca != "mlx5_3")
+    (why,) = out[2].problems
+    assert why == (
+        "fabric-conflict: mlx5_3 port 1 sees SM 0x0002c90200259202 but fabric ib-a is declared and most of "
+        "its ports see SM 0x0002c90200259201; not used for multi-node replicas"
+    )
+
+
+def test_an_even_split_trusts_neither_side_and_unknown_sms_stay() -> None:
+    nodes = [node("gpu-01"), node("gpu-02", sm=SM_B), node("gpu-03", sm=None)]
+    out = distrust_conflicting_ports(nodes)
+    assert all(h.fabric is None for n in out[:2] for h in n.hcas if h.is_ib_attachment)
+    assert out[2] == nodes[2]  # no evidence either way: left as declared
+    assert distrust_conflicting_ports([node("a"), node("b", fabric="ib-b")]) == [node("a"), node("b", fabric="ib-b")]
+
+
+@FUZZ
+@given(fleets())
+def test_after_distrust_every_fabric_sees_one_sm(nodes: list[NodeFacts]) -> None:
+    out = distrust_conflicting_ports(nodes)
+    assert [n.name for n in out] == [n.name for n in nodes]
+    by_fabric: dict[str, set[int]] = {}
+    for before, after in zip(nodes, out, strict=True):
+        for b, a in zip(before.hcas, after.hcas, strict=True):
+            assert a.fabric in (b.fabric, None)  # only ever taken off, never moved
+            if a.fabric and a.is_ib_attachment and a.sm_guid and after.reachable:
+                by_fabric.setdefault(a.fabric, set()).add(a.sm_guid)
+    assert all(len(sms) == 1 for sms in by_fabric.values())
+    # No conflict among the declared same-fabric SM GUIDs is left for a multi-node replica to span.
+    assert not [c for c in fabric_conflicts(out) if "declared the same fabric" in c and "SM lid" not in c]

@@ -67,6 +67,11 @@ def place(
     except ClusterctlError as e:
         ui.fail(e)
     _warn_unknown_classes(catalog, cat, inv, nodes)
+    from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts
+
+    for line in fabric_conflicts(nodes):
+        ui.warn(f"fabric conflict: {line}")
+    nodes = distrust_conflicting_ports(nodes)
     result = plan(nodes, cat, current)
     code = ExitCode.OK if result.complete else ExitCode.UNPLACED
     if output is ui.Output.table:

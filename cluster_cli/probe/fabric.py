@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster_cli.facts import NodeFacts
 
-__all__ = ["fabric_conflicts"]
+__all__ = ["distrust_conflicting_ports", "fabric_conflicts"]
 
 
 @dataclass(frozen=True)
@@ -128,4 +128,56 @@ def fabric_conflicts(nodes: Sequence[NodeFacts]) -> list[str]:
     for fabric in sorted(by_fabric):
         out.extend(_same_fabric(fabric, by_fabric[fabric]))
     out.extend(_cross_fabric(seen))
+    return out
+
+
+def distrust_conflicting_ports(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
+    """Take ports whose master SM contradicts the rest of their declared fabric off that fabric.
+
+    Within one declared fabric, Active InfiniBand ports are grouped by the SM GUID they
+    see. When they disagree, the one largest group is trusted and every other port is
+    taken off the fabric (``fabric=None``) with a ``fabric-conflict`` problem on its node,
+    so a multi-node replica never spans two physical subnets. When the largest groups tie,
+    none of them can be trusted. Ports without a known SM GUID are left as declared.
+    Pure; nodes come back in the same order.
+    """
+    ports: dict[str, list[tuple[str, str, int, int]]] = {}
+    for node in nodes:
+        if not node.reachable:
+            continue
+        for h in node.hcas:
+            if h.is_ib_attachment and h.fabric and h.sm_guid:
+                ports.setdefault(h.fabric, []).append((node.name, h.ca, h.port, h.sm_guid))
+    bad: dict[tuple[str, str, int], str] = {}
+    for fabric, seen in ports.items():
+        counts: dict[int, int] = {}
+        for *_, guid in seen:
+            counts[guid] = counts.get(guid, 0) + 1
+        if len(counts) < 2:
+            continue
+        top = max(counts.values())
+        leaders = [g for g, c in counts.items() if c == top]
+        trusted = leaders[0] if len(leaders) == 1 else None
+        for name, ca, port, guid in seen:
+            if guid == trusted:
+                continue
+            why = (
+                f"most of its ports see SM {_guid(trusted)}"
+                if trusted is not None
+                else f"its ports split evenly between SMs {', '.join(_guid(g) for g in sorted(leaders))}"
+            )
+            bad[(name, ca, port)] = (
+                f"fabric-conflict: {ca} port {port} sees SM {_guid(guid)} but fabric {fabric} is declared "
+                f"and {why}; not used for multi-node replicas"
+            )
+    if not bad:
+        return list(nodes)
+    out = []
+    for node in nodes:
+        mine = [(h, bad.get((node.name, h.ca, h.port))) for h in node.hcas]
+        if not any(why for _, why in mine):
+            out.append(node)
+            continue
+        hcas = tuple(replace(h, fabric=None) if why else h for h, why in mine)
+        out.append(replace(node, hcas=hcas, problems=node.problems + tuple(why for _, why in mine if why)))
     return out

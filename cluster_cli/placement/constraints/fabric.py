@@ -23,6 +23,11 @@ class Fabric:
             else:
                 states = ", ".join(sorted({f"{h.ca} {h.state or '?'} {h.link_layer or '?'}" for h in ports}))
                 detail = f"no Active InfiniBand port with a fabric ({states}), profile spans nodes"
+                conflicts = [p for p in node.facts.problems if p.startswith("fabric-conflict:")]
+                if conflicts:
+                    detail += "; " + conflicts[0].removeprefix("fabric-conflict: ")
+                    if len(conflicts) > 1:
+                        detail += f" (and {len(conflicts) - 1} more port{'s' if len(conflicts) > 2 else ''})"
             return Verdict.reject(self.name, "no active ib port", detail)
         if req.fabric is not None and req.fabric not in node.attachments:
             return Verdict.reject(
