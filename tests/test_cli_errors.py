@@ -191,3 +191,20 @@ def test_global_options_may_follow_the_command(tmp_path: Path) -> None:
     with Store(state) as s:
         assert s.cordons()["gpu-01"]["reason"] == "rma"
     assert not (tmp_path / ".clusterctl").exists()
+
+
+def test_text_from_nodes_and_files_is_printed_literally(capsys) -> None:
+    from cluster_cli.cli import ui
+    from cluster_cli.cli.discover import render
+    from cluster_cli.facts import Gpu, NodeFacts
+
+    lost = Gpu(index=5, uuid="", product="unknown", gpu_class="unknown", lost=True,
+               problems=("lost: Unable to determine the device handle for GPU 0000:AB:00.0: [bold]x[/]",))  # fmt: skip
+    with ui.out.capture() as cap:
+        render([NodeFacts(name="g2", gpus=(lost,), cordoned=True, cordon_reason="rack [red]B[/] :fire:")])
+    text = cap.get()
+    assert "GPU 0000:AB:00.0: [bold]x[/]" in text  # no emoji for ":AB:", no markup from the node
+    assert "cordoned: rack [red]B[/] :fire:" in text
+    with ui.err.capture() as cap:
+        ui.warn("file [x].yaml: :ab:")
+    assert "warning: file [x].yaml: :ab:" in cap.get()

@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from cluster_cli.cli import ui
 from cluster_cli.cli.common import INVENTORY_HELP, inventory_or_abort, open_store, pinned_hosts_path
@@ -94,7 +95,7 @@ def discover(
         ui.emit_data({"nodes": [f.to_dict() for f in result], "fabric_conflicts": conflicts}, output)
     failed = [f for f in result if not f.reachable]
     for f in failed:
-        ui.err.print(f"[red]{f.name}[/]: {f.error}", highlight=False)
+        ui.err.print(f"[red]{f.name}[/]: {escape(f.error or '')}", highlight=False)
     raise typer.Exit(ExitCode.PARTIAL if failed else ExitCode.OK)
 
 
@@ -136,9 +137,9 @@ def render(facts: list[NodeFacts]) -> None:
         t.add_row(
             f.name,
             "[green]yes[/]" if f.reachable else "[red]no[/]",
-            gpu_summary(f),
+            escape(gpu_summary(f)),
             nvlink_summary(f),
-            ", ".join(sorted(f.fabrics)) or "-",
+            escape(", ".join(sorted(f.fabrics)) or "-"),
             str(f.cpus) if f.cpus is not None else "?",
             f"{f.memory_mib / 1024:.0f}" if f.memory_mib else "?",
             "[yellow]cordoned[/]" if f.cordoned else "-",
@@ -147,6 +148,6 @@ def render(facts: list[NodeFacts]) -> None:
     ui.out.print(t)
     for f in facts:
         if f.cordoned:
-            ui.out.print(f"[yellow]{f.name}[/] cordoned: {f.cordon_reason}", highlight=False)
+            ui.out.print(f"[yellow]{f.name}[/] cordoned: {escape(f.cordon_reason or '')}", highlight=False)
         for p in node_problems(f):
-            ui.out.print(f"[bold]{f.name}[/] {p}", highlight=False)
+            ui.out.print(f"[bold]{f.name}[/] {escape(p)}", highlight=False)

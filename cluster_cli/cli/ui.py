@@ -11,13 +11,15 @@ from typing import Any, NoReturn
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from cluster_cli.errors import ClusterctlError
 
 # Not a terminal (a pipe, a file, CI): keep tables readable instead of squeezing them into 80 columns.
 _WIDTH = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
-out = Console(soft_wrap=True, width=_WIDTH)
-err = Console(stderr=True, soft_wrap=True, width=_WIDTH)
+# No emoji codes: text from nodes and files is printed as is (":ab:" in a PCI address is not 🆎).
+out = Console(soft_wrap=True, width=_WIDTH, emoji=False)
+err = Console(stderr=True, soft_wrap=True, width=_WIDTH, emoji=False)
 
 
 class Output(StrEnum):
@@ -40,7 +42,7 @@ def emit_data(data: Any, fmt: Output) -> None:
 
 def abort(message: str, code: int = 2) -> NoReturn:
     """Print one error line to stderr and exit with ``code``."""
-    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False)
     raise typer.Exit(code)
 
 
@@ -49,8 +51,8 @@ def fail(e: ClusterctlError) -> NoReturn:
 
 
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {message}", markup=True, highlight=False)
+    err.print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False)
 
 
 def info(message: str) -> None:
-    err.print(message, highlight=False)
+    err.print(message, markup=False, highlight=False)
