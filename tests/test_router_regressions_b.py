@@ -152,8 +152,14 @@ def _stream_socket(port: int) -> socket.socket:
 
 
 def test_a_client_that_stops_reading_is_dropped_without_blaming_the_engine() -> None:
+    import io
+
+    from cluster_cli.router.accesslog import AccessLog
+
+    log = io.StringIO()
     f = Fleet(1, capacity=4, token_delay_s=0, tokens=20_000).start(
-        router={"limits": {"idle_timeout_s": 1.0}, "breaker": {"failure_threshold": 1}}
+        router={"limits": {"idle_timeout_s": 1.0}, "breaker": {"failure_threshold": 1}},
+        access_log=AccessLog(log, max_buffer=1),
     )
     try:
         w = f.router.table.workers[f.engines[0].url]
@@ -172,6 +178,8 @@ def test_a_client_that_stops_reading_is_dropped_without_blaming_the_engine() -> 
         time.sleep(0.3)
         assert w.failed == 0 and f.lt.call(lambda: w.breaker.stats())["state"] == "closed"
         assert f.lt.call(lambda: w.inflight) == 0  # the engine slot was freed
+        (line,) = [json.loads(x) for x in log.getvalue().splitlines() if '"status":499' in x]
+        assert line["note"] == "dropped: the client read nothing for the idle timeout" and line["endpoint"] == "r0"
         # The engine still serves.
         assert httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": [], "max_tokens": 2},
                           timeout=10).status_code == 200  # fmt: skip
@@ -217,5 +225,31 @@ def test_an_http10_client_gets_a_plain_stream_that_ends_with_the_connection(cut:
         events = [e for e in payload.split(b"\n\n") if e]
         assert all(e.startswith(b"data: ") for e in events), events  # no chunk-size lines in between
         assert (b"upstream_stream_cut" in payload) == cut and (events[-1] == b"data: [DONE]") != cut
+    finally:
+        f.close()
+
+
+def test_a_client_that_leaves_mid_stream_is_labelled_with_its_model_and_endpoint() -> None:
+    import io
+
+    from cluster_cli.router.accesslog import AccessLog
+
+    log = io.StringIO()
+    f = Fleet(1, capacity=4, token_delay_s=0.02, tokens=200).start(access_log=AccessLog(log, max_buffer=1))
+    try:
+        with socket.create_connection(("127.0.0.1", f.port)) as s:
+            s.sendall(_req(1, stream=True))
+            got = _read_until(s, 5, needle=b"data: ")  # the stream has started
+            assert got.count(b"data: ") >= 5
+        deadline = time.monotonic() + 5
+        while '"status":499' not in log.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (line,) = [json.loads(x) for x in log.getvalue().splitlines() if '"status":499' in x]
+        assert (line["model"], line["endpoint"], line["attempts"]) == ("sim", "r0", 1)
+        assert line["ttfb_ms"] is not None and line["ttfb_ms"] > 0
+        assert line["note"] == "client closed the connection"
+        metrics = f.lt.call(lambda: f.router.metrics.render()).decode()  # type: ignore[union-attr]
+        assert 'model="sim"' in metrics and 'endpoint="r0"' in metrics
+        assert [x for x in metrics.splitlines() if 'status="499"' in x and 'model="sim"' in x and 'endpoint="r0"' in x]
     finally:
         f.close()

@@ -293,13 +293,17 @@ class Router:
         attempts = 0
         ttfb: float | None = None
         note = ""
-        asked: list[str] = []  # the model the client named, once the body is parsed (for the access log)
+        trace = _Trace()  # what is known so far, for a request cut short by its client
         self._inflight_total += 1
         try:
-            status, model, endpoint, attempts, ttfb, note = await self._proxy(conn, req, t0, asked)
+            status, model, endpoint, attempts, ttfb, note = await self._proxy(conn, req, t0, trace)
         except asyncio.CancelledError:
             status = 499
-            note = "client closed the connection"
+            model, endpoint, attempts = trace.model, trace.endpoint, trace.attempts
+            ex = trace.exchange
+            ttfb = ex.first_at - t0 if ex is not None and ex.first_at else None
+            stalled = ex is not None and ex.stalled
+            note = "dropped: the client read nothing for the idle timeout" if stalled else "client closed the connection"
             raise
         finally:
             self._inflight_total -= 1
@@ -311,7 +315,7 @@ class Router:
                     conn.peer,
                     req.method.decode("latin-1"),
                     req.path.decode("latin-1"),
-                    model or (asked[0] if asked else ""),
+                    model or trace.asked,
                     endpoint,
                     status,
                     attempts,
@@ -332,12 +336,13 @@ class Router:
         return self._reply_error(conn, status, message, code, extra), model, endpoint, attempts, None, ""
 
     async def _proxy(
-        self, conn: ClientConn, req: Request, t0: float, asked: list[str]
+        self, conn: ClientConn, req: Request, t0: float, trace: _Trace
     ) -> tuple[int, str, str, int, float | None, str]:
         """Serve one proxied request; returns (status, model, endpoint, attempts, ttfb, note).
 
         ``model`` is a configured model name or "" (it labels metrics); the name the client
-        asked for, capped at ``LOGGED_MODEL_CHARS``, is appended to ``asked`` for the access log.
+        asked for, capped at ``LOGGED_MODEL_CHARS``, goes to ``trace.asked`` for the access
+        log. ``trace`` follows the request as it goes, for a client that leaves mid-way.
         """
         if not self._authorized(conn, req):
             return 401, "", "", 0, None, ""
@@ -351,11 +356,12 @@ class Router:
         if not isinstance(model, str) or not model:
             msg = "you must provide a model parameter"
             return self._fail(conn, 400, msg, "missing_model")
-        asked.append(model[:LOGGED_MODEL_CHARS])
+        trace.asked = model[:LOGGED_MODEL_CHARS]
         entry = self.table.models.get(model)
         if entry is None:
             msg = f"The model `{model}` does not exist or is not served by this router."
             return self._fail(conn, 404, msg, "model_not_found")
+        trace.model = model
 
         head_tail = b"\r\n" + req.forward + b"Content-Length: %d\r\n\r\n" % len(req.body)
         start_line = req.method + b" " + req.target + b" HTTP/1.1\r\nHost: "
@@ -372,6 +378,7 @@ class Router:
         try:
             while True:
                 attempts += 1
+                trace.attempts = attempts
                 if attempts > 1:  # a reload may have replaced the model's endpoints since the last try
                     entry = self.table.models.get(model)
                     if entry is None:
@@ -387,7 +394,7 @@ class Router:
                     msg = f"{last_error} ({r.message})"
                     return self._fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts)
                 w = lease.worker
-                endpoint = w.view.replica
+                endpoint = trace.endpoint = w.view.replica
                 may_retry = attempts < rp.max_attempts
                 ex: Exchange | None = None
                 try:
@@ -396,7 +403,7 @@ class Router:
                         up = await w.pool.connect()  # type: ignore[union-attr]
                     fut: asyncio.Future[int] = loop.create_future()
                     ex = Exchange(conn, up, may_retry, fut, http10=req.version == b"HTTP/1.0")
-                    conn.exchange = ex
+                    conn.exchange = trace.exchange = ex
                     up.send(start_line + w.host_header + head_tail + req.body, ex)
                     code = await fut
                 except UpstreamError as e:  # connect failed
@@ -431,6 +438,7 @@ class Router:
                         lease.release(None)  # a keep-alive connection the engine had closed: not its fault
                         free_stale_retry = False
                         attempts -= 1
+                        trace.attempts = attempts
                         continue
                     lease.release(False)
                     kind = e.kind if e else "reset"
@@ -455,3 +463,16 @@ class Router:
 
 
 _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})
+
+
+class _Trace:
+    """How far one proxied request got: labels its metrics and log line if its client leaves."""
+
+    __slots__ = ("asked", "attempts", "endpoint", "exchange", "model")
+
+    def __init__(self) -> None:
+        self.asked = ""  # the model the client named (capped), once the body is parsed
+        self.model = ""  # the configured model it resolved to
+        self.endpoint = ""  # the replica of the current attempt
+        self.attempts = 0
+        self.exchange: Exchange | None = None

@@ -41,6 +41,7 @@ class Exchange:
         "pending",
         "sent",
         "sse",
+        "stalled",
         "status",
         "tail",
     )
@@ -63,6 +64,7 @@ class Exchange:
         self.tail = b""
         self.error: UpstreamError | None = None
         self.first_at = 0.0
+        self.stalled = False  # the router dropped the client for reading nothing
 
     def _resolve(self, code: int) -> None:
         if not self.fut.done():
@@ -156,6 +158,7 @@ class Exchange:
 
     def client_stalled(self) -> None:
         """The client stopped reading for a whole idle timeout: drop it (the engine is not at fault)."""
+        self.stalled = True
         self.client.abort()
 
     def cancel(self) -> None:
