@@ -7,14 +7,19 @@ every command in the background, waits, and prints:
 
     @@CC <token> RC
     <name> <rc>                  one line per record, in start order
-    @@CC <token> SIZES
-    <`wc -c` of out0 err0 out1 err1 ...>
     @@CC <token> DATA
-    <out0><err0><out1><err1>...
+    <out0>@@CC <token> SEP
+    <err0>@@CC <token> SEP
+    <out1>@@CC <token> SEP ...
     @@CC <token> END
 
-Byte counts let any output, binary junk included, be split exactly; the END marker must
-sit right after the data, or an output grew after it was measured and nothing is trusted.
+One ``cat`` prints every output with a separator file between them; the token is random
+per batch, so any output, binary junk included, splits exactly, and an output still
+growing while it is read (a leftover child of a timed-out probe) can only lengthen its
+own record. A record counts only when the separators after its stdout and its stderr
+both arrived. The batch's own tools (``mktemp``, ``sleep``, ``cat``, ``rm``, ``awk``)
+run as ``command -p``: from the system's default PATH, never from a wrapper or a
+look-alike on the user's PATH (the probes themselves do use the user's PATH).
 
 Process cost matters as much as packets: on a shared box every extra ``fork``/``exec``
 per node is paid 64 times. So a command runs directly as the background job (one
@@ -49,8 +54,8 @@ NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 _SHELL_SYNTAX = frozenset(";|&<>()$`\n\\\"*?[]{}~#!")
 
 _PRELUDE = r"""export LC_ALL=C
-d=$(mktemp -d -p /dev/shm 2>/dev/null || mktemp -d) || exit 97
-trap 'rm -rf "$d"' EXIT
+d=$(command -p mktemp -d -p /dev/shm 2>/dev/null || command -p mktemp -d) || exit 97
+trap 'command -p rm -rf "$d"' EXIT
 trap 'exit 129' HUP; trap 'exit 141' PIPE; trap 'exit 143' TERM INT  # the client left: still clean up
 g=; trap 'g=1' USR1  # from the watchdog: jobs that outlived KILL (D state) are given up on
 R=; n=0
@@ -89,8 +94,8 @@ kl() {
 # running (recording their pids), KILL what is left a second later, and a second after that
 # wake the batch (USR1) so that it stops waiting for jobs that even KILL could not end.
 _WATCHDOG = (
-    "( trap 'kill $s 2>/dev/null; exit' TERM; sleep {t} & s=$!; : >\"$d/w\"; wait $s; : >\"$d/t\"; kl TERM; "
-    "sleep 1 & s=$!; wait $s; kl KILL; sleep 1 & s=$!; wait $s; kill -USR1 $$ ) "
+    "( trap 'kill $s 2>/dev/null; exit' TERM; command -p sleep {t} & s=$!; : >\"$d/w\"; wait $s; : >\"$d/t\"; "
+    "kl TERM; command -p sleep 1 & s=$!; wait $s; kl KILL; command -p sleep 1 & s=$!; wait $s; kill -USR1 $$ ) "
     ">/dev/null 2>&1 </dev/null & w=$!"
 )
 
@@ -118,12 +123,11 @@ for x in $R; do
   eval "r=\$x$i"
   case $K in *" $pid "*) if [ "$r" -gt 128 ]; then r={timed_out}; fi;; esac
   printf '%s %s\n' "$nm" "$r"
-  set -- "$@" "$d/$i.o" "$d/$i.e"
+  set -- "$@" "$d/$i.o" "$d/s" "$d/$i.e" "$d/s"
 done
-printf '@@CC {token} SIZES\n'
-[ $# -gt 0 ] && wc -c "$@" </dev/null
+printf '@@CC {token} SEP\n' >"$d/s"
 printf '@@CC {token} DATA\n'
-[ $# -gt 0 ] && cat "$@" </dev/null
+[ $# -gt 0 ] && command -p cat "$@" </dev/null
 printf '@@CC {token} END\n'
 exit 0
 """
@@ -195,7 +199,6 @@ def build_script(
     return "\n".join(lines) + "\n", token
 
 
-_CHANGED = CommandResult(None, "", "no result (an output changed while the batch read it)")
 _RC_LINE = re.compile(rb"(" + NAME_RE.pattern.encode() + rb") (\d+)")
 
 
@@ -208,39 +211,30 @@ def parse_records(commands: Mapping[str, str], stdout: bytes, token: str) -> dic
     """
     missing = CommandResult(None, "", "no result (connection lost or batch cut short)")
     out: dict[str, CommandResult] = dict.fromkeys(commands, missing)
-    tok = re.escape(token.encode())
-    m_rc = re.search(rb"@@CC " + tok + rb" RC\n", stdout)
-    m_sizes = re.search(rb"\n?@@CC " + tok + rb" SIZES\n", stdout)
-    m_data = re.search(rb"\n?@@CC " + tok + rb" DATA\n", stdout)
-    if m_rc is None or m_sizes is None or m_data is None or not m_rc.end() <= m_sizes.start() < m_data.start():
+    tok = token.encode()
+    m_rc = re.search(rb"@@CC " + re.escape(tok) + rb" RC\n", stdout)
+    m_data = re.search(rb"@@CC " + re.escape(tok) + rb" DATA\n", stdout)
+    if m_rc is None or m_data is None or m_rc.end() > m_data.start():
         return out
     records: list[tuple[str, int]] = []
-    for line in stdout[m_rc.end() : m_sizes.start()].splitlines():
+    for line in stdout[m_rc.end() : m_data.start()].splitlines():
         m = _RC_LINE.fullmatch(line.strip())
         if m is None:
             return out  # not our framing: trust nothing
         records.append((m.group(1).decode(), int(m.group(2))))
-    sizes = [int(line.split()[0]) for line in stdout[m_sizes.end() : m_data.start()].splitlines()
-             if line.split() and line.split()[0].isdigit()]  # fmt: skip
-    if len(sizes) < 2 * len(records):
-        return out
-    pos = m_data.end()
-    end = stdout.rfind(b"@@CC " + token.encode() + b" END\n")
-    if end >= 0 and end != pos + sum(sizes[: 2 * len(records)]):
-        # An output grew between `wc` and `cat` (a leftover child of a timed-out probe still
-        # writing): every offset after it is wrong, so trust none of them.
-        return dict.fromkeys(out, _CHANGED) | {name: _CHANGED for name, _ in records}
+    data = stdout[m_data.end() :]
+    end = b"@@CC " + tok + b" END\n"
+    finished = data.endswith(end)
+    pieces = (data[: -len(end)] if finished else data).split(b"@@CC " + tok + b" SEP\n")
+    complete = len(pieces) - 1  # every piece but the last was followed by its separator
+    if complete > 2 * len(records) or (finished and (complete != 2 * len(records) or pieces[-1])):
+        return out | {name: missing for name, _ in records}  # not the shape we printed: trust nothing
     for i, (name, rc) in enumerate(records):
-        n_out, n_err = sizes[2 * i], sizes[2 * i + 1]
-        body = stdout[pos : pos + n_out + n_err]
-        if len(body) < n_out + n_err:
-            # Cut short: this and every later record are lost (never shift one into the next).
-            for later, _ in records[i:]:
-                out[later] = missing
-            break
-        pos += n_out + n_err
-        err = body[n_out:].decode("utf-8", "replace")
+        if 2 * i + 1 >= complete:
+            out[name] = missing  # cut short before this record's stderr separator
+            continue
+        err = pieces[2 * i + 1].decode("utf-8", "replace")
         if rc == TIMED_OUT:
             err += "probe timed out\n"
-        out[name] = CommandResult(rc, body[:n_out].decode("utf-8", "replace"), err)
+        out[name] = CommandResult(rc, pieces[2 * i].decode("utf-8", "replace"), err)
     return out

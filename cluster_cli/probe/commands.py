@@ -46,7 +46,7 @@ PROBES: dict[str, str] = {
 # named ``sm:<ca>:<port>`` (``sminfo_record``). This awk is only a shortcut: discover
 # checks the ports against its own parser and asks again for any that were missed.
 SMINFO_AFTER_IBSTAT = (
-    "for x in $(awk '"
+    "for x in $(command -p awk '"
     "/^CA /{c=$2; gsub(/[^A-Za-z0-9_.-]/, \"\", c)} "
     "/^[ \\t]*Port [0-9]+:/{p=$2; sub(/:.*/, \"\", p); s=\"\"} "
     "/^[ \\t]*State:/{s=$2} "
