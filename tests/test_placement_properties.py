@@ -288,3 +288,30 @@ def test_invariants_hold_on_dgx_fleets_with_multi_node_replicas(
 ) -> None:
     nodes, cat, current = scenario
     check_invariants(nodes, cat, current, plan(nodes, cat, current))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes_st(), st.sampled_from(CLASSES), st.sampled_from([2, 3, 4]))
+def test_one_tp_group_is_split_only_when_no_node_has_a_whole_domain(nodes: list[NodeFacts], cls: str, k: int) -> None:
+    from cluster_cli.placement.constraints.nvlink import fits_one_domain
+
+    cat = Catalog.model_validate({"models": [{"name": "m", "profiles": [{"name": "tp", "engine": "vllm",
+                                                                            "gpu_class": cls, "gpus": k}]}]})  # fmt: skip
+    p = plan(nodes, cat)
+    if not p.placements:
+        return
+    (shard,) = p.placements[0].replica.shards
+    by = {n.name: n for n in nodes}
+    chosen = by[shard.node]
+    domains = chosen.nvlink_domains
+    in_one = domains is None or any(set(shard.gpus) <= set(d) for d in domains)
+    if in_one:
+        return
+
+    def free(n: NodeFacts) -> list[int]:
+        return [g.index for g in n.gpus if g.gpu_class == cls and g.free]
+
+    usable = [n for n in nodes if n.reachable and not n.cordoned and len(free(n)) >= k]
+    assert not any(fits_one_domain(free(n), k, n.nvlink_domains) for n in usable), (
+        f"{shard.node} split {shard.gpus} while another node had a whole domain"
+    )

@@ -342,3 +342,13 @@ def test_same_inputs_in_any_order_give_the_same_plan() -> None:
         shuffled = nodes[:]
         random.Random(seed).shuffle(shuffled)
         assert plan(shuffled, cat, []).to_dict() == first
+
+
+def test_a_tp_group_goes_to_a_node_with_a_whole_nvlink_domain_before_splitting() -> None:
+    # Best fit alone picks a-1 (2 free GPUs, one in each NVLink pair); a-2 has whole pairs free.
+    frag = a100_pcie("a-1", problems={0: "ecc", 3: "foreign", 4: "ecc", 5: "ecc", 6: "ecc", 7: "ecc"})
+    p = plan([frag, a100_pcie("a-2")], catalog(("m", 1, [profile("tp2", gpu_class="A100", gpus=2)])))
+    assert where(p)[("m", 0)][1] == [("a-2", (0, 1))]
+    # With no whole pair anywhere, best fit still places it (split, lowest free indices).
+    p = plan([frag], catalog(("m", 1, [profile("tp2", gpu_class="A100", gpus=2)])))
+    assert where(p)[("m", 0)][1] == [("a-1", (1, 2))]

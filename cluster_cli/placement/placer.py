@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import gc
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,7 @@ from cluster_cli.facts import NodeFacts, Replica, Shard
 from cluster_cli.placement import scoring
 from cluster_cli.placement.constraints import STATIC, choose_gpus
 from cluster_cli.placement.constraints.base import NodeState, Request
+from cluster_cli.placement.constraints.nvlink import fits_one_domain
 from cluster_cli.placement.explain import explain_request
 from cluster_cli.placement.verdict import PlacementMetrics, Reason
 
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
 
 ACTIONS = ("stop", "keep", "start")
 _ANY = "\x00any"  # group key of nodes attached to some fabric (any)
+# How many nodes past the best fit a single-node TP group may look at for a whole NVLink domain.
+DOMAIN_SCAN = 64
 
 
 # --------------------------------------------------------------------------- results
@@ -215,6 +218,26 @@ class _Buckets:
             if top is not None:
                 return top
         return None
+
+    def in_fit_order(self, k: int, limit: int) -> Iterator[int]:
+        """Nodes with at least ``k`` free in best-fit order (bucket, then name), at most
+        ``limit`` heap entries looked at: O(limit log limit), whatever the fleet size."""
+        seen = 0
+        for j in range(max(k, 1), len(self.heaps)):
+            h = self.heaps[j]
+            if not h:
+                continue
+            frontier = [(h[0], 0)]  # walk the heap's implicit tree in sorted order
+            while frontier:
+                i, pos = heapq.heappop(frontier)
+                seen += 1
+                if seen > limit:
+                    return
+                if self.count[i] == j:
+                    yield i
+                for c in (2 * pos + 1, 2 * pos + 2):
+                    if c < len(h):
+                        heapq.heappush(frontier, (h[c], c))
 
     def emptiest(self, k: int, m: int) -> list[int]:
         """Up to ``m`` nodes with at least ``k`` free, most free first, then name order."""
@@ -459,6 +482,8 @@ class _Planner:
         i = b.best_fit(req.gpus) if b else None
         if i is None:
             return None
+        if req.gpus > 1 and b is not None:
+            i = self._keep_in_one_domain(b, cls, req.gpus, i)
         node = self.states[i]
         gpus, in_dom = self._take(node, cls, req.gpus, f"{model.name}/{r}")
         total = node.class_total[cls]
@@ -468,6 +493,19 @@ class _Planner:
         # A single-node replica is on no fabric; its shard still lists the node's Active IB ports.
         hcas = tuple(dict.fromkeys(ca for cas in node.attachments.values() for ca in cas))
         return Replica(model.name, r, p.name, p.engine, (Shard(node.name, gpus, hcas),), None, cls, p.cpus, p.memory_mib)
+
+    def _keep_in_one_domain(self, b: _Buckets, cls: str, k: int, best: int) -> int:
+        """The best-fit node, unless it would split the TP group across NVLink domains while
+        a nearby node in best-fit order (the first ``DOMAIN_SCAN`` looked at) has a whole
+        domain free: then that node. Packing yields to NVLink locality, never to unknowns."""
+        st = self.states[best]
+        if fits_one_domain(st.free[cls], k, st.facts.nvlink_domains) is not False:
+            return best
+        for i in b.in_fit_order(k, DOMAIN_SCAN):
+            st = self.states[i]
+            if fits_one_domain(st.free[cls], k, st.facts.nvlink_domains):
+                return i
+        return best
 
     def _multi(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
         cls = req.gpu_class or ""
