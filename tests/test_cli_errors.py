@@ -208,3 +208,19 @@ def test_text_from_nodes_and_files_is_printed_literally(capsys) -> None:
     with ui.err.capture() as cap:
         ui.warn("file [x].yaml: :ab:")
     assert "warning: file [x].yaml: :ab:" in cap.get()
+
+
+def test_a_cordon_on_a_node_since_removed_from_the_inventory_can_be_lifted(tmp_path: Path) -> None:
+    p = inv(tmp_path, "nodes:\n  - {name: gpu-01, host: h}\n  - {name: gpu-02, host: g}\n")
+    assert run(tmp_path, "cordon", "gpu-02", "-i", str(p), "--reason", "RMA").exit_code == 0
+    p = inv(tmp_path, "nodes:\n  - {name: gpu-01, host: h}\n")  # gpu-02 went back to the vendor
+    r = run(tmp_path, "uncordon", "gpu-02", "-i", str(p))
+    assert r.exit_code == 0, r.output
+    with Store(tmp_path / "state.db") as s:
+        assert s.cordons() == {}
+    r = run(tmp_path, "uncordon", "gpu-02", "-i", str(p))  # neither listed nor cordoned now
+    assert r.exit_code == 2 and "no node named 'gpu-02'" in r.output
+    other = tmp_path / "fresh"
+    other.mkdir()
+    r = run(other, "uncordon", "zz", "-i", str(p))
+    assert r.exit_code == 2 and not (other / "state.db").exists()  # nothing created on an error

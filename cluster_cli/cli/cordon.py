@@ -13,6 +13,7 @@ from cluster_cli.cli import ui
 from cluster_cli.cli.common import INVENTORY_HELP, inventory_or_abort, open_store
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError
+from cluster_cli.state.store import Store
 
 CORDON_EXAMPLE = """
 Example:
@@ -30,6 +31,16 @@ def _check_node(inventory: Path, node: str) -> None:
     inv = inventory_or_abort(inventory)
     if inv.node(node) is None:
         ui.abort(f"{inventory}: no node named {node!r} in the inventory")
+
+
+def _cordoned_in_state(path: Path, node: str) -> bool:
+    if not path.exists():
+        return False
+    try:
+        with Store(path, readonly=True) as store:
+            return node in store.cordons()
+    except ClusterctlError as e:
+        ui.fail(e)
 
 
 @app.command(epilog=CORDON_EXAMPLE)
@@ -59,8 +70,12 @@ def uncordon(
     inventory: Path = typer.Option(..., "--inventory", "-i", help=INVENTORY_HELP),
 ) -> None:
     """Lift a node's cordon."""
-    _check_node(inventory, node)
+    inv = inventory_or_abort(inventory)
     state: App = ctx.obj
+    # A cordon outlives the node's removal from the inventory (and would come back with the
+    # name): lifting one is always allowed; a node neither listed nor cordoned is an error.
+    if inv.node(node) is None and not _cordoned_in_state(state.state_path, node):
+        ui.abort(f"{inventory}: no node named {node!r} in the inventory")
     with open_store(state.state_path) as store:
         try:
             was = store.uncordon(node)
