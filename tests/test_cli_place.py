@@ -190,6 +190,8 @@ def test_hand_written_gpu_faults_count_without_a_problems_list(tmp_path: Path) -
         (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "zz"}]}'), "none of the inventory's 1 nodes (zz)"),
         (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "gpu-01", "cpus": "many"}]}'),
          "facts.json: nodes.0 (gpu-01): invalid facts: cpus: expected a number, got 'many'"),
+        (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "gpu-01"}, {"name": "gpu-01", "cpus": 1}]}'),
+         "facts.json: nodes.1: duplicate node name 'gpu-01' (also nodes.0)"),
         (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "gpu-01", "reachable": "false"}]}'),
          "invalid facts: reachable: expected true or false, got 'false'"),
         (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "gpu-01", "cpus": NaN}]}'),

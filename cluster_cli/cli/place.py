@@ -155,9 +155,14 @@ def read_facts(path: Path) -> list[NodeFacts]:
     if not isinstance(items, list):
         raise ConfigError(f"{path}: nodes: expected a list of node facts (the output of 'discover -o json')")
     out = []
+    seen: dict[str, int] = {}
     for i, d in enumerate(items):
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: nodes.{i}: expected an object, got {type(d).__name__}")
+        if isinstance(d.get("name"), str) and d["name"] in seen:
+            raise ConfigError(f"{path}: nodes.{i}: duplicate node name {d['name']!r} (also nodes.{seen[d['name']]})")
+        if isinstance(d.get("name"), str):
+            seen[d["name"]] = i
         try:
             out.append(NodeFacts.from_dict(d))
         except KeyError as e:
