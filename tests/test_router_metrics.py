@@ -11,6 +11,7 @@ from simengine import Fleet
 
 from cluster_cli.router.accesslog import AccessLog
 from cluster_cli.router.breaker import State
+from cluster_cli.router.keys import ApiKeys
 
 MSG = [{"role": "user", "content": "hello"}]
 
@@ -60,8 +61,12 @@ def test_metrics_and_access_log():
         assert all(e["breaker"]["state"] == "closed" and e["inflight"] == 0 for e in health["endpoints"])
         f.lt.call(f.router.access.flush)
         lines = [json.loads(line) for line in buf.getvalue().splitlines()]
-        assert [(r["model"], r["status"]) for r in lines] == [("sim", 200)] * 3 + [("nope", 404)]
-        assert all(r["path"] == "/v1/chat/completions" and r["attempts"] <= 1 for r in lines)
+        assert [(r["model"], r["status"]) for r in lines[:4]] == [("sim", 200)] * 3 + [("nope", 404)]
+        assert all(r["path"] == "/v1/chat/completions" and r["attempts"] <= 1 for r in lines[:4])
+        # Every request gets its line, the router's own endpoints too.
+        assert [(r["method"], r["path"], r["status"]) for r in lines[4:]] == [
+            ("GET", "/metrics", 200), ("GET", "/health", 200)
+        ]  # fmt: skip
         assert lines[0]["endpoint"] in ("r0", "r1") and lines[0]["duration_ms"] >= lines[0]["ttfb_ms"] > 0
     finally:
         f.close()
@@ -146,5 +151,27 @@ def test_health_is_ok_when_every_model_can_be_served():
         f.lt.call(lambda: setattr(f.router, "_draining", True))  # what stop() sets first
         r = httpx.get(f.url + "/health")
         assert r.status_code == 503 and r.json()["status"] == "draining"
+    finally:
+        f.close()
+
+
+def test_refused_and_unrouted_requests_get_access_log_lines_too(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-test\n")
+    buf = io.StringIO()
+    f = Fleet(1, capacity=2, token_delay_s=0, tokens=2).start(
+        api_keys=ApiKeys.load(keys), access_log=AccessLog(buf, max_buffer=1)
+    )
+    try:
+        assert httpx.get(f.url + "/v1/models").status_code == 401
+        assert httpx.get(f.url + "/v1/models", headers={"Authorization": "Bearer sk-test"}).status_code == 200
+        assert httpx.get(f.url + "/v1/chat/completions").status_code == 405
+        assert httpx.delete(f.url + "/nowhere").status_code == 404
+        lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+        assert [(r["method"], r["path"], r["status"]) for r in lines] == [
+            ("GET", "/v1/models", 401), ("GET", "/v1/models", 200),
+            ("GET", "/v1/chat/completions", 405), ("DELETE", "/nowhere", 404),
+        ]  # fmt: skip
+        assert "sk-test" not in buf.getvalue()
     finally:
         f.close()

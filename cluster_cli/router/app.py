@@ -216,30 +216,45 @@ class Router:
     def handle(self, conn: ClientConn, req: Request) -> Awaitable[None] | None:
         """Answer ``req``; proxied paths return the coroutine that serves them, the rest answer at once."""
         path = req.path
-        if path in PROXY_PATHS:
-            if req.method != b"POST":
-                data = error_response(405, "use POST", "method_not_allowed", keep_alive=conn.keep_alive)
-                conn.write(data if req.method != b"HEAD" else data[: data.find(b"\r\n\r\n") + 4])
-                return None
+        if path in PROXY_PATHS and req.method == b"POST":
             return self.proxy(conn, req)
+        t0 = time.monotonic()
+        status = self._answer(conn, req)
+        if self.access.enabled:
+            self._seq += 1
+            self.access.log(
+                self._seq, conn.peer, req.method.decode("latin-1"), path.decode("latin-1"), "", "", status, 0,
+                None, time.monotonic() - t0,
+            )  # fmt: skip
+        return None
+
+    def _answer(self, conn: ClientConn, req: Request) -> int:
+        """Answer a request that is not proxied; returns its HTTP status."""
+        path = req.path
+        if path in PROXY_PATHS:
+            data = error_response(405, "use POST", "method_not_allowed", keep_alive=conn.keep_alive)
+            conn.write(data if req.method != b"HEAD" else data[: data.find(b"\r\n\r\n") + 4])
+            return 405
         if req.method not in (b"GET", b"HEAD"):
-            conn.write(
-                error_response(405 if path in _GET_PATHS else 404, "not found", "not_found", keep_alive=conn.keep_alive)
-            )
-            return None
+            status = 405 if path in _GET_PATHS else 404
+            conn.write(error_response(status, "not found", "not_found", keep_alive=conn.keep_alive))
+            return status
         # A HEAD answer is the GET answer's head alone (same Content-Length, no body).
         write = conn.write if req.method == b"GET" else lambda data: conn.write(data[: data.find(b"\r\n\r\n") + 4])
         if path == b"/health":
-            body = self._health_body()
-            write(response(200 if not self._draining else 503, body, keep_alive=conn.keep_alive))
-        elif path == b"/metrics":
+            status = 200 if not self._draining else 503
+            write(response(status, self._health_body(), keep_alive=conn.keep_alive))
+            return status
+        if path == b"/metrics":
             write(response(200, self.metrics.render(), keep_alive=conn.keep_alive, ctype=b"text/plain; version=0.0.4"))
-        elif path == b"/v1/models":
-            if self._authorized(conn, req, write):
-                write(response(200, self.table.models_json, keep_alive=conn.keep_alive))
-        else:
-            write(error_response(404, f"no route for {path.decode('latin-1')}", "not_found", keep_alive=conn.keep_alive))
-        return None
+            return 200
+        if path == b"/v1/models":
+            if not self._authorized(conn, req, write):
+                return 401
+            write(response(200, self.table.models_json, keep_alive=conn.keep_alive))
+            return 200
+        write(error_response(404, f"no route for {path.decode('latin-1')}", "not_found", keep_alive=conn.keep_alive))
+        return 404
 
     def _health_body(self) -> bytes:
         """The router's state. ``status`` is "draining" (answered with 503) while it shuts down,
