@@ -122,3 +122,35 @@ def test_a_gpu_list_cut_short_frees_nothing(rc: int) -> None:
     assert all("unknown: GPU list incomplete" in g.problems for g in f.gpus)
     assert f.nvlink_domains is None  # not (0,1),(2,3): the topology names GPUs the list lacks
     assert any("may be incomplete" in p for p in f.problems)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "".join(GPUS.splitlines(keepends=True)[:1]) + GPUS.splitlines()[1][:14],  # rc 0, the second row cut
+        GPUS.splitlines(keepends=True)[0] + GPUS.splitlines(keepends=True)[0],  # the same index twice
+        "".join(GPUS.splitlines(keepends=True)[:3]) + "3, GPU-aaaa\n",  # a short last row
+    ],
+)
+def test_rows_cut_short_or_repeated_with_rc_0_free_nothing(text: str) -> None:
+    f = facts_from_outputs(INV, NODE, outputs(gpus=ok(text)))
+    assert f.gpus and not any(g.free for g in f.gpus)
+    assert all("unknown: GPU list incomplete" in g.problems for g in f.gpus)
+    assert f.nvlink_domains is None
+    assert any("cut short or repeated" in p for p in f.problems)
+
+
+def test_a_process_row_without_a_readable_pid_still_makes_its_gpu_busy() -> None:
+    apps = APPS + "GPU-aaaa0000-0000-0000-0000-000000000000, [N/A], [N/A], [N/A]\n"
+    f = facts_from_outputs(INV, NODE, outputs(apps=ok(apps)))
+    by = {g.index: g for g in f.gpus}
+    assert not by[0].free and "foreign-process: unreadable process row (pid unknown)" in by[0].problems
+    assert all("unreadable process row" not in " ".join(g.problems) for i, g in by.items() if i != 0)
+    assert not any("names no GPU we know" in p for p in f.problems)
+    # A row whose UUID is cut short: which GPU is unknown, so every GPU counts as busy.
+    f = facts_from_outputs(INV, NODE, outputs(apps=ok("GPU-aaaa0000-00, [N/A]\n")))
+    assert not any(g.free for g in f.gpus)
+    assert any("names no GPU we know" in p for p in f.problems)
+    # A process row cut after its pid is a process.
+    f = facts_from_outputs(INV, NODE, outputs(apps=ok("GPU-aaaa0000-0000-0000-0000-000000000001, 4411")))
+    assert [g.index for g in f.gpus if any(p.startswith("foreign-process: pid 4411") for p in g.problems)] == [1]

@@ -22,6 +22,8 @@ from cluster_cli.probe.parsers.nvidia_smi import (
     normalize_pci_bus_id,
     parse_compute_apps,
     parse_query_gpu,
+    unreadable_app_gpus,
+    unreadable_gpu_rows,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "probes"
@@ -287,7 +289,8 @@ def test_compute_apps_derived_matches_capture() -> None:
         ("GPU-a, 7, [N/A], /opt/my app/bin/serve", procs("GPU-a", (7, None, "/opt/my app/bin/serve"))),
         ("GPU-a, 7, 10 MiB, x", procs("GPU-a", (7, 10, "x"))),
         ("GPU-a, 7, 10, ", procs("GPU-a", (7, 10, ""))),
-        ("GPU-a, 7, 10", []),
+        ("GPU-a, 7, 10", procs("GPU-a", (7, 10, ""))),  # cut short after the pid: still a process
+        ("GPU-a, 7", procs("GPU-a", (7, None, ""))),
         ("GPU-a, -7, 10, x", []),
         (", 7, 10, x", []),
         ("GPU-a, ², 10, x", []),
@@ -675,3 +678,41 @@ def test_non_string_input_is_empty() -> None:
     assert parse_query_gpu(None) == ([], [])  # type: ignore[arg-type]
     assert parse_compute_apps(b"GPU-a, 1, 2, x") == []  # type: ignore[arg-type]
     assert classify_failure(0, None) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", []),
+        ("GPU-a, 7, 10, x\n", []),
+        ("GPU-a, 7\n", []),  # parsed (cut after the pid)
+        ("GPU-abc-1, [N/A], [N/A], [N/A]\n", ["GPU-abc-1"]),
+        ("GPU-abc-1, 4\u00b2\n", ["GPU-abc-1"]),
+        ("GPU-ab", ["GPU-ab"]),  # a UUID-looking cell alone: which GPU it is stays a guess
+        ("GPU-ab, \n", ["GPU-ab"]),
+        ("GPU-\u00e9\u00e9, [N/A]\n", [""]),  # names no readable UUID
+        ("No running processes found\n", []),
+        ("WARNING: infoROM is corrupted at gpu 0000:81:00.0\n", []),
+    ],
+)
+def test_unreadable_app_rows(text: str, expected: list[str]) -> None:
+    assert unreadable_app_gpus(text) == expected
+
+
+def test_unreadable_gpu_rows_counts_cut_and_repeated_rows() -> None:
+    lines = [f"{i}, GPU-{i:08x}, NVIDIA H200, 143771, 0, 00000000:{0x18 + i:02X}:00.0, 0, Disabled, No, No"
+             for i in range(4)]  # fmt: skip
+    whole = "\n".join(lines) + "\n"
+    assert len(parse_query_gpu(whole)[0]) == 4 and unreadable_gpu_rows(whole) == 0
+    assert unreadable_gpu_rows("\n".join(lines[:-1]) + "\n" + lines[-1][:12]) == 1  # the last row cut
+    assert unreadable_gpu_rows("\n".join([lines[0], lines[1][:30], lines[2]])) == 1  # one cut in the middle
+    assert unreadable_gpu_rows("\n".join([lines[0], lines[0]])) == 1  # an index repeated
+    assert unreadable_gpu_rows("") == 0
+    assert unreadable_gpu_rows("WARNING: infoROM is corrupted at gpu 0000:81:00.0\n" + whole) == 0
+
+
+@FUZZ
+@given(st.text(max_size=400))
+def test_unreadable_helpers_never_raise(text: str) -> None:
+    assert unreadable_gpu_rows(text) >= 0
+    assert all(isinstance(u, str) for u in unreadable_app_gpus(text))

@@ -23,6 +23,8 @@ from cluster_cli.probe.parsers.nvidia_smi import (
     classify_failure,
     parse_compute_apps,
     parse_query_gpu,
+    unreadable_app_gpus,
+    unreadable_gpu_rows,
 )
 from cluster_cli.probe.parsers.topology import parse_topo
 from cluster_cli.probe.runner import AsyncsshConnector, CommandResult, Connector, Session
@@ -82,11 +84,27 @@ def facts_from_outputs(
             if apps is not None and not apps_ok:
                 problems.append("nvidia-smi: could not list compute processes; GPUs treated as busy")
                 gpus = tuple(replace(g, problems=(*g.problems, "foreign-process: unknown (query failed)")) for g in gpus)
+            elif apps is not None and (hidden := unreadable_app_gpus(apps.stdout)):
+                # A process row we cannot read is still someone computing on that GPU.
+                known = {g.uuid for g in gpus if g.uuid}
+                if "" in hidden or not set(hidden) <= known:
+                    problems.append("nvidia-smi: a compute process row names no GPU we know; GPUs treated as busy")
+                    hit = known
+                else:
+                    hit = set(hidden)
+                busy = "foreign-process: unreadable process row (pid unknown)"
+                gpus = tuple(replace(g, problems=(*g.problems, busy)) if g.uuid in hit else g for g in gpus)
             topo = outputs.get("topo")
             if not gpus:
                 nvlink = ()
             elif topo is not None and topo.rc == 0:
                 nvlink = parse_topo(topo.stdout)
+            garbled = unreadable_gpu_rows(smi.stdout)
+            if garbled and smi.rc in (0, None):
+                # rc 0, yet rows cut short or repeated: the list cannot be trusted whole.
+                problems.append(f"nvidia-smi: {garbled} GPU row(s) cut short or repeated; the list may be incomplete")
+                gpus = tuple(replace(g, problems=(*g.problems, "unknown: GPU list incomplete")) for g in gpus)
+                nvlink = None
             if smi.rc not in (0, None) and not lost:
                 # Rows, but nvidia-smi failed or timed out: the list may be cut short. Nothing
                 # on this node is free until a discover reads it whole.

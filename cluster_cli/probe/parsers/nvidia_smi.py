@@ -192,11 +192,13 @@ def parse_compute_apps(text: str) -> list[GpuProcess]:
     """Parse ``--query-compute-apps`` (gpu_uuid, pid, used_memory, process_name; noheader, nounits).
 
     The process name is last and may contain ", ". Header-only or empty output gives ``[]``.
+    A row cut short after its pid still counts (memory and name unknown): a process is
+    there. Rows naming a GPU but no readable pid are :func:`unreadable_app_gpus`.
     """
     procs: list[GpuProcess] = []
     for line in _lines(text):
         cells = line.split(",", _N_APP - 1)
-        if len(cells) < _N_APP:
+        if len(cells) < 2:
             continue
         uuid = cells[0].strip()
         pid_cell = cells[1].strip()
@@ -205,12 +207,46 @@ def parse_compute_apps(text: str) -> list[GpuProcess]:
         procs.append(
             GpuProcess(
                 pid=int(pid_cell),
-                name=cells[3].strip(),
+                name=cells[3].strip() if len(cells) > 3 else "",
                 gpu_uuid=uuid,
-                used_mib=_int(cells[2]),
+                used_mib=_int(cells[2]) if len(cells) > 2 else None,
             )
         )
     return procs
+
+
+_GPU_UUID = re.compile(r"(?:GPU|MIG)-[0-9A-Za-z-]+")
+
+
+def unreadable_app_gpus(text: str) -> list[str]:
+    """UUIDs named by ``--query-compute-apps`` rows that :func:`parse_compute_apps` cannot
+    read (``[N/A]`` or cut pid). Someone computes there; who is unknown. ``""`` stands for a
+    row that looks like a process row but names no readable UUID at all."""
+    out: list[str] = []
+    for line in _lines(text):
+        if not line.strip():
+            continue
+        cells = line.split(",", _N_APP - 1)
+        uuid = cells[0].strip()
+        if len(cells) >= 2 and uuid and _DIGITS.fullmatch(cells[1].strip()):
+            continue  # parsed
+        if _GPU_UUID.fullmatch(uuid):
+            out.append(uuid)
+        elif uuid.startswith(("GPU-", "MIG-")):
+            out.append("")  # a UUID cut short: which GPU is unknown
+    return out
+
+
+_ROW_START = re.compile(r"\s*[0-9]{1,18}\s*,")
+
+
+def unreadable_gpu_rows(text: str) -> int:
+    """How many ``--query-gpu`` lines start like a GPU row (``N,``) but do not parse, plus
+    rows repeating an index: signs of a list cut short or garbled. 0 for a whole list."""
+    rows, _ = parse_query_gpu(text)
+    starts = sum(1 for line in _lines(text) if _ROW_START.match(line) and _parse_lost(line) is None)
+    indices = [r.index for r in rows]
+    return (starts - len(rows)) + (len(indices) - len(set(indices)))
 
 
 # --------------------------------------------------------------------------- failures
