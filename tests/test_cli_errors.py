@@ -224,3 +224,35 @@ def test_a_cordon_on_a_node_since_removed_from_the_inventory_can_be_lifted(tmp_p
     other.mkdir()
     r = run(other, "uncordon", "zz", "-i", str(p))
     assert r.exit_code == 2 and not (other / "state.db").exists()  # nothing created on an error
+
+
+@pytest.mark.parametrize(
+    ("files", "kh", "needle"),
+    [
+        ({"kh": "just-one-word\n"}, "kh", "known_hosts"),
+        ({"kh": "", "cfg": "Host 198.18.0.77\n  Port notanumber\n"}, "kh", "ssh_config:"),
+        ({"state.known_hosts/x": ""}, "accept-new", "pin file is not a regular file"),
+        ({"state.known_hosts": "lonely\n"}, "accept-new", "pin file is unreadable"),
+    ],
+)
+def test_local_ssh_file_mistakes_stop_before_any_node_is_contacted(
+    tmp_path: Path, files: dict[str, str], kh: str, needle: str
+) -> None:
+    write_key(tmp_path / "id")
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    cfg = "ssh_config: cfg\n" if "cfg" in files else ""
+    body = f"{cfg}defaults: {{identity_file: id, known_hosts: {kh}}}\nnodes:\n  - {{name: a, host: 198.18.0.77}}\n"
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)), "--timeout", "1")
+    assert r.exit_code == 2, r.output
+    (line,) = error_lines(r)
+    assert needle in line
+    assert not (tmp_path / "state.db").exists()  # nothing saved, no node marked unreachable
+
+
+def test_a_state_named_like_a_pin_file_never_shares_it() -> None:
+    from cluster_cli.cli.common import pinned_hosts_path
+
+    assert pinned_hosts_path(Path("x/state.db")) == Path("x/state.known_hosts")
+    assert pinned_hosts_path(Path("x/st.known_hosts")) == Path("x/st.known_hosts.pins")

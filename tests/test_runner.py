@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import asyncssh
+import pytest
 
+from cluster_cli.config.inventory import SSHTarget
 from cluster_cli.probe.runner import AsyncsshConnector
 
 
@@ -59,3 +61,27 @@ def test_two_first_contacts_at_once_pin_one_key(tmp_path: Path, monkeypatch) -> 
     asyncio.run(both())
     lines = pinned.read_text().splitlines()
     assert len(lines) == 1 and lines[0].startswith("n1 ssh-ed25519 ")
+
+
+def test_an_unresolvable_host_name_says_so() -> None:
+    import socket
+
+    from cluster_cli.probe.runner import ssh_error_message
+
+    t = SSHTarget(name="a", host="no-such-host.invalid", port=None, user=None, identity_file=None, known_hosts="kh")
+    msg = ssh_error_message(socket.gaierror(-2, "Name or service not known"), t)
+    assert msg == "cannot resolve the host name: Name or service not known (no-such-host.invalid:22)"
+
+
+def test_a_probe_shell_killed_by_a_signal_is_named() -> None:
+    import asyncio
+
+    from cluster_cli.errors import SSHError
+    from cluster_cli.probe.collect import run_batch
+
+    class Killed:
+        async def run_raw(self, command: str, *, timeout: float, input: bytes | None = None):
+            return 137, b"", b""
+
+    with pytest.raises(SSHError, match="probe script was killed by SIGKILL: no output"):
+        asyncio.run(run_batch(Killed(), {"a": "true"}, 5.0))  # type: ignore[arg-type]

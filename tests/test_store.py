@@ -163,3 +163,22 @@ def test_reads_in_a_snapshot_see_one_state_version(tmp_path: Path) -> None:
         assert reader.version() > v and reader.nodes()[0].cordoned
     finally:
         reader.close()
+
+
+def test_an_unreadable_row_is_a_located_error_and_a_new_discover_replaces_it(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "s.db"
+    with Store(path) as s:
+        s.save_discovery([NodeFacts(name="a", host="h", cpus=8, probed_at=1.0), NodeFacts(name="b", host="g")])
+    db = sqlite3.connect(path)
+    db.execute("""UPDATE nodes SET facts='{"name": "a", "gpus": [{"uuid": 1}]}' WHERE name='a'""")
+    db.commit()
+    db.close()
+    with Store(path) as s:
+        with pytest.raises(StateError, match=r"s\.db: node a: unreadable facts"):
+            s.nodes()
+        # The node is unreachable this time: its unreadable old facts are dropped, not kept.
+        s.save_discovery([NodeFacts(name="a", host="h", reachable=False, error="timeout", probed_at=2.0)])
+        (a, _b) = s.nodes()
+        assert (a.reachable, a.error, a.cpus, a.gpus) == (False, "timeout", None, ())

@@ -13,18 +13,24 @@ from cluster_cli.state.store import Store
 INVENTORY_HELP = "Inventory YAML (nodes and how to reach them)."
 
 
-def inventory_or_abort(path: Path, *, check_files: bool = False) -> Inventory:
-    """Load the inventory; with ``check_files`` also verify identity and known_hosts files exist."""
+def inventory_or_abort(path: Path, *, check_files: bool = False, state_path: Path | None = None) -> Inventory:
+    """Load the inventory; with ``check_files`` also verify the local SSH files (keys,
+    known_hosts, ssh_config, and the accept-new pin file beside ``state_path``)."""
     try:
         inv = load_inventory(path)
         if check_files:
-            check_ssh_files(inv, path)
+            check_ssh_files(inv, path, pinned_hosts_path(state_path) if state_path is not None else None)
         return inv
     except ClusterctlError as e:
         ui.fail(e)
 
 
-def check_ssh_files(inv: Inventory, path: Path) -> None:
+def _printable(text: object, limit: int = 200) -> str:
+    s = "".join(c if c.isprintable() else "?" for c in str(text))
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> None:
     """Local SSH mistakes are configuration errors (exit 2, nothing saved), not 64 unreachable nodes."""
     import asyncssh  # only the commands that connect pay for it
 
@@ -32,6 +38,19 @@ def check_ssh_files(inv: Inventory, path: Path) -> None:
         cfg = inv.resolve_path(inv.ssh_config)
         if not os.path.isfile(cfg):
             raise ConfigError(f"{path}: ssh_config: not a readable file: {cfg}")
+        _check_ssh_config(inv, path, cfg)
+    parsed: set[str] = set()
+    for i, n in enumerate(inv.nodes):
+        kh = inv.ssh_target(n).known_hosts
+        if kh == ACCEPT_NEW or kh in parsed or not os.path.isfile(kh):
+            continue
+        try:
+            asyncssh.read_known_hosts(kh)
+        except (ValueError, OSError, asyncssh.Error) as e:
+            raise ConfigError(f"{path}: nodes.{i} ({n.name}): known_hosts {kh}: {_printable(e)}") from None
+        parsed.add(kh)
+    if pinned is not None and any(inv.ssh_target(n).known_hosts == ACCEPT_NEW for n in inv.nodes):
+        _check_pin_file(pinned)
     keys_ok: set[str] = set()
     for i, n in enumerate(inv.nodes):
         t = inv.ssh_target(n)
@@ -59,10 +78,43 @@ def check_ssh_files(inv: Inventory, path: Path) -> None:
             )
 
 
+def _check_ssh_config(inv: Inventory, path: Path, cfg: str) -> None:
+    """Parse ``ssh_config`` as asyncssh will for each node's host: a bad line is exit 2 now."""
+    try:
+        from asyncssh.config import SSHClientConfig
+    except ImportError:  # pragma: no cover - internal module moved: asyncssh reports it per node
+        return
+    for host in sorted({n.host for n in inv.nodes}):
+        try:
+            SSHClientConfig.load(None, [cfg], False, False, False, "", "", host, 22)
+        except TypeError:  # pragma: no cover - another asyncssh signature: leave it to connect time
+            return
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"{path}: ssh_config: {_printable(e)}") from None
+
+
+def _check_pin_file(pinned: Path) -> None:
+    import asyncssh
+
+    if pinned.exists():
+        if not pinned.is_file():
+            raise ConfigError(f"{pinned}: the accept-new pin file is not a regular file")
+        try:
+            asyncssh.read_known_hosts(str(pinned))
+        except (ValueError, OSError, asyncssh.Error) as e:
+            raise ConfigError(f"{pinned}: the accept-new pin file is unreadable: {_printable(e)}") from None
+    else:
+        parent = next((p for p in pinned.parents if p.exists()), None)
+        if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"{pinned}: cannot create the accept-new pin file ({parent} is not writable)")
+
+
 def pinned_hosts_path(state_path: Path) -> Path:
     """Where ``known_hosts: accept-new`` pins keys: beside the state, named after it
-    (``.clusterctl/state.known_hosts``), so it never mixes with an OpenSSH known_hosts."""
-    return state_path.with_suffix(".known_hosts")
+    (``.clusterctl/state.known_hosts``), so it never mixes with an OpenSSH known_hosts,
+    nor is the state file itself."""
+    pinned = state_path.with_suffix(".known_hosts")
+    return pinned if pinned != state_path else state_path.with_name(state_path.name + ".pins")
 
 
 def open_store(path: Path, *, create: bool = True) -> Store:

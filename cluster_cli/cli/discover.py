@@ -48,7 +48,7 @@ def discover(
     from cluster_cli.probe.runner import AsyncsshConnector
 
     state: App = ctx.obj
-    inv = inventory_or_abort(inventory, check_files=True)
+    inv = inventory_or_abort(inventory, check_files=True, state_path=state.state_path)
     nodes = inv.nodes
     if node:
         unknown = [n for n in node if inv.node(n) is None]

@@ -7,6 +7,7 @@ The effectful part (``discover``) only moves text; turning command outputs into
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -30,6 +31,7 @@ from cluster_cli.probe.parsers.topology import parse_topo
 from cluster_cli.probe.runner import AsyncsshConnector, CommandResult, Connector, Session
 
 OnDone = Callable[[NodeFacts], None]
+_SIGNALS = frozenset(int(s) for s in signal.Signals)
 
 
 def _missing(r: CommandResult | None) -> bool:
@@ -158,7 +160,9 @@ async def run_batch(
     results = parse_records(commands, out, token)
     if rc not in (0, None) and all(r.rc is None for r in results.values()):
         why = err.decode("utf-8", "replace").strip().splitlines()
-        raise SSHError(f"probe script failed (rc {rc}): {why[0] if why else 'no output'}")
+        killed = rc > 128 and rc - 128 in _SIGNALS
+        how = f"was killed by {signal.Signals(rc - 128).name}" if killed else f"failed (rc {rc})"
+        raise SSHError(f"probe script {how}: {why[0] if why else 'no output'}")
     return results
 
 
@@ -243,7 +247,7 @@ async def discover(
             except TimeoutError:
                 f = unreachable(n, f"no answer within {deadline:g}s", time.time())
             except Exception as e:  # a failing node never takes the run down
-                f = unreachable(n, f"probe failed: {type(e).__name__}: {e}", time.time())
+                f = unreachable(n, f"probe failed: {e}" if str(e) else f"probe failed: {type(e).__name__}", time.time())
         if on_done is not None:
             on_done(f)
         return f

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import signal
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -70,7 +72,11 @@ class AsyncsshSession:
         if r.exit_status is None and r.exit_signal is None:
             # asyncssh reports a connection that died mid-command this way, not as an exception.
             raise SSHError(f"{self._name}: connection lost while running a command")
-        rc = r.exit_status if r.exit_status is not None else 128 + 9
+        if r.exit_signal is not None:  # asyncssh then reports exit_status -1: use the shell's 128+N
+            num = getattr(signal, f"SIG{r.exit_signal[0]}", None)
+            rc = 128 + int(num) if num is not None else 128 + 9
+        else:
+            rc = r.exit_status if r.exit_status is not None else 128 + 9
         return rc, bytes(r.stdout or b""), bytes(r.stderr or b"")
 
 
@@ -146,8 +152,12 @@ class AsyncsshConnector:
         if self.pinned is None:
             raise SSHError(f"{target.name}: known_hosts is accept-new but no pinned file is configured")
         async with self._pin_lock:
-            self.pinned.parent.mkdir(parents=True, exist_ok=True)
-            self.pinned.touch(exist_ok=True)
+            if not self.pinned.exists():  # a read-only pin file that knows every node is fine
+                try:
+                    self.pinned.parent.mkdir(parents=True, exist_ok=True)
+                    self.pinned.touch(exist_ok=True)
+                except OSError as e:
+                    raise SSHError(f"{target.name}: cannot create the pin file {self.pinned}: {e.strerror or e}") from None
             pins = self._parse(str(self.pinned))  # parsed once per change of the file, not per node
             if isinstance(pins, asyncssh.SSHKnownHosts) and pins.match(target.name, "", None)[0]:
                 return str(self.pinned)
@@ -161,18 +171,21 @@ class AsyncsshConnector:
             )
         except TimeoutError:
             raise SSHError(f"{target.name}: connect timed out after {target.connect_timeout_s:g}s") from None
-        except (asyncssh.Error, OSError) as e:
+        except (asyncssh.Error, OSError, ValueError) as e:  # ValueError: a peer not speaking SSH
             raise SSHError(f"{target.name}: {ssh_error_message(e, target)}") from e
         if key is None:
             raise SSHError(f"{target.name}: server offered no host key")
         async with self._pin_lock:
             # Another clusterctl may be pinning the same node right now: under an exclusive file
             # lock, pin only if nobody did, so a name never gets two keys (either would pass).
-            with self.pinned.open("a+") as f:
-                fcntl.flock(f, fcntl.LOCK_EX)
-                f.seek(0)
-                if not any(line.split(" ", 1)[0] == target.name for line in f.read().splitlines()):
-                    f.write(f"{target.name} {key.export_public_key('openssh').decode().strip()}\n")
+            try:
+                with self.pinned.open("a+") as f:
+                    fcntl.flock(f, fcntl.LOCK_EX)
+                    f.seek(0)
+                    if not any(line.split(" ", 1)[0] == target.name for line in f.read().splitlines()):
+                        f.write(f"{target.name} {key.export_public_key('openssh').decode().strip()}\n")
+            except OSError as e:
+                raise SSHError(f"{target.name}: cannot pin its host key in {self.pinned}: {e.strerror or e}") from None
         return str(self.pinned)
 
 
@@ -197,6 +210,8 @@ def ssh_error_message(e: BaseException, target: SSHTarget | None = None) -> str:
         return f"connection refused{where}"
     if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
         return "timed out"
+    if isinstance(e, socket.gaierror):
+        return f"cannot resolve the host name: {e.strerror or e}{where}"
     if isinstance(e, OSError):
         if e.errno:  # asyncio's "Connect call failed (...)" hides the reason in errno
             return f"{os.strerror(e.errno).lower()}{where}"

@@ -14,6 +14,7 @@ touch only their own rows, so neither loses the other's work:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -198,6 +199,20 @@ class Store:
     def _event(self, db: sqlite3.Connection, kind: str, node: str | None, message: str) -> None:
         db.execute("INSERT INTO events(at, kind, node, message) VALUES (?,?,?,?)", (time.time(), kind, node, message))
 
+    # ---- rows -------------------------------------------------------------
+    def _facts(self, name: str, doc: str) -> NodeFacts:
+        try:
+            return NodeFacts.from_dict(json.loads(doc))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise StateError(f"{self.path}: node {name}: unreadable facts ({e}); run 'clusterctl discover' "
+                             "with a fresh --state, or delete that node's row") from None  # fmt: skip
+
+    def _replica(self, doc: str) -> Replica:
+        try:
+            return Replica.from_dict(json.loads(doc))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise StateError(f"{self.path}: unreadable replica record ({e})") from None
+
     # ---- nodes ------------------------------------------------------------
     def save_discovery(self, facts: Iterable[NodeFacts]) -> None:
         """Upsert the facts of one discover run in one transaction.
@@ -210,8 +225,11 @@ class Store:
             for f in facts:
                 if not f.reachable:
                     row = db.execute("SELECT facts FROM nodes WHERE name=?", (f.name,)).fetchone()
+                    old = None
                     if row is not None:
-                        old = NodeFacts.from_dict(json.loads(row[0]))
+                        with contextlib.suppress(StateError):  # an unreadable old row is replaced
+                            old = self._facts(f.name, row[0])
+                    if old is not None:
                         # The old hardware facts, stamped with this probe's time: the guard
                         # below must compare when each answer (or silence) was observed.
                         f = replace(
@@ -243,7 +261,7 @@ class Store:
         for name, facts in rows:
             if wanted is not None and name not in wanted:
                 continue
-            f = NodeFacts.from_dict(json.loads(facts))
+            f = self._facts(name, facts)
             c = cordons.get(name)
             out.append(replace(f, cordoned=c is not None, cordon_reason=c["reason"] if c else None))
         return out
@@ -273,7 +291,7 @@ class Store:
     # ---- replicas ---------------------------------------------------------
     def replicas(self) -> list[Replica]:
         return [
-            Replica.from_dict(json.loads(spec))
+            self._replica(spec)
             for (spec,) in self._db.execute("SELECT spec FROM replicas ORDER BY model, replica")
         ]
 
@@ -282,7 +300,7 @@ class Store:
             "SELECT spec, status, endpoint, detail, updated_at FROM replicas ORDER BY model, replica"
         ).fetchall()
         return [
-            {"replica": Replica.from_dict(json.loads(s)), "status": st, "endpoint": ep, "detail": d, "updated_at": u}
+            {"replica": self._replica(s), "status": st, "endpoint": ep, "detail": d, "updated_at": u}
             for s, st, ep, d, u in rows
         ]
 
