@@ -55,7 +55,10 @@ echo "(exit code $rc: 1 = some node did not answer; the others' facts are saved)
 
 if [ "${DEMO_ROUTER:-1}" = 1 ]; then
   say "The router: two real llama-server replicas of a tiny model behind clusterctl serve-router"
-  LLAMA_SERVER="${LLAMA_SERVER:-$(bash scripts/install-llama-server.sh)}" "$PY" scripts/demo_router.py --dir "$DIR"
+  if [ -z "${LLAMA_SERVER:-}" ]; then
+    LLAMA_SERVER="$(PYTHON="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" bash scripts/install-llama-server.sh)"  # a failed install stops the demo
+  fi
+  LLAMA_SERVER="$LLAMA_SERVER" "$PY" scripts/demo_router.py --dir "$DIR"
 fi
 
 say "Done. The testbed is stopped on exit; state is in $DIR/state.db"

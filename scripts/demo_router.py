@@ -4,6 +4,7 @@ and a streamed chat completion through it with the official openai client."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -49,7 +50,17 @@ def main() -> int:
             [ctl, "serve-router", "--config", str(cfg), "--port", str(port), "--access-log", "off"],
             start_new_session=True,
         )
-        stack.callback(lambda: (os.killpg(router.pid, signal.SIGTERM), router.wait(10)))
+        def stop_router() -> None:
+            with contextlib.suppress(ProcessLookupError):  # it may have exited (and been reaped) already
+                os.killpg(router.pid, signal.SIGTERM)
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(router.pid, signal.SIGKILL)
+                router.wait()
+
+        stack.callback(stop_router)
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         while True:

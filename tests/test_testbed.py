@@ -495,3 +495,22 @@ def test_loopback_mode_serves_discover_without_namespaces(testbed_factory: Clust
     c.kill("b")
     facts = {f.name: f for f in asyncio.run(discover(inv, connector=AsyncsshConnector()))}
     assert facts["a"].reachable and not facts["b"].reachable
+
+
+def test_another_testbed_coming_and_going_never_undoes_a_partition(testbed_factory: ClusterFactory) -> None:
+    a = testbed_factory("a1=cpu-only")
+    if a.mode != "netns":
+        pytest.skip("partition by neighbour entries is a netns-mode feature")
+    assert Path(f"/sys/class/net/{tb_cluster.BRIDGE}/address").read_text().strip() == tb_cluster.BRIDGE_MAC
+    a.partition("a1")
+    host = a.node("a1").host
+
+    def permanent() -> str:
+        return subprocess.run(["ip", "neigh", "show", "dev", tb_cluster.BRIDGE, "nud", "permanent"],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+
+    assert f"{host} " in permanent()
+    b = testbed_factory("b1=cpu-only,b2=cpu-only")  # joins the bridge, then leaves it
+    b.stop()
+    assert f"{host} " in permanent(), "a partition was undone by another testbed"
+    assert _tcp(host, 22, timeout=1.0) == "timeout"
