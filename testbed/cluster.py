@@ -397,6 +397,10 @@ class Cluster:
         if not nodespecs:
             raise TestbedError("no nodes given")
         directory = Path(directory).resolve()
+        if "%" in str(directory):  # sshd and ssh expand %-tokens in the paths it would write
+            raise TestbedError(f"{directory}: a testbed folder must not contain '%'")
+        if directory.exists() and not directory.is_dir():
+            raise TestbedError(f"{directory}: exists and is not a folder")
         directory.mkdir(parents=True, exist_ok=True)
         prefix = testbed_prefix(directory)
         timeout = timeout if timeout is not None else 20.0 + 0.5 * len(nodespecs)
@@ -675,9 +679,17 @@ class Cluster:
         n = self.node(name)
         if not n.killed:
             raise TestbedError(f"{name} is not killed (state: {n.state})")
+        if n.partitioned:
+            raise TestbedError(f"{name} is partitioned: heal it before reviving it")
         n.launch()
-        self._wait_ready([n], time.monotonic() + timeout)
-        self._save()
+        try:
+            # The same port: the inventory and known_hosts name it (no moving to a free one).
+            self._wait_ready([n], time.monotonic() + timeout, retry_ports=False)
+        except BaseException:
+            n.kill()  # a revive that failed leaves nothing running behind the testbed's back
+            raise
+        finally:
+            self._save()
 
     # ---- helpers for tests ---------------------------------------------------
     def expected(self, name: str) -> Rendered:
@@ -763,6 +775,9 @@ def down(directory: Path | str) -> bool:
     """Stop the testbed in ``directory`` (also cleans up after a crashed run). True if one ran."""
     directory = Path(directory).resolve()
     prefix = testbed_prefix(directory)
+    if not directory.is_dir():
+        _cleanup_dir(directory, prefix)  # leftovers of a folder removed under a running testbed; creates nothing
+        return False
     existed = (directory / STATE_FILE).exists()
     with _flock(directory / ".testbed.lock"):
         _cleanup_dir(directory, prefix)

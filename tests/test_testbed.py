@@ -514,3 +514,35 @@ def test_another_testbed_coming_and_going_never_undoes_a_partition(testbed_facto
     b.stop()
     assert f"{host} " in permanent(), "a partition was undone by another testbed"
     assert _tcp(host, 22, timeout=1.0) == "timeout"
+
+
+def test_bad_folders_are_refused_and_down_creates_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "not-there"
+    assert tb_cluster.down(target) is False
+    assert not target.exists()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for bad, needle in ((a_file, "not a folder"), (tmp_path / "p%u", "must not contain '%'")):
+        with pytest.raises(tb_cluster.TestbedError, match=needle):
+            Cluster.start(bad, "n=cpu-only", mode="loopback")
+
+
+def test_revive_keeps_the_address_or_fails_leaving_nothing_behind(testbed_factory: ClusterFactory) -> None:
+    c = testbed_factory("r=cpu-only", mode="loopback")
+    n = c.node("r")
+    port = n.port
+    c.partition("r")
+    c.kill("r")
+    with pytest.raises(tb_cluster.TestbedError, match="heal it before reviving"):
+        c.revive("r")
+    c.heal("r")
+    with socket.socket() as squatter:  # someone else took the node's port meanwhile
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        with pytest.raises(tb_cluster.TestbedError):
+            c.revive("r", timeout=5)
+        assert c.node("r").killed and c.node("r").port == port
+        assert not [p for p in all_pids() if str(n.config_path) in cmdline(p)], "a failed revive left an sshd"
+    c.revive("r")
+    assert c.node("r").port == port and _tcp("127.0.0.1", port) == "open"
