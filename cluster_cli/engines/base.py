@@ -15,7 +15,7 @@ from typing import Protocol
 VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_KV_CACHE = "vllm:kv_cache_usage_perc"
-VLLM_KV_CACHE_LEGACY = "vllm:gpu_cache_usage_perc"  # vLLM < 0.10
+VLLM_KV_CACHE_LEGACY = "vllm:gpu_cache_usage_perc"  # the only name before 0.9.2; removed in 0.12
 
 METRIC_KEYS = ("running", "waiting", "kv_cache_usage")
 

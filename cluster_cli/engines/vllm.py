@@ -62,9 +62,10 @@ class VLLM:
         serve += ["--pipeline-parallel-size", str(spec.nodes), "--distributed-executor-backend", "ray"]
         serve += spec.extra_args
         head = [_ray_binary(binary), "start", "--head", f"--port={RAY_PORT}", *_ray_resources(spec)]
-        # vLLM copies the driver's NCCL_* variables onto every Ray worker, which would
-        # push this node's HCA names onto the other nodes. Each node's raylet already
-        # carries its own NCCL_IB_HCA (see env()), so the driver must not have one.
+        # Current vLLM (since early 2026) copies the driver's NCCL_* variables onto every Ray
+        # worker, which would push this node's HCA names onto the other nodes; older releases
+        # copy none (the unset is then harmless). Each node's raylet carries its own
+        # NCCL_IB_HCA (see env()), so the driver must not have one.
         script = f"{shlex.join(head)} && unset NCCL_IB_HCA && exec {shlex.join(serve)}"
         return ["sh", "-c", script]
 
