@@ -40,11 +40,11 @@ lint: install
 	$(VENV)/bin/ruff check cluster_cli testbed tests bench
 
 llama-server: install
-	@PYTHON=$(CURDIR)/$(PY) bash scripts/install-llama-server.sh >/dev/null
+	@PYTHON=$(abspath $(PY)) bash scripts/install-llama-server.sh >/dev/null
 
 test: install llama-server
 	$(VENV)/bin/ruff check cluster_cli testbed tests bench
-	LLAMA_SERVER="$$(PYTHON=$(CURDIR)/$(PY) bash scripts/install-llama-server.sh)" $(PY) -m pytest -q -p no:cacheprovider
+	LLAMA_SERVER="$$(PYTHON=$(abspath $(PY)) bash scripts/install-llama-server.sh)" $(PY) -m pytest -q -p no:cacheprovider
 
 demo: install
 	@bash scripts/demo.sh

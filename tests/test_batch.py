@@ -375,3 +375,23 @@ def test_the_batch_uses_its_own_tools_whatever_the_users_path_holds(tmp_path: Pa
     assert (res["a"].rc, res["a"].stdout) == (0, "from-the-users-path\n")
     assert (res["b"].rc, res["b"].stdout) == (3, "look-alike\n")  # a probe runs what the user's PATH says
     assert b"look-alike" not in p.stdout.replace(b"look-alike\n@@CC", b"")
+
+
+def test_where_the_system_has_no_tools_in_bin_the_batch_uses_the_users_path(tmp_path: Path) -> None:
+    # NixOS/Guix keep mktemp, cat, sleep, rm and awk only on the user's PATH. Simulate by
+    # making the batch believe /bin and /usr/bin hold no cat, with the tools in a PATH dir.
+    import shutil
+
+    for tool in ("cat", "rm", "mktemp", "sleep", "awk", "echo", "sh"):
+        (tmp_path / tool).symlink_to(shutil.which(tool))
+    cmds = {"a": "echo hi", "b": "sh -c 'echo err >&2; exit 3'"}
+    script, token = build_script(cmds, per_command_timeout_s=5)
+    check = "[ -x /bin/cat ] || [ -x /usr/bin/cat ]"
+    assert check in script
+    env = {**os.environ, "PATH": f"{tmp_path}:/nonexistent"}
+    sh = shutil.which("sh")
+    p = subprocess.run([sh, "-s"], input=script.replace(check, "false").encode(), capture_output=True,
+                       timeout=30, env=env)  # fmt: skip
+    res = parse_records(cmds, p.stdout, token)
+    assert (res["a"].rc, res["a"].stdout) == (0, "hi\n")
+    assert (res["b"].rc, res["b"].stderr) == (3, "err\n")

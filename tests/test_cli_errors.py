@@ -256,3 +256,22 @@ def test_a_state_named_like_a_pin_file_never_shares_it() -> None:
 
     assert pinned_hosts_path(Path("x/state.db")) == Path("x/state.known_hosts")
     assert pinned_hosts_path(Path("x/st.known_hosts")) == Path("x/st.known_hosts.pins")
+
+
+def test_ssh_config_checks_name_asyncssh_errors_and_skip_match_exec(tmp_path: Path) -> None:
+    write_key(tmp_path / "id")
+    (tmp_path / "kh").write_text("")
+    body = "ssh_config: cfg\ndefaults: {identity_file: id, known_hosts: kh}\nnodes:\n  - {name: a, host: gpu1}\n"
+    (tmp_path / "cfg").write_text("Host gpu*\n  HostName %u.example\n")
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)), "--timeout", "1")
+    assert r.exit_code == 2 and "ssh_config:" in r.output and "Traceback" not in r.output, r.output
+    from cluster_cli.cli.common import check_ssh_files
+    from cluster_cli.config.inventory import load_inventory
+
+    marker = tmp_path / "ran"
+    (tmp_path / "cfg").write_text(f'Match exec "touch {marker}"\n  Port 2222\n')
+    p = inv(tmp_path, body)
+    check_ssh_files(load_inventory(p), p)
+    assert not marker.exists()  # asyncssh runs it when it connects; the up-front check must not
+    (tmp_path / "cfg").write_text(f'Match host gpu1\n  Port 2222\nHost other\n  ProxyCommand touch {marker}\n')
+    check_ssh_files(load_inventory(p), p)  # a valid config passes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from cluster_cli.cli import ui
@@ -80,16 +81,24 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
 
 def _check_ssh_config(inv: Inventory, path: Path, cfg: str) -> None:
     """Parse ``ssh_config`` as asyncssh will for each node's host: a bad line is exit 2 now."""
+    import asyncssh
+
     try:
         from asyncssh.config import SSHClientConfig
     except ImportError:  # pragma: no cover - internal module moved: asyncssh reports it per node
         return
+    try:
+        text = Path(cfg).read_text(errors="replace")
+    except OSError as e:
+        raise ConfigError(f"{path}: ssh_config: {cfg}: {e.strerror or e}") from None
+    if re.search(r"(?im)^\s*match\b.*\bexec\b", text):
+        return  # `Match exec` runs a command per host: leave it to connect time, not N times up front
     for host in sorted({n.host for n in inv.nodes}):
         try:
             SSHClientConfig.load(None, [cfg], False, False, False, "", "", host, 22)
         except TypeError:  # pragma: no cover - another asyncssh signature: leave it to connect time
             return
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, asyncssh.Error) as e:
             raise ConfigError(f"{path}: ssh_config: {_printable(e)}") from None
 
 

@@ -19,7 +19,8 @@ growing while it is read (a leftover child of a timed-out probe) can only length
 own record. A record counts only when the separators after its stdout and its stderr
 both arrived. The batch's own tools (``mktemp``, ``sleep``, ``cat``, ``rm``, ``awk``)
 run as ``command -p``: from the system's default PATH, never from a wrapper or a
-look-alike on the user's PATH (the probes themselves do use the user's PATH).
+look-alike on the user's PATH (the probes themselves do use the user's PATH), except on
+systems without tools in /bin or /usr/bin (NixOS, Guix), where the user's PATH is all there is.
 
 Process cost matters as much as packets: on a shared box every extra ``fork``/``exec``
 per node is paid 64 times. So a command runs directly as the background job (one
@@ -54,8 +55,11 @@ NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 _SHELL_SYNTAX = frozenset(";|&<>()$`\n\\\"*?[]{}~#!")
 
 _PRELUDE = r"""export LC_ALL=C
-d=$(command -p mktemp -d -p /dev/shm 2>/dev/null || command -p mktemp -d) || exit 97
-trap 'command -p rm -rf "$d"' EXIT
+# The batch's own tools from the system's default PATH (never a look-alike on the user's),
+# unless the system keeps them elsewhere (NixOS, Guix: only on the user's PATH).
+if [ -x /bin/cat ] || [ -x /usr/bin/cat ]; then cc_p='command -p'; else cc_p=; fi
+d=$($cc_p mktemp -d -p /dev/shm 2>/dev/null || $cc_p mktemp -d) || exit 97
+trap '$cc_p rm -rf "$d"' EXIT
 trap 'exit 129' HUP; trap 'exit 141' PIPE; trap 'exit 143' TERM INT  # the client left: still clean up
 g=; trap 'g=1' USR1  # from the watchdog: jobs that outlived KILL (D state) are given up on
 R=; n=0
@@ -94,8 +98,8 @@ kl() {
 # running (recording their pids), KILL what is left a second later, and a second after that
 # wake the batch (USR1) so that it stops waiting for jobs that even KILL could not end.
 _WATCHDOG = (
-    "( trap 'kill $s 2>/dev/null; exit' TERM; command -p sleep {t} & s=$!; : >\"$d/w\"; wait $s; : >\"$d/t\"; "
-    "kl TERM; command -p sleep 1 & s=$!; wait $s; kl KILL; command -p sleep 1 & s=$!; wait $s; kill -USR1 $$ ) "
+    "( trap 'kill $s 2>/dev/null; exit' TERM; $cc_p sleep {t} & s=$!; : >\"$d/w\"; wait $s; : >\"$d/t\"; "
+    "kl TERM; $cc_p sleep 1 & s=$!; wait $s; kl KILL; $cc_p sleep 1 & s=$!; wait $s; kill -USR1 $$ ) "
     ">/dev/null 2>&1 </dev/null & w=$!"
 )
 
@@ -127,7 +131,7 @@ for x in $R; do
 done
 printf '@@CC {token} SEP\n' >"$d/s"
 printf '@@CC {token} DATA\n'
-[ $# -gt 0 ] && command -p cat "$@" </dev/null
+[ $# -gt 0 ] && $cc_p cat "$@" </dev/null
 printf '@@CC {token} END\n'
 exit 0
 """

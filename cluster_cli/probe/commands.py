@@ -42,11 +42,12 @@ PROBES: dict[str, str] = {
 
 # Run inside the probe batch once ``ibstat`` succeeded (see batch.py's ``then``): start
 # ``sminfo`` for every Active InfiniBand port it printed, while nvidia-smi still runs, so
-# fabric identity needs no second round trip. ``$o`` is ibstat's output. Records are
+# fabric identity needs no second round trip. ``$o`` is ibstat's output; ``$cc_p`` is the batch's
+# ``command -p`` (or nothing where the system keeps its tools only on the user's PATH). Records are
 # named ``sm:<ca>:<port>`` (``sminfo_record``). This awk is only a shortcut: discover
 # checks the ports against its own parser and asks again for any that were missed.
 SMINFO_AFTER_IBSTAT = (
-    "for x in $(command -p awk '"
+    "for x in $($cc_p awk '"
     "/^CA /{c=$2; gsub(/[^A-Za-z0-9_.-]/, \"\", c)} "
     "/^[ \\t]*Port [0-9]+:/{p=$2; sub(/:.*/, \"\", p); s=\"\"} "
     "/^[ \\t]*State:/{s=$2} "

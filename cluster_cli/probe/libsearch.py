@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 # The names asyncssh asks for (asyncssh/crypto/pq.py and umac.py).
 ASYNCSSH_LIBS = frozenset({"oqs", "liboqs", "nettle"})
@@ -47,14 +48,39 @@ def _version(path: str) -> tuple[int, ...]:
     return tuple(int(p) for p in tail.split(".") if p.isdigit())
 
 
-def find_in_dirs(name: str, dirs: list[str]) -> str | None:
-    """The path of ``lib<name>.so*`` in the first directory that has one, else None.
+def _elf_id(path: str) -> bytes | None:
+    """ELF class, byte order and machine of a file (what the loader checks), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return None
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    return head[4:6] + head[18:20]
 
-    Like the loader, prefer a versioned file (``libX.so.8``, the highest) over the bare
+
+_OWN_ELF: list[bytes | None] = []
+
+
+def _loadable(path: str) -> bool:
+    """A file (not a dangling link) built for this interpreter's ELF class and machine."""
+    if not _OWN_ELF:
+        _OWN_ELF.append(_elf_id(os.path.realpath(sys.executable)))
+    own = _OWN_ELF[0]
+    mine = _elf_id(path)
+    return mine is not None and (own is None or mine == own)
+
+
+def find_in_dirs(name: str, dirs: list[str]) -> str | None:
+    """The path of a loadable ``lib<name>.so*`` in the first directory that has one, else None.
+
+    Like the loader, skip files of another architecture (an i386 multiarch copy) or
+    dangling links, and prefer a versioned file (``libX.so.8``, the highest) over the bare
     development link ``libX.so``.
     """
     for d in dirs:
-        found = glob.glob(os.path.join(glob.escape(d), f"lib{glob.escape(name)}.so*"))
+        found = [p for p in glob.glob(os.path.join(glob.escape(d), f"lib{glob.escape(name)}.so*")) if _loadable(p)]
         if found:
             return max(found, key=lambda p: (bool(_version(p)), _version(p), p))
     return None
@@ -78,3 +104,16 @@ def quick_find_library(names: frozenset[str] = ASYNCSSH_LIBS) -> Iterator[None]:
         yield
     finally:
         ctypes.util.find_library = original
+
+
+def import_asyncssh() -> ModuleType:
+    """``import asyncssh`` with the quick lookup; should a library it found fail to load
+    anyway, import again the slow way rather than fail."""
+    try:
+        with quick_find_library():
+            import asyncssh
+    except OSError:
+        for mod in [m for m in sys.modules if m == "asyncssh" or m.startswith("asyncssh.")]:
+            del sys.modules[mod]
+        import asyncssh
+    return asyncssh

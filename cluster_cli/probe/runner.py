@@ -20,10 +20,9 @@ from typing import Protocol
 
 from cluster_cli.config.inventory import ACCEPT_NEW, SSHTarget
 from cluster_cli.errors import SSHError
-from cluster_cli.probe.libsearch import quick_find_library
+from cluster_cli.probe.libsearch import import_asyncssh
 
-with quick_find_library():  # asyncssh's liboqs lookup would otherwise run ldconfig, gcc and ld
-    import asyncssh
+asyncssh = import_asyncssh()  # asyncssh's liboqs lookup would otherwise run ldconfig, gcc and ld
 
 
 @dataclass(frozen=True)

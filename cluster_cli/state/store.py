@@ -178,6 +178,8 @@ class Store:
             self._db.execute("BEGIN")
             self.version()  # the snapshot starts at the first read, so take it now
         except sqlite3.Error as e:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
             raise StateError(f"{self.path}: cannot read the state: {e}") from None
         try:
             yield self
