@@ -187,7 +187,7 @@ def check_invariants(nodes: list[NodeFacts], cat: Catalog, current: list[Replica
         for s in p.replica.shards:
             n = by_name[s.node]
             assert n.reachable
-            assert all(not g.lost for g in n.gpus if g.index in s.gpus)
+            assert all(not g.lost and g.healthy for g in n.gpus if g.index in s.gpus), "kept on an unhealthy GPU"
         hold(p.replica)
 
     # Replay starts and failures in the placer's order.

@@ -243,6 +243,8 @@ def test_keep_valid_and_stop_what_the_catalog_no_longer_wants() -> None:
         (lambda n: replace(n, reachable=False, error="timeout"), "unreachable"),
         (lambda n: dgx(n.name, problems={3: "lost"}), "lost"),
         (lambda n: replace(n, gpus=n.gpus[:4]), "gone"),
+        (lambda n: dgx(n.name, problems={5: "ecc"}), "unhealthy (ecc:"),
+        (lambda n: dgx(n.name, problems={0: "remap"}), "unhealthy (remap:"),
     ],
 )
 def test_multi_node_replica_is_released_whole(mutate, why: str) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cluster_cli.facts import NodeFacts, Replica, Shard
+from cluster_cli.facts import NodeFacts, Replica, Shard, problem_key
 from cluster_cli.placement import scoring
 from cluster_cli.placement.constraints import STATIC, choose_gpus
 from cluster_cli.placement.constraints.base import NodeState, Request
@@ -342,6 +342,9 @@ class _Planner:
                     return f"GPU {i} of {s.node} is gone"
                 if g.lost:
                     return f"GPU {i} of {s.node} is lost"
+                if not g.healthy:  # a replica fails whole: it is released whole, then placed again
+                    why = next((p for p in g.problems if problem_key(p) in ("ecc", "retired-pages", "remap")), "")
+                    return f"GPU {i} of {s.node} is unhealthy ({why})"
                 if g.gpu_class != prof.gpu_class:
                     return f"GPU {i} of {s.node} is {g.gpu_class}, profile needs {prof.gpu_class}"
                 if i in node.allocated:
