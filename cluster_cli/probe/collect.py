@@ -101,7 +101,7 @@ def facts_from_outputs(
                 nvlink = ()
             elif topo is not None and topo.rc == 0:
                 nvlink = parse_topo(topo.stdout)
-            garbled = unreadable_gpu_rows(smi.stdout)
+            garbled = unreadable_gpu_rows(smi.output, rows)
             if garbled and smi.rc in (0, None):
                 # rc 0, yet rows cut short or repeated: the list cannot be trusted whole.
                 problems.append(f"nvidia-smi: {garbled} GPU row(s) cut short or repeated; the list may be incomplete")
@@ -247,7 +247,7 @@ async def discover(
             except TimeoutError:
                 f = unreachable(n, f"no answer within {deadline:g}s", time.time())
             except Exception as e:  # a failing node never takes the run down
-                f = unreachable(n, f"probe failed: {e}" if str(e) else f"probe failed: {type(e).__name__}", time.time())
+                f = unreachable(n, f"probe failed: {type(e).__name__}: {e}", time.time())  # a bug: name it
         if on_done is not None:
             on_done(f)
         return f

@@ -240,10 +240,12 @@ def unreadable_app_gpus(text: str) -> list[str]:
 _ROW_START = re.compile(r"\s*[0-9]{1,18}\s*,")
 
 
-def unreadable_gpu_rows(text: str) -> int:
+def unreadable_gpu_rows(text: str, rows: Sequence[GpuRow] | None = None) -> int:
     """How many ``--query-gpu`` lines start like a GPU row (``N,``) but do not parse, plus
-    rows repeating an index: signs of a list cut short or garbled. 0 for a whole list."""
-    rows, _ = parse_query_gpu(text)
+    rows repeating an index: signs of a list cut short or garbled. 0 for a whole list.
+    ``rows`` is ``parse_query_gpu(text)[0]`` when the caller has it already."""
+    if rows is None:
+        rows, _ = parse_query_gpu(text)
     starts = sum(1 for line in _lines(text) if _ROW_START.match(line) and _parse_lost(line) is None)
     indices = [r.index for r in rows]
     return (starts - len(rows)) + (len(indices) - len(set(indices)))
