@@ -55,6 +55,14 @@ def _cfg_quote(value: str) -> str:
     return f'"{value}"' if any(c.isspace() for c in value) else value
 
 
+def _netns_pids(netns: str) -> set[int]:
+    try:
+        out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return {int(x) for x in out.split() if x.isdigit()}
+
+
 # ---------------------------------------------------------------------------
 # /proc helpers
 
@@ -452,6 +460,9 @@ class Node:
             for p in (self.sshd_pid, self.pid):
                 if p and self._verified(p):
                     victims.add(p)
+            # Anything else living in the node's network namespace is on the node too (a
+            # process entered with `ip netns exec`, an sshd the testbed lost track of).
+            victims |= _netns_pids(self.netns) - {os.getpid()}
             _signal(victims, signal.SIGKILL)  # PID 1 of the namespace first: the kernel does the rest
             while time.monotonic() < deadline and any(alive(p) for p in victims):
                 time.sleep(0.02)

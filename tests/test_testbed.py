@@ -546,3 +546,24 @@ def test_revive_keeps_the_address_or_fails_leaving_nothing_behind(testbed_factor
         assert not [p for p in all_pids() if str(n.config_path) in cmdline(p)], "a failed revive left an sshd"
     c.revive("r")
     assert c.node("r").port == port and _tcp("127.0.0.1", port) == "open"
+
+
+def test_kill_also_ends_what_lives_only_in_the_nodes_network(testbed_factory: ClusterFactory) -> None:
+    c = testbed_factory("z=cpu-only")
+    if c.mode != "netns":
+        pytest.skip("network namespaces only")
+    n = c.node("z")
+    tag = f"tbnet-{secrets.token_hex(4)}"
+    # Entered with `ip netns exec`: in the node's network, outside its PID namespace.
+    p = subprocess.Popen(["ip", "netns", "exec", str(n.netns), "bash", "-c", f"exec -a {tag} sleep 300"])
+    try:
+        deadline = time.monotonic() + 5
+        while not [q for q in all_pids() if tag in cmdline(q)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [q for q in all_pids() if tag in cmdline(q)]
+        c.kill("z")
+        assert p.wait(timeout=5) is not None
+        assert not [q for q in all_pids() if tag in cmdline(q)]
+    finally:
+        p.kill()
+        p.wait()
