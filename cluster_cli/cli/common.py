@@ -40,19 +40,9 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
         if not os.path.isfile(cfg):
             raise ConfigError(f"{path}: ssh_config: not a readable file: {cfg}")
         _check_ssh_config(inv, path, cfg)
-    parsed: set[str] = set()
-    for i, n in enumerate(inv.nodes):
-        kh = inv.ssh_target(n).known_hosts
-        if kh == ACCEPT_NEW or kh in parsed or not os.path.isfile(kh):
-            continue
-        try:
-            asyncssh.read_known_hosts(kh)
-        except (ValueError, OSError, asyncssh.Error) as e:
-            raise ConfigError(f"{path}: nodes.{i} ({n.name}): known_hosts {kh}: {_printable(e)}") from None
-        parsed.add(kh)
-    if pinned is not None and any(inv.ssh_target(n).known_hosts == ACCEPT_NEW for n in inv.nodes):
-        _check_pin_file(pinned)
     keys_ok: set[str] = set()
+    hosts_ok: set[str] = set()
+    accept_new = False
     for i, n in enumerate(inv.nodes):
         t = inv.ssh_target(n)
         where = f"{path}: nodes.{i} ({n.name})"
@@ -72,11 +62,28 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
             except OSError as e:
                 raise ConfigError(f"{where}: identity file {key}: {e.strerror or e}") from None
             keys_ok.add(key)
-        if t.known_hosts != ACCEPT_NEW and not os.path.isfile(t.known_hosts):
-            raise ConfigError(
-                f"{where}: known_hosts file not found: {t.known_hosts} "
-                "(create it, or set known_hosts: accept-new to pin keys on first contact)"
-            )
+        if t.known_hosts == ACCEPT_NEW:
+            accept_new = True
+        elif t.known_hosts not in hosts_ok:
+            if not os.path.isfile(t.known_hosts):
+                raise ConfigError(
+                    f"{where}: known_hosts file not found: {t.known_hosts} "
+                    "(create it, or set known_hosts: accept-new to pin keys on first contact)"
+                )
+            _read_known_hosts(t.known_hosts, f"{where}: known_hosts {t.known_hosts}")
+            hosts_ok.add(t.known_hosts)
+    if pinned is not None and accept_new:
+        _check_pin_file(pinned)
+
+
+def _read_known_hosts(file: str | Path, where: str) -> None:
+    """Parse a known_hosts file as asyncssh will: a line it rejects is a ConfigError naming ``where``."""
+    import asyncssh
+
+    try:
+        asyncssh.read_known_hosts(str(file))
+    except (ValueError, OSError, asyncssh.Error) as e:
+        raise ConfigError(f"{where}: {_printable(e)}") from None
 
 
 def _check_ssh_config(inv: Inventory, path: Path, cfg: str) -> None:
@@ -103,15 +110,10 @@ def _check_ssh_config(inv: Inventory, path: Path, cfg: str) -> None:
 
 
 def _check_pin_file(pinned: Path) -> None:
-    import asyncssh
-
     if pinned.exists():
         if not pinned.is_file():
             raise ConfigError(f"{pinned}: the accept-new pin file is not a regular file")
-        try:
-            asyncssh.read_known_hosts(str(pinned))
-        except (ValueError, OSError, asyncssh.Error) as e:
-            raise ConfigError(f"{pinned}: the accept-new pin file is unreadable: {_printable(e)}") from None
+        _read_known_hosts(pinned, f"{pinned}: the accept-new pin file is unreadable")
     else:
         parent = next((p for p in pinned.parents if p.exists()), None)
         if parent is not None and not os.access(parent, os.W_OK | os.X_OK):

@@ -27,9 +27,12 @@ Example:
 """
 
 
-def _check_node(inventory: Path, node: str) -> None:
-    inv = inventory_or_abort(inventory)
-    if inv.node(node) is None:
+def _check_node(inventory: Path, node: str, *, or_cordoned_in: Path | None = None) -> None:
+    """The node must be in the inventory, or (``or_cordoned_in``) still cordoned in that state:
+    a cordon outlives the node's removal from the inventory, and lifting it stays possible."""
+    if inventory_or_abort(inventory).node(node) is None and not (
+        or_cordoned_in is not None and _cordoned_in_state(or_cordoned_in, node)
+    ):
         ui.abort(f"{inventory}: no node named {node!r} in the inventory")
 
 
@@ -70,12 +73,8 @@ def uncordon(
     inventory: Path = typer.Option(..., "--inventory", "-i", help=INVENTORY_HELP),
 ) -> None:
     """Lift a node's cordon."""
-    inv = inventory_or_abort(inventory)
     state: App = ctx.obj
-    # A cordon outlives the node's removal from the inventory (and would come back with the
-    # name): lifting one is always allowed; a node neither listed nor cordoned is an error.
-    if inv.node(node) is None and not _cordoned_in_state(state.state_path, node):
-        ui.abort(f"{inventory}: no node named {node!r} in the inventory")
+    _check_node(inventory, node, or_cordoned_in=state.state_path)
     with open_store(state.state_path) as store:
         try:
             was = store.uncordon(node)

@@ -159,10 +159,11 @@ def read_facts(path: Path) -> list[NodeFacts]:
     for i, d in enumerate(items):
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: nodes.{i}: expected an object, got {type(d).__name__}")
-        if isinstance(d.get("name"), str) and d["name"] in seen:
-            raise ConfigError(f"{path}: nodes.{i}: duplicate node name {d['name']!r} (also nodes.{seen[d['name']]})")
-        if isinstance(d.get("name"), str):
-            seen[d["name"]] = i
+        name = d.get("name")
+        if isinstance(name, str):
+            if name in seen:
+                raise ConfigError(f"{path}: nodes.{i}: duplicate node name {name!r} (also nodes.{seen[name]})")
+            seen[name] = i
         try:
             out.append(NodeFacts.from_dict(d))
         except KeyError as e:

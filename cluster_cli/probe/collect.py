@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from cluster_cli.config.inventory import Inventory, Node
 from cluster_cli.errors import SSHError
-from cluster_cli.facts import HcaPort, NodeFacts
+from cluster_cli.facts import Gpu, HcaPort, NodeFacts
 from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
 from cluster_cli.probe.commands import PROBES, SMINFO_AFTER_IBSTAT, sminfo_command, sminfo_record
 from cluster_cli.probe.parsers.host import parse_meminfo, parse_nproc
@@ -85,34 +85,34 @@ def facts_from_outputs(
             gpus = build_gpus(rows, procs, lost, gpu_class=inv.gpu_class, own_pids=own_pids)
             if apps is not None and not apps_ok:
                 problems.append("nvidia-smi: could not list compute processes; GPUs treated as busy")
-                gpus = tuple(replace(g, problems=(*g.problems, "foreign-process: unknown (query failed)")) for g in gpus)
+                gpus = _with_problem(gpus, "foreign-process: unknown (query failed)")
             elif apps is not None and (hidden := unreadable_app_gpus(apps.stdout)):
                 # A process row we cannot read is still someone computing on that GPU.
                 known = {g.uuid for g in gpus if g.uuid}
-                if "" in hidden or not set(hidden) <= known:
+                hit = set(hidden)
+                if "" in hit or not hit <= known:
                     problems.append("nvidia-smi: a compute process row names no GPU we know; GPUs treated as busy")
                     hit = known
-                else:
-                    hit = set(hidden)
-                busy = "foreign-process: unreadable process row (pid unknown)"
-                gpus = tuple(replace(g, problems=(*g.problems, busy)) if g.uuid in hit else g for g in gpus)
+                gpus = _with_problem(
+                    gpus, "foreign-process: unreadable process row (pid unknown)", lambda g: g.uuid in hit
+                )
             topo = outputs.get("topo")
             if not gpus:
                 nvlink = ()
             elif topo is not None and topo.rc == 0:
                 nvlink = parse_topo(topo.stdout)
-            garbled = unreadable_gpu_rows(smi.output, rows)
-            if garbled and smi.rc in (0, None):
-                # rc 0, yet rows cut short or repeated: the list cannot be trusted whole.
-                problems.append(f"nvidia-smi: {garbled} GPU row(s) cut short or repeated; the list may be incomplete")
-                gpus = tuple(replace(g, problems=(*g.problems, "unknown: GPU list incomplete")) for g in gpus)
-                nvlink = None
-            if smi.rc not in (0, None) and not lost:
-                # Rows, but nvidia-smi failed or timed out: the list may be cut short. Nothing
-                # on this node is free until a discover reads it whole.
-                why = "timed out" if smi.rc == 124 else f"exited with rc {smi.rc}"
-                problems.append(f"nvidia-smi: {why} after listing {len(rows)} GPU(s); the list may be incomplete")
-                gpus = tuple(replace(g, problems=(*g.problems, "unknown: GPU list incomplete")) for g in gpus)
+            # A list that may be cut short frees nothing until a discover reads it whole: rows,
+            # but nvidia-smi failed or timed out; or rc 0 with rows cut short or repeated.
+            incomplete = None
+            if smi.rc not in (0, None):
+                if not lost:
+                    why = "timed out" if smi.rc == 124 else f"exited with rc {smi.rc}"
+                    incomplete = f"{why} after listing {len(rows)} GPU(s)"
+            elif garbled := unreadable_gpu_rows(smi.output, rows):
+                incomplete = f"{garbled} GPU row(s) cut short or repeated"
+            if incomplete:
+                problems.append(f"nvidia-smi: {incomplete}; the list may be incomplete")
+                gpus = _with_problem(gpus, "unknown: GPU list incomplete")
                 nvlink = None
             n_lost = sum(g.lost for g in gpus)
             if n_lost:
@@ -200,6 +200,11 @@ async def probe_node(
         return facts_from_outputs(inv, node, outputs, own_pids=own_pids, sm_guids=sm, probed_at=started)
     except SSHError as e:
         return unreachable(node, e.message.removeprefix(f"{node.name}: "), started)
+
+
+def _with_problem(gpus: tuple[Gpu, ...], problem: str, which: Callable[[Gpu], bool] | None = None) -> tuple[Gpu, ...]:
+    """``gpus`` with ``problem`` added to each (or to each that ``which`` picks)."""
+    return tuple(replace(g, problems=(*g.problems, problem)) if which is None or which(g) else g for g in gpus)
 
 
 def unreachable(node: Node, error: str, at: float | None = None) -> NodeFacts:

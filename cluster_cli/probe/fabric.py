@@ -13,6 +13,7 @@ Comparison is per port (rail), never per node.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -150,9 +151,7 @@ def distrust_conflicting_ports(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
                 ports.setdefault(h.fabric, []).append((node.name, h.ca, h.port, h.sm_guid))
     bad: dict[tuple[str, str, int], str] = {}
     for fabric, seen in ports.items():
-        counts: dict[int, int] = {}
-        for *_, guid in seen:
-            counts[guid] = counts.get(guid, 0) + 1
+        counts = Counter(guid for *_, guid in seen)
         if len(counts) < 2:
             continue
         top = max(counts.values())

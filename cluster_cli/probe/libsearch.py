@@ -12,6 +12,7 @@ other lookup to ctypes.
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import glob
 import os
 import sys
@@ -60,14 +61,14 @@ def _elf_id(path: str) -> bytes | None:
     return head[4:6] + head[18:20]
 
 
-_OWN_ELF: list[bytes | None] = []
+@functools.cache
+def _own_elf_id() -> bytes | None:
+    return _elf_id(os.path.realpath(sys.executable))
 
 
 def _loadable(path: str) -> bool:
     """A file (not a dangling link) built for this interpreter's ELF class and machine."""
-    if not _OWN_ELF:
-        _OWN_ELF.append(_elf_id(os.path.realpath(sys.executable)))
-    own = _OWN_ELF[0]
+    own = _own_elf_id()
     mine = _elf_id(path)
     return mine is not None and (own is None or mine == own)
 
@@ -93,11 +94,14 @@ def quick_find_library(names: frozenset[str] = ASYNCSSH_LIBS) -> Iterator[None]:
         yield
         return
     original = ctypes.util.find_library
+    dirs: list[str] = []  # read once per block, on the first lookup
 
     def find_library(name: str) -> str | None:
-        if name in names:
-            return find_in_dirs(name, loader_dirs())
-        return original(name)
+        if name not in names:
+            return original(name)
+        if not dirs:
+            dirs.extend(loader_dirs())
+        return find_in_dirs(name, dirs)
 
     ctypes.util.find_library = find_library
     try:

@@ -233,14 +233,14 @@ class Router:
         path = req.path
         if path in PROXY_PATHS:
             data = error_response(405, "use POST", "method_not_allowed", keep_alive=conn.keep_alive)
-            conn.write(data if req.method != b"HEAD" else data[: data.find(b"\r\n\r\n") + 4])
+            conn.write(data if req.method != b"HEAD" else _head_only(data))
             return 405
         if req.method not in (b"GET", b"HEAD"):
             status = 405 if path in _GET_PATHS else 404
             conn.write(error_response(status, "not found", "not_found", keep_alive=conn.keep_alive))
             return status
         # A HEAD answer is the GET answer's head alone (same Content-Length, no body).
-        write = conn.write if req.method == b"GET" else lambda data: conn.write(data[: data.find(b"\r\n\r\n") + 4])
+        write = conn.write if req.method == b"GET" else lambda data: conn.write(_head_only(data))
         if path == b"/health":
             status = 200 if not self._draining else 503
             write(response(status, self._health_body(), keep_alive=conn.keep_alive))
@@ -478,6 +478,11 @@ class Router:
 
 
 _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})
+
+
+def _head_only(response_bytes: bytes) -> bytes:
+    """A whole response's head: what a HEAD request gets (same headers, no body)."""
+    return response_bytes[: response_bytes.find(b"\r\n\r\n") + 4]
 
 
 class _Trace:

@@ -188,6 +188,23 @@ def parse_query_gpu(text: str) -> tuple[list[GpuRow], list[LostGpu]]:
     return rows, lost
 
 
+def _app_row(line: str) -> GpuProcess | None:
+    """One ``--query-compute-apps`` row, or None when it names no GPU and readable pid."""
+    cells = line.split(",", _N_APP - 1)
+    if len(cells) < 2:
+        return None
+    uuid = cells[0].strip()
+    pid_cell = cells[1].strip()
+    if not uuid or not _DIGITS.fullmatch(pid_cell):
+        return None
+    return GpuProcess(
+        pid=int(pid_cell),
+        name=cells[3].strip() if len(cells) > 3 else "",
+        gpu_uuid=uuid,
+        used_mib=_int(cells[2]) if len(cells) > 2 else None,
+    )
+
+
 def parse_compute_apps(text: str) -> list[GpuProcess]:
     """Parse ``--query-compute-apps`` (gpu_uuid, pid, used_memory, process_name; noheader, nounits).
 
@@ -195,24 +212,7 @@ def parse_compute_apps(text: str) -> list[GpuProcess]:
     A row cut short after its pid still counts (memory and name unknown): a process is
     there. Rows naming a GPU but no readable pid are :func:`unreadable_app_gpus`.
     """
-    procs: list[GpuProcess] = []
-    for line in _lines(text):
-        cells = line.split(",", _N_APP - 1)
-        if len(cells) < 2:
-            continue
-        uuid = cells[0].strip()
-        pid_cell = cells[1].strip()
-        if not uuid or not _DIGITS.fullmatch(pid_cell):
-            continue
-        procs.append(
-            GpuProcess(
-                pid=int(pid_cell),
-                name=cells[3].strip() if len(cells) > 3 else "",
-                gpu_uuid=uuid,
-                used_mib=_int(cells[2]) if len(cells) > 2 else None,
-            )
-        )
-    return procs
+    return [p for line in _lines(text) if (p := _app_row(line)) is not None]
 
 
 _GPU_UUID = re.compile(r"(?:GPU|MIG)-[0-9A-Za-z-]+")
@@ -224,12 +224,9 @@ def unreadable_app_gpus(text: str) -> list[str]:
     row that looks like a process row but names no readable UUID at all."""
     out: list[str] = []
     for line in _lines(text):
-        if not line.strip():
+        if not line.strip() or _app_row(line) is not None:
             continue
-        cells = line.split(",", _N_APP - 1)
-        uuid = cells[0].strip()
-        if len(cells) >= 2 and uuid and _DIGITS.fullmatch(cells[1].strip()):
-            continue  # parsed
+        uuid = line.split(",", 1)[0].strip()
         if _GPU_UUID.fullmatch(uuid):
             out.append(uuid)
         elif uuid.startswith(("GPU-", "MIG-")):
