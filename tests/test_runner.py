@@ -56,7 +56,9 @@ def test_two_first_contacts_at_once_pin_one_key(tmp_path: Path, monkeypatch) -> 
                        known_hosts=ACCEPT_NEW)  # fmt: skip
 
     async def both() -> None:
-        await asyncio.gather(*(AsyncsshConnector(pinned)._known_hosts(target) for _ in range(2)))
+        await asyncio.gather(
+            *(AsyncsshConnector(pinned)._known_hosts(target, "n1", target.host, None, None, "n1: ") for _ in range(2))
+        )
 
     asyncio.run(both())
     lines = pinned.read_text().splitlines()

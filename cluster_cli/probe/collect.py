@@ -257,4 +257,9 @@ async def discover(
             on_done(f)
         return f
 
-    return list(await asyncio.gather(*(one(n) for n in nodes)))
+    try:
+        return list(await asyncio.gather(*(one(n) for n in nodes)))
+    finally:
+        aclose = getattr(connector, "aclose", None)  # shared jump-host connections, if any
+        if aclose is not None:
+            await aclose()

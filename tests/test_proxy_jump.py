@@ -1,0 +1,133 @@
+"""Nodes behind a jump host (ssh_config ``ProxyJump``), on real sshd nodes of the testbed.
+
+One connection to each jump host serves every node behind it (a bastion with OpenSSH's
+default ``MaxStartups 10:30:100`` would drop most of 64 logins at once), and the jump
+host's key is verified like a node's: against the inventory's known_hosts, or pinned.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from typer.testing import CliRunner
+
+from cluster_cli.cli.main import app
+
+runner = CliRunner()
+
+
+def discover(state: Path, inventory: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
+    r = runner.invoke(app, ["--state", str(state), "discover", "-i", str(inventory), "-o", "json", *extra])
+    doc = json.loads(r.stdout) if r.stdout.strip().startswith("{") else {}
+    return r.exit_code, doc, r.stderr
+
+
+def logins(node: Any) -> list[str]:
+    """The "Accepted publickey ... from ADDR" lines of a node's sshd log."""
+    return [ln for ln in node.log_path.read_text().splitlines() if "Accepted publickey" in ln]
+
+
+def behind_jump(c: Any, jumps: list[str], nodes: list[str], *, chain: str | None = None,
+                known_hosts: str = "known_hosts", pattern: str = "node-*") -> Path:  # fmt: skip
+    """An inventory of ``nodes`` reached as ``node-NAME`` through ssh_config's ProxyJump
+    (``chain``, default the first jump host); jump hosts are not inventory nodes."""
+    d = c.inventory_path.parent
+    cfg = []
+    for j in jumps:
+        n = c.nodes[j]
+        cfg.append(f"Host {j}\n  HostName {n.host}\n  Port {n.port}\n  User root\n  IdentityFile {d / 'id_ed25519'}\n")
+    cfg.append(f"Host {pattern}\n  ProxyJump {chain or jumps[0]}\n")
+    for name in nodes:
+        cfg.append(f"Host node-{name}\n  HostName {c.nodes[name].host}\n  Port {c.nodes[name].port}\n")
+    (d / "ssh_config").write_text("".join(cfg))
+    data = yaml.safe_load(c.inventory_path.read_text())
+    data["ssh_config"] = "ssh_config"
+    data["defaults"]["known_hosts"] = known_hosts
+    data["defaults"].pop("port", None)  # the port comes from ssh_config
+    data["nodes"] = [{"name": n, "host": f"node-{n}"} for n in nodes]
+    inv = d / "inv-jump.yaml"
+    inv.write_text(yaml.safe_dump(data))
+    return inv
+
+
+def test_nodes_behind_a_jump_host_share_one_connection_to_it(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("jump=cpu-only,n1=cpu-only,n2=cpu-only,n3=l40s-2x")
+    inv = behind_jump(c, ["jump"], ["n1", "n2", "n3"])
+    before = {n: len(logins(c.nodes[n])) for n in c.nodes}
+    code, doc, err = discover(tmp_path / "s.db", inv)
+    assert code == 0, err
+    assert [(n["name"], n["reachable"]) for n in doc["nodes"]] == [("n1", True), ("n2", True), ("n3", True)]
+    assert len(doc["nodes"][2]["gpus"]) == 2
+    assert len(logins(c.nodes["jump"])) - before["jump"] == 1  # one login serves all three nodes
+    for n in ("n1", "n2", "n3"):
+        new = logins(c.nodes[n])[before[n] :]
+        assert len(new) == 1
+        if c.mode == "netns":  # the node saw the login come from the jump host, not from here
+            assert f"from {c.nodes['jump'].host} " in new[0]
+
+
+def test_a_jump_host_with_an_unknown_key_fails_its_nodes_naming_it(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("jump=cpu-only,n1=cpu-only,n2=cpu-only")
+    d = c.inventory_path.parent
+    jump = c.nodes["jump"]
+    key = jump.host_key_path.with_suffix(".pub").read_text().split()[1]
+    lines = (d / "known_hosts").read_text().splitlines()
+    (d / "kh-no-jump").write_text("".join(ln + "\n" for ln in lines if key not in ln))
+    assert len((d / "kh-no-jump").read_text().splitlines()) == len(lines) - 1
+    inv = behind_jump(c, ["jump"], ["n1", "n2"], known_hosts="kh-no-jump")
+    before = len(logins(jump))
+    code, doc, _ = discover(tmp_path / "s.db", inv)
+    assert code == 1
+    for n in doc["nodes"]:
+        assert n["reachable"] is False
+        assert n["error"].startswith("jump host jump: host key not verifiable in ")
+    assert len(logins(jump)) == before  # never logged in to a jump host it could not verify
+
+
+def test_accept_new_pins_jump_hosts_and_nodes_then_verifies(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("b1=cpu-only,b2=cpu-only,n1=cpu-only,n2=cpu-only")
+    inv = behind_jump(c, ["b1", "b2"], ["n1", "n2"], chain="b1,b2", known_hosts="accept-new")
+    state = tmp_path / "s.db"
+    before = {n: len(logins(c.nodes[n])) for n in c.nodes}
+    for _ in range(2):  # first contact pins, the second run verifies against the pins
+        code, doc, err = discover(state, inv)
+        assert code == 0, err
+        assert all(n["reachable"] for n in doc["nodes"])
+    pins = state.with_suffix(".known_hosts").read_text().splitlines()
+    assert sorted(ln.split()[0] for ln in pins) == ["jump:b1", "jump:b2", "n1", "n2"]
+    # Each run: one login to each hop of the chain; b2 is reached through b1.
+    assert len(logins(c.nodes["b1"])) - before["b1"] == 2
+    assert len(logins(c.nodes["b2"])) - before["b2"] == 2
+    if c.mode == "netns":
+        assert f"from {c.nodes['b1'].host} " in logins(c.nodes["b2"])[-1]
+        assert f"from {c.nodes['b2'].host} " in logins(c.nodes["n1"])[-1]
+    # A jump host whose key changed is refused, for every node behind it.
+    other = c.nodes["n1"].host_key_path.with_suffix(".pub").read_text().split()[:2]
+    text = "\n".join(f"jump:b2 {' '.join(other)}" if ln.startswith("jump:b2 ") else ln for ln in pins) + "\n"
+    state.with_suffix(".known_hosts").write_text(text)
+    code, doc, _ = discover(state, inv)
+    assert code == 1
+    assert all(n["error"].startswith("jump host b2: host key not verifiable") for n in doc["nodes"])
+
+
+def test_a_proxy_jump_loop_is_an_error_not_a_hang(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("jump=cpu-only,n1=cpu-only")
+    inv = behind_jump(c, ["jump"], ["n1"], pattern="*")  # `Host *` sends the jump host through itself
+    code, doc, _ = discover(tmp_path / "s.db", inv, "--timeout", "20")
+    assert code == 1
+    assert doc["nodes"][0]["error"] == "ProxyJump loops through jump (ssh_config: ProxyJump jump)"
+
+
+def test_a_node_the_jump_host_cannot_reach(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("jump=cpu-only,n1=cpu-only,n2=cpu-only")
+    inv = behind_jump(c, ["jump"], ["n1", "n2"])
+    c.kill("n2")
+    code, doc, _ = discover(tmp_path / "s.db", inv, "--timeout", "20")
+    assert code == 1
+    n1, n2 = doc["nodes"]
+    assert n1["reachable"] is True
+    assert n2["reachable"] is False
+    assert n2["error"].startswith(f"jump host jump cannot reach {c.nodes['n2'].host}:{c.nodes['n2'].port}: ")
