@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -121,9 +122,36 @@ def test_a_proxy_jump_loop_is_an_error_not_a_hang(testbed_factory, tmp_path: Pat
     assert doc["nodes"][0]["error"] == "ProxyJump loops through jump (ssh_config: ProxyJump jump)"
 
 
-def test_a_node_the_jump_host_cannot_reach(testbed_factory, tmp_path: Path) -> None:
+def test_two_jump_hosts_that_go_through_each_other_are_a_loop_not_a_hang(testbed_factory, tmp_path: Path) -> None:
+    # n1 goes through ja, n2 through jb; ja's own ProxyJump is jb and jb's is ja.
+    c = testbed_factory("ja=cpu-only,jb=cpu-only,n1=cpu-only,n2=cpu-only")
+    inv = behind_jump(c, ["ja", "jb"], ["n1", "n2"], pattern="node-n1")
+    cfg = c.inventory_path.parent / "ssh_config"
+    text = cfg.read_text().replace("Host jb\n", "Host jb\n  ProxyJump ja\n").replace("Host ja\n", "Host ja\n  ProxyJump jb\n")
+    cfg.write_text(text + "Host node-n2\n  ProxyJump jb\n")
+    code, doc, _ = discover(tmp_path / "s.db", inv, "--timeout", "20")
+    assert code == 1
+    errors = {n["name"]: n["error"] for n in doc["nodes"]}
+    assert errors == {
+        "n1": "ProxyJump loops through ja (ssh_config: ProxyJump ja)",
+        "n2": "ProxyJump loops through jb (ssh_config: ProxyJump jb)",
+    }
+
+
+def test_a_broken_chain_names_the_hop_that_could_not_reach_the_next(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("b1=cpu-only,b2=cpu-only,n1=cpu-only")
+    inv = behind_jump(c, ["b1", "b2"], ["n1"], chain="b1,b2")
+    c.kill("b2")
+    code, doc, _ = discover(tmp_path / "s.db", inv, "--timeout", "20")
+    assert code == 1
+    b2 = c.nodes["b2"]
+    assert doc["nodes"][0]["error"].startswith(f"jump host b2: jump host b1 cannot reach {b2.host}:{b2.port}: ")
+
+
+@pytest.mark.parametrize("known_hosts", ["known_hosts", "accept-new"])
+def test_a_node_the_jump_host_cannot_reach(testbed_factory, tmp_path: Path, known_hosts: str) -> None:
     c = testbed_factory("jump=cpu-only,n1=cpu-only,n2=cpu-only")
-    inv = behind_jump(c, ["jump"], ["n1", "n2"])
+    inv = behind_jump(c, ["jump"], ["n1", "n2"], known_hosts=known_hosts)
     c.kill("n2")
     code, doc, _ = discover(tmp_path / "s.db", inv, "--timeout", "20")
     assert code == 1

@@ -56,9 +56,8 @@ def test_two_first_contacts_at_once_pin_one_key(tmp_path: Path, monkeypatch) -> 
                        known_hosts=ACCEPT_NEW)  # fmt: skip
 
     async def both() -> None:
-        await asyncio.gather(
-            *(AsyncsshConnector(pinned)._known_hosts(target, "n1", target.host, None, None, "n1: ") for _ in range(2))
-        )
+        dest = runner._Dest("n1", "n1: ", target.host, None, None, (target.host, 22))
+        await asyncio.gather(*(AsyncsshConnector(pinned)._known_hosts(target, dest, [], None, "") for _ in range(2)))
 
     asyncio.run(both())
     lines = pinned.read_text().splitlines()
@@ -87,3 +86,61 @@ def test_a_probe_shell_killed_by_a_signal_is_named() -> None:
 
     with pytest.raises(SSHError, match="probe script was killed by SIGKILL: no output"):
         asyncio.run(run_batch(Killed(), {"a": "true"}, 5.0))  # type: ignore[arg-type]
+
+
+def _route(tmp_path: Path, config: str, host: str = "n1"):
+    from cluster_cli.probe import runner
+
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(config)
+    return runner._route([str(cfg)], host, None, None)
+
+
+def test_route_follows_a_proxy_jump_chain_and_a_first_hop_s_own_jump(tmp_path: Path) -> None:
+    route, real = _route(
+        tmp_path,
+        "Host n1\n  HostName 10.0.0.1\n  Port 2201\n  ProxyJump a,u@b:2222\n"
+        "Host a\n  HostName 10.9.0.1\n  ProxyJump z\n"
+        "Host z\n  HostName 10.9.0.9\n  IdentityFile /keys/z\n",
+    )
+    assert real == ("10.0.0.1", 2201)
+    assert [(d.alias, d.host, d.port, d.user, d.real, d.own_key) for d in route] == [
+        ("jump:z", "z", None, None, ("10.9.0.9", 22), True),
+        ("jump:a", "a", None, None, ("10.9.0.1", 22), False),
+        ("jump:[b]:2222", "b", 2222, "u", ("b", 2222), False),  # pinned apart from b on port 22
+    ]
+    assert [d.label for d in route] == ["jump host z: ", "jump host a: ", "jump host b:2222: "]
+    assert all(d.jump for d in route)
+
+
+def test_route_without_proxy_jump_is_direct(tmp_path: Path) -> None:
+    assert _route(tmp_path, "Host n1\n  HostName 10.0.0.1\n") == ((), ("10.0.0.1", 22))
+    assert _route(tmp_path, "Host n1\n  ProxyJump none\n") == ((), ("n1", 22))
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        # `Host *` sends the jump host through itself
+        ("Host *\n  ProxyJump j\n", "ProxyJump loops through j (ssh_config: ProxyJump j)"),
+        # two jump hosts that each go through the other
+        ("Host n1\n  ProxyJump ja\nHost ja\n  ProxyJump jb\nHost jb\n  ProxyJump ja\n",
+         "ProxyJump loops through ja (ssh_config: ProxyJump ja)"),
+        # back through the node itself
+        ("Host n1\n  ProxyJump j\nHost j\n  ProxyJump n1\n", "ProxyJump loops through n1 (ssh_config: ProxyJump n1)"),
+        ("Host n1\n  ProxyJump j:port\n", "ProxyJump: cannot read the hop 'j:port'"),
+        ("Host n1\n  ProxyJump j:70000\n", "ProxyJump: cannot read the hop 'j:70000'"),
+    ],
+)  # fmt: skip
+def test_route_refuses_loops_and_unreadable_hops(tmp_path: Path, config: str, message: str) -> None:
+    from cluster_cli.probe import runner
+
+    with pytest.raises(runner._RouteError) as e:
+        _route(tmp_path, config)
+    assert str(e.value) == message
+
+
+def test_route_follows_only_a_first_hop_s_own_jump(tmp_path: Path) -> None:
+    # OpenSSH reaches a later hop through the one before it, whatever ssh_config says of it.
+    route, _ = _route(tmp_path, "Host n1\n  ProxyJump a,b\nHost b\n  ProxyJump n1\n")
+    assert [d.host for d in route] == ["a", "b"]

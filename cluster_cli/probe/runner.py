@@ -85,6 +85,24 @@ class AsyncsshSession:
 _CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com", "aes128-ctr")
 
 
+@dataclass(frozen=True)
+class _Dest:
+    """Where one connection goes, a node or a jump host, as ssh_config resolves it."""
+
+    alias: str  # the name its key is pinned under with accept-new
+    label: str  # how its errors start
+    host: str  # as asyncssh is given it (ssh_config may map it)
+    port: int | None
+    user: str | None
+    real: tuple[str, int]  # HostName and Port after ssh_config, for messages
+    jump: bool = False
+    own_key: bool = False  # ssh_config names an IdentityFile for it (jump hosts only)
+
+
+class _RouteError(ValueError):
+    pass
+
+
 class AsyncsshConnector:
     """Opens verified SSH connections. ``pinned_known_hosts`` backs ``accept-new``."""
 
@@ -94,19 +112,30 @@ class AsyncsshConnector:
         # Parsed known_hosts files by path, re-read when the file changes: asyncssh given a
         # path parses every key in it on every connect, which is quadratic in the fleet size.
         self._parsed: dict[str, tuple[tuple[int, int, int], asyncssh.SSHKnownHosts]] = {}
-        # Jump-host connections (ssh_config ProxyJump), one per chain of hops and trust
+        # Jump-host connections (ssh_config ProxyJump), one per route prefix and trust
         # settings, shared by every node behind it until ``aclose``.
         self._hops: dict[tuple[object, ...], asyncio.Future[asyncssh.SSHClientConnection]] = {}
 
     @asynccontextmanager
     async def session(self, target: SSHTarget) -> AsyncIterator[Session]:
         paths = _config_paths(target)
-        spec = _proxy_jump(paths, target.host, target.port, target.user)
+        route: tuple[_Dest, ...] = ()
+        real = (target.host, target.port or 22)
+        if paths:  # ssh_config may run `Match exec` commands: read it off the event loop
+            try:
+                route, real = await asyncio.get_running_loop().run_in_executor(
+                    None, _route, paths, target.host, target.port, target.user
+                )
+            except _RouteError as e:
+                raise SSHError(f"{target.name}: {e}") from None
+        via: asyncssh.SSHClientConnection | None = None
         try:
-            via = await self._jump(spec, target, paths, frozenset()) if spec else None
+            for i in range(len(route)):
+                via = await self._hop(route[: i + 1], via, target, paths)
         except SSHError as e:  # shared by every node behind the hop: name this one
             raise SSHError(f"{target.name}: {e}") from e
-        conn = await self._connect(target, target.name, target.host, target.port, target.user, paths, via, spec)
+        node = _Dest(target.name, f"{target.name}: ", target.host, target.port, target.user, real)
+        conn = await self._connect(target, node, paths, via, route[-1].label if route else "")
         try:
             yield AsyncsshSession(conn, target.name)
         finally:
@@ -115,56 +144,83 @@ class AsyncsshConnector:
                 await asyncio.wait_for(conn.wait_closed(), timeout=1.0)
 
     async def aclose(self) -> None:
-        """Close the shared jump-host connections."""
+        """Close the shared jump-host connections (waiting at most a second in all)."""
         hops, self._hops = self._hops, {}
+        conns = []
         for fut in hops.values():
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                fut.result().close()
-            else:
+            if not fut.done():
                 fut.cancel()
-        for fut in hops.values():
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                with suppress(TimeoutError, asyncio.TimeoutError, OSError, asyncssh.Error):
-                    await asyncio.wait_for(fut.result().wait_closed(), timeout=1.0)
+            elif not fut.cancelled() and fut.exception() is None:
+                conns.append(fut.result())
+        for c in conns:
+            c.close()
+        if conns:
+            with suppress(TimeoutError, asyncio.TimeoutError, OSError, asyncssh.Error):
+                await asyncio.wait_for(asyncio.gather(*(c.wait_closed() for c in conns)), timeout=1.0)
+
+    async def _hop(
+        self,
+        prefix: tuple[_Dest, ...],
+        via: asyncssh.SSHClientConnection | None,
+        target: SSHTarget,
+        paths: list[str],
+    ) -> asyncssh.SSHClientConnection:
+        """The shared connection to the last jump host of ``prefix``, opened over ``via``
+        (the one to the hop before it) by the first node that needs it. A hop that failed
+        fails the nodes behind it at once; one that closed since is opened again."""
+        k = (prefix, target.known_hosts, target.identity_file, tuple(paths), target.connect_timeout_s)
+        fut = self._hops.get(k)
+        if (
+            fut is None
+            or fut.cancelled()
+            or (fut.done() and fut.exception() is None and fut.result().is_closed())
+        ):
+            before = prefix[-2].label if len(prefix) > 1 else ""
+            fut = asyncio.ensure_future(self._connect(target, prefix[-1], paths, via, before))
+            self._hops[k] = fut
+        # Each future depends only on connections already open (``via``), never on another
+        # future: shared hops cannot wait on each other. A node that gives up leaves it running.
+        return await asyncio.shield(fut)
 
     async def _connect(
         self,
         target: SSHTarget,
-        alias: str,
-        host: str,
-        port: int | None,
-        user: str | None,
+        dest: _Dest,
         paths: list[str],
         via: asyncssh.SSHClientConnection | None,
-        spec: str | None,
-        *,
-        hop: bool = False,
+        via_label: str,
     ) -> asyncssh.SSHClientConnection:
-        """One verified connection to ``host`` (a node, or with ``hop`` a jump host), over
-        ``via`` when it is behind a jump host. Errors are SSHError naming the node, or for a
+        """One verified connection to ``dest`` (a node, or a jump host), over ``via`` when
+        it is behind a jump host. Errors start with ``dest.label``: the node's name, or for a
         jump host (shared by many nodes) the jump host alone."""
-        where = f"jump host {alias.removeprefix('jump:')}: " if hop else f"{target.name}: "
-        shown = target if not hop else target.model_copy(update={"host": host, "port": port})
-        known_hosts = self._parse(await self._known_hosts(target, alias, host, port, via, where))
+        where = dest.label
+        known_hosts = self._parse(await self._known_hosts(target, dest, paths, via, via_label))
         pinned = target.known_hosts == ACCEPT_NEW
         key = target.identity_file
-        if hop and _resolve(paths, host, port, user, "IdentityFile"):
-            key = None  # the jump host's own IdentityFile in ssh_config comes first, as in OpenSSH
+        keys: object = [key] if key else ()
+        if dest.jump:
+            # Its own IdentityFile from ssh_config if any (as in OpenSSH), else the node's
+            # key and then SSH's default keys (and ssh-agent).
+            keys = () if dest.own_key or not key else [key, *_default_keys()]
+        shown = target.model_copy(
+            update={"host": dest.real[0], "port": dest.real[1], "identity_file": None if keys == () else key}
+        )
         try:
             return await asyncio.wait_for(
                 asyncssh.connect(
-                    host,
+                    dest.host,
                     # Unset values are left to ssh_config, then to SSH's defaults (``()``).
-                    port=port or (),
-                    username=user or (),
-                    client_keys=[key] if key else (),
-                    agent_path=None if key and not hop else (),
+                    port=dest.port or (),
+                    username=dest.user or (),
+                    client_keys=keys,
+                    agent_path=None if key and not dest.jump else (),
+                    ignore_encrypted=True if dest.jump and keys != () else (),
                     known_hosts=known_hosts,
                     # Pins are kept per node name, whatever host/port ssh_config resolves to.
-                    host_key_alias=alias if pinned else (),
+                    host_key_alias=dest.alias if pinned else (),
                     config=paths or (),
-                    # A jump host's own ProxyJump was followed by ``_jump``: never again here.
-                    tunnel=via if via is not None else (None if hop or spec else ()),
+                    # The route was read from ssh_config already: never follow ProxyJump again.
+                    tunnel=via if via is not None else (None if dest.jump else ()),
                     # AES-GCM is hardware-accelerated almost everywhere; chacha20 costs ~25% of
                     # discover's client CPU on a large fleet (bench/README.md, Discovery).
                     encryption_algs=_CIPHERS,
@@ -177,65 +233,8 @@ class AsyncsshConnector:
             )
         except TimeoutError:
             raise SSHError(f"{where}connect timed out after {target.connect_timeout_s:g}s") from None
-        except asyncssh.ChannelOpenError as e:
-            if via is None:
-                raise SSHError(f"{where}{ssh_error_message(e, shown)}") from e
-            real = _resolve(paths, host, port, user, "Hostname") or host
-            real_port = port or _resolve(paths, host, port, user, "Port") or 22
-            raise SSHError(f"{where}jump host {spec} cannot reach {real}:{real_port}: {e.reason}") from e
         except (asyncssh.Error, OSError, ValueError) as e:
-            raise SSHError(f"{where}{ssh_error_message(e, shown)}") from e
-
-    async def _jump(
-        self, spec: str, target: SSHTarget, paths: list[str], seen: frozenset[str]
-    ) -> asyncssh.SSHClientConnection:
-        """The connection to the last hop of a ProxyJump ``spec`` ("[user@]host[:port],...").
-
-        Each hop is opened once and shared by every node behind it (a bastion's MaxStartups
-        would refuse 64 logins at once), verified against the node's known_hosts (or, with
-        ``accept-new``, pinned as ``jump:HOST``), and a failed hop fails its nodes at once.
-        """
-        via: asyncssh.SSHClientConnection | None = None
-        chain = ""
-        for hop in spec.split(","):
-            chain = f"{chain},{hop}" if chain else hop
-            k = (chain, target.known_hosts, target.identity_file, tuple(paths), target.connect_timeout_s)
-            fut = self._hops.get(k)
-            if (
-                fut is not None
-                and fut.done()
-                and not fut.cancelled()
-                and fut.exception() is None
-                and fut.result().is_closed()
-            ):  # it died since: open it again
-                fut = None
-            if fut is None or fut.cancelled():
-                fut = asyncio.ensure_future(self._open_hop(hop, via, target, paths, seen))
-                self._hops[k] = fut
-            via = await asyncio.shield(fut)
-        assert via is not None
-        return via
-
-    async def _open_hop(
-        self,
-        hop: str,
-        via: asyncssh.SSHClientConnection | None,
-        target: SSHTarget,
-        paths: list[str],
-        seen: frozenset[str],
-    ) -> asyncssh.SSHClientConnection:
-        try:
-            user, host, port = _parse_hop(hop)
-        except ValueError:
-            raise SSHError(f"ProxyJump: cannot read the hop {hop!r}") from None
-        if via is None:  # the first hop may sit behind its own ProxyJump
-            own = _proxy_jump(paths, host, port, user)
-            if own:
-                names = {_parse_hop_host(h) for h in own.split(",")}
-                if names & (seen | {host}):
-                    raise SSHError(f"ProxyJump loops through {host} (ssh_config: ProxyJump {own})")
-                via = await self._jump(own, target, paths, seen | {host})
-        return await self._connect(target, f"jump:{host}", host, port, user, paths, via, None, hop=True)
+            raise SSHError(f"{where}{_connect_error(e, shown, via_label, dest)}") from e
 
     def _parse(self, path: str) -> asyncssh.SSHKnownHosts | str:
         try:
@@ -253,14 +252,14 @@ class AsyncsshConnector:
     async def _known_hosts(
         self,
         target: SSHTarget,
-        alias: str,
-        host: str,
-        port: int | None,
+        dest: _Dest,
+        paths: list[str],
         via: asyncssh.SSHClientConnection | None,
-        where: str,
+        via_label: str,
     ) -> str:
-        """The known_hosts file to verify ``host`` with; with accept-new, pins its key under
-        ``alias`` on first contact (reached over ``via`` when behind a jump host)."""
+        """The known_hosts file to verify ``dest`` with; with accept-new, pins its key under
+        ``dest.alias`` on first contact (reached over ``via`` when behind a jump host)."""
+        where = dest.label
         if target.known_hosts != ACCEPT_NEW:
             if not os.path.exists(target.known_hosts):
                 raise SSHError(f"{where}known_hosts file not found: {target.known_hosts}")
@@ -275,21 +274,24 @@ class AsyncsshConnector:
                 except OSError as e:
                     raise SSHError(f"{where}cannot create the pin file {self.pinned}: {e.strerror or e}") from None
             pins = self._parse(str(self.pinned))  # parsed once per change of the file, not per node
-            if isinstance(pins, asyncssh.SSHKnownHosts) and pins.match(alias, "", None)[0]:
+            if isinstance(pins, asyncssh.SSHKnownHosts) and pins.match(dest.alias, "", None)[0]:
                 return str(self.pinned)
         # First contact: learn the key, pin it, then connect verifying against the pin.
         try:
             key = await asyncio.wait_for(
                 asyncssh.get_server_host_key(
-                    host, port or (), tunnel=via if via is not None else (), config=_config_paths(target) or ()
+                    dest.host,
+                    dest.port or (),
+                    tunnel=via if via is not None else (None if dest.jump else ()),
+                    config=paths or (),
                 ),
                 timeout=target.connect_timeout_s + 1,
             )
         except TimeoutError:
             raise SSHError(f"{where}connect timed out after {target.connect_timeout_s:g}s") from None
         except (asyncssh.Error, OSError, ValueError) as e:  # ValueError: a peer not speaking SSH
-            shown = target.model_copy(update={"host": host, "port": port})
-            raise SSHError(f"{where}{ssh_error_message(e, shown)}") from e
+            shown = target.model_copy(update={"host": dest.real[0], "port": dest.real[1]})
+            raise SSHError(f"{where}{_connect_error(e, shown, via_label, dest)}") from e
         if key is None:
             raise SSHError(f"{where}server offered no host key")
         async with self._pin_lock:
@@ -299,11 +301,27 @@ class AsyncsshConnector:
                 with self.pinned.open("a+") as f:
                     fcntl.flock(f, fcntl.LOCK_EX)
                     f.seek(0)
-                    if not any(line.split(" ", 1)[0] == alias for line in f.read().splitlines()):
-                        f.write(f"{alias} {key.export_public_key('openssh').decode().strip()}\n")
+                    if not any(line.split(" ", 1)[0] == dest.alias for line in f.read().splitlines()):
+                        f.write(f"{dest.alias} {key.export_public_key('openssh').decode().strip()}\n")
             except OSError as e:
                 raise SSHError(f"{where}cannot pin its host key in {self.pinned}: {e.strerror or e}") from None
         return str(self.pinned)
+
+
+def _connect_error(e: BaseException, shown: SSHTarget, via_label: str, dest: _Dest) -> str:
+    """A failed connect: a jump host that could not open the way is named as such."""
+    if via_label and isinstance(e, asyncssh.ChannelOpenError):
+        return f"{via_label.rstrip(': ')} cannot reach {dest.real[0]}:{dest.real[1]}: {e.reason}"
+    return ssh_error_message(e, shown)
+
+
+_DEFAULT_KEYS = ("id_ed25519_sk", "id_ecdsa_sk", "id_ed448", "id_ed25519", "id_ecdsa", "id_rsa", "id_dsa")
+
+
+def _default_keys() -> list[str]:
+    """SSH's default identity files that exist (what asyncssh and OpenSSH try by default)."""
+    home = os.path.expanduser(os.path.join("~", ".ssh"))
+    return [p for p in (os.path.join(home, n) for n in _DEFAULT_KEYS) if os.path.isfile(p)]
 
 
 def _config_paths(target: SSHTarget) -> list[str]:
@@ -314,11 +332,9 @@ def _config_paths(target: SSHTarget) -> list[str]:
     return [default] if os.access(default, os.R_OK) else []
 
 
-def _resolve(paths: list[str], host: str, port: int | None, user: str | None, option: str) -> object:
-    """``option`` as ssh_config sets it for ``host`` (None when unset or unreadable: then
-    asyncssh resolves, and reports, the config itself at connect time)."""
-    if not paths:
-        return None
+def _host_config(paths: list[str], host: str, port: int | None, user: str | None) -> object | None:
+    """ssh_config as it applies to ``host``; None when it cannot be read here (asyncssh then
+    reads, and reports, it itself at connect time). Blocking: ``Match exec`` runs commands."""
     try:
         from asyncssh.config import SSHClientConfig
 
@@ -326,14 +342,53 @@ def _resolve(paths: list[str], host: str, port: int | None, user: str | None, op
             local = getpass.getuser()
         except (KeyError, OSError):
             local = ""
-        cfg = SSHClientConfig.load(None, paths, False, False, False, local, user or (), host, port or ())
-        return cfg.get(option)
+        return SSHClientConfig.load(None, paths, False, False, False, local, user or (), host, port or ())
     except Exception:  # any failure here is asyncssh's to report, per node, at connect time
         return None
 
 
-def _proxy_jump(paths: list[str], host: str, port: int | None, user: str | None) -> str | None:
-    spec = _resolve(paths, host, port, user, "ProxyJump")
+def _route(
+    paths: list[str], host: str, port: int | None, user: str | None
+) -> tuple[tuple[_Dest, ...], tuple[str, int]]:
+    """The jump hosts on the way to ``host`` (ssh_config ``ProxyJump``; a first hop's own
+    ProxyJump comes before it, as with OpenSSH), and ``host``'s own HostName and Port.
+    Raises _RouteError for a hop it cannot read, or a loop."""
+    cfg = _host_config(paths, host, port, user)
+    real = _real(cfg, host, port)
+    spec = _proxy_jump(cfg)
+    return (_hops(paths, spec, frozenset({host})) if spec else ()), real
+
+
+def _hops(paths: list[str], spec: str, seen: frozenset[str]) -> tuple[_Dest, ...]:
+    out: list[_Dest] = []
+    for i, text in enumerate(spec.split(",")):
+        try:
+            user, host, port = _parse_hop(text)
+        except ValueError:
+            raise _RouteError(f"ProxyJump: cannot read the hop {text.strip()!r}") from None
+        cfg = _host_config(paths, host, port, user)
+        if i == 0:  # only a first hop's own ProxyJump is followed (as OpenSSH does)
+            if host in seen:
+                raise _RouteError(f"ProxyJump loops through {host} (ssh_config: ProxyJump {spec})")
+            own = _proxy_jump(cfg)
+            if own:
+                out.extend(_hops(paths, own, seen | {host}))
+        name = host if port is None else f"{host}:{port}"
+        alias = f"jump:{host}" if port in (None, 22) else f"jump:[{host}]:{port}"
+        own_key = bool(cfg is not None and cfg.get("IdentityFile"))  # type: ignore[attr-defined]
+        out.append(_Dest(alias, f"jump host {name}: ", host, port, user, _real(cfg, host, port), True, own_key))
+    return tuple(out)
+
+
+def _real(cfg: object | None, host: str, port: int | None) -> tuple[str, int]:
+    if cfg is None:
+        return host, port or 22
+    real_port = port or cfg.get("Port") or 22  # type: ignore[attr-defined]
+    return str(cfg.get("Hostname") or host), int(real_port)  # type: ignore[attr-defined]
+
+
+def _proxy_jump(cfg: object | None) -> str | None:
+    spec = cfg.get("ProxyJump") if cfg is not None else None  # type: ignore[attr-defined]
     return spec.strip() if isinstance(spec, str) and spec.strip() else None
 
 
@@ -349,13 +404,6 @@ def _parse_hop(hop: str) -> tuple[str | None, str, int | None]:
     if not host:
         raise ValueError(hop)
     return user or None, host, port
-
-
-def _parse_hop_host(hop: str) -> str:
-    try:
-        return _parse_hop(hop)[1]
-    except ValueError:
-        return hop
 
 
 def ssh_error_message(e: BaseException, target: SSHTarget | None = None) -> str:
