@@ -16,7 +16,14 @@ client (keep-alive), so it costs little CPU next to the proxy it measures.
     python bench/router.py balance --duration 60
     python bench/router.py all --out results.json
 
-For nginx, vllm-router and LiteLLM side by side, run the peers harness (see bench/README.md).
+3. peers: nginx, vllm-router and LiteLLM side by side with clusterctl (overhead and/or
+   balance, same simulated engine), by the shared peers harness (``shared/bench-peers``
+   beside this repository, or --peers-dir), run from a scratch copy with this checkout's
+   ``clusterctl`` on PATH (its venvs under $BENCH_VENVS, default /opt/benchvenv; --install
+   installs them first: apt nginx and three PyPI venvs).
+
+    python bench/router.py peers --peers-test overhead --duration 5 --rounds 3
+    python bench/router.py peers --peers-test balance --duration 60 --load 0.8
 """
 
 from __future__ import annotations
@@ -409,9 +416,37 @@ def print_tables(res: dict) -> None:
             )
 
 
+def run_peers(a: argparse.Namespace) -> int:
+    """The shared peers harness, unmodified, from a scratch copy, with clusterctl on PATH."""
+    import shutil
+
+    src = Path(a.peers_dir) if a.peers_dir else ROOT.parent / "shared" / "bench-peers"
+    if not (src / "peers.sh").is_file():
+        print(f"bench/router.py peers: no peers harness at {src} (give --peers-dir)", file=sys.stderr)
+        return 2
+    cc = shutil.which("clusterctl", path=str(Path(sys.executable).parent)) or shutil.which("clusterctl")
+    if cc is None:
+        print("bench/router.py peers: clusterctl is not installed (make venv)", file=sys.stderr)
+        return 2
+    env = dict(os.environ, PATH=f"{Path(cc).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
+        work = Path(tmp) / "bench-peers"
+        shutil.copytree(src, work, ignore=shutil.ignore_patterns("results-*.json", "__pycache__"))
+        if a.install and subprocess.run(["bash", "peers.sh", "install"], cwd=work, env=env).returncode:
+            return 1
+        args = ["--duration", str(a.duration or (5.0 if a.peers_test == "overhead" else 60.0))]
+        args += ["--rounds", str(a.rounds)] if a.peers_test == "overhead" else ["--load", str(a.load)]
+        out = Path(a.out).resolve() if a.out else work / "results.json"
+        print(f"peers harness: {src} (copied to {work}); clusterctl: {cc}", flush=True)
+        rc = subprocess.run(["bash", "peers.sh", a.peers_test, *args, "--out", str(out)], cwd=work, env=env).returncode
+        if rc == 0 and a.out:
+            print(f"wrote {out}")
+        return rc
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["overhead", "balance", "all"])
+    ap.add_argument("what", choices=["overhead", "balance", "all", "peers"])
     ap.add_argument("--duration", type=float, default=None, help="seconds per cell (overhead 5, balance 60)")
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--rounds", type=int, default=3)
@@ -423,7 +458,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", default="least_load,p2c,round_robin")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=None, help="write the JSON results here")
+    ap.add_argument("--peers-test", choices=["overhead", "balance"], default="overhead", help="peers: which test")
+    ap.add_argument("--peers-dir", default=None, help="peers: the harness (default: shared/bench-peers beside the repo)")
+    ap.add_argument("--install", action="store_true", help="peers: install nginx and the peers' venvs first")
     a = ap.parse_args(argv)
+    if a.what == "peers":
+        sys.exit(run_peers(a))
     try:
         import uvloop
 
