@@ -126,3 +126,44 @@ def test_retry_budget_and_backoff():
     assert pol.backoff(1) == 0
     assert all(0.005 <= pol.backoff(2, random.Random(i)) <= 0.015 for i in range(20))
     assert all(pol.backoff(10, random.Random(i)) <= 0.075 for i in range(20))
+
+
+def test_a_new_engine_behind_the_same_url_starts_unlearned():
+    """Reloaded as another engine (or another metric mapping): the old engine's capacity
+    estimate and scraped load no longer say anything; live state (in-flight) stays."""
+    import dataclasses
+
+    c = Clock()
+    w = worker(0, c)
+    w.on_scrape(2, 3, 0.9, c())
+    w.inflight = 1
+    assert w.cap == 2 and w.scraped.running == 2
+    same = dataclasses.replace(w.view, replica="renamed")
+    w.update_view(same, breaker_cfg=BreakerConfig(), stale_s=3.0, probe_s=5.0)
+    assert w.cap == 2 and w.scraped.running == 2  # a rename keeps what was learned
+    llama = MetricMapping("llamacpp:requests_processing", "llamacpp:requests_deferred", None)
+    w.update_view(dataclasses.replace(same, engine="llamacpp", metrics=llama),
+                  breaker_cfg=BreakerConfig(), stale_s=3.0, probe_s=5.0)  # fmt: skip
+    assert w.cap is None and w.scraped.running is None and w.scraped.at < 0
+    assert w.inflight == 1
+
+
+def test_a_shorter_queue_wait_after_a_reload_applies_to_those_already_waiting():
+    import asyncio
+
+    from cluster_cli.router.admission import ModelQueue, QueueLimits
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        q = ModelQueue(QueueLimits(max_queue=8, max_wait_s=6.0))
+        first = q.push(loop.create_future(), now=0.0)
+        q.limits = QueueLimits(max_queue=8, max_wait_s=0.5)  # reloaded
+        second = q.push(loop.create_future(), now=0.1)
+        assert q.expired(0.45) == []
+        assert q.expired(0.55) == [first]  # pushed at 0 with a wait of 0.5 now
+        assert q.expired(0.65) == [second]
+        q.limits = QueueLimits(max_queue=8, max_wait_s=10.0)  # a longer wait: those queued keep theirs
+        third = q.push(loop.create_future(), now=1.0)
+        assert third.deadline == 11.0
+
+    asyncio.run(go())

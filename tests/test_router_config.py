@@ -76,6 +76,10 @@ def test_issue_example_parses(tmp_path):
             "router.limits.idle_timeout_s",
         ),
         ("models: [", "invalid YAML"),
+        # YAML that parses but that PyYAML cannot build: a one-line error, never a traceback
+        ("models: {[1, 2]: x}", "invalid YAML: a mapping key must be a plain value"),
+        ("models: {m: {endpoints: [{url: 'http://h:1', replica: 2024-13-01}]}}", "invalid YAML: month must be"),
+        ("models: " + "[" * 5000 + "]" * 5000, "invalid YAML: nested too deeply"),
     ],
 )
 def test_bad_configs_give_one_line_errors(tmp_path, text, expect):
@@ -261,3 +265,59 @@ def _poll(fn, until=None, timeout: float = 90.0):
             pass
         time.sleep(0.1)
     return last
+
+
+def test_cli_unusable_keys_file_or_watch_interval_exits_2(tmp_path):
+    p = write(tmp_path, "models: {m: {endpoints: [{url: 'http://h:1'}]}}")
+    keys = tmp_path / "keys.txt"
+    keys.write_bytes(b"\xff\xfe not utf-8\n")
+    res = subprocess.run([*CLI, "serve-router", "--config", str(p), "--port", "0", "--api-keys-file", str(keys)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 2 and "keys.txt: cannot read API keys: not UTF-8 text (byte 0)" in res.stderr
+    assert "Traceback" not in res.stderr
+    for value in ("0", "-1"):  # 0 would poll in a busy loop
+        res = subprocess.run([*CLI, "serve-router", "--config", str(p), "--watch-interval", value],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert res.returncode == 2 and "--watch-interval" in res.stderr, res.stderr
+
+
+def test_cli_watches_the_api_keys_file(tmp_path):
+    """A key removed from the file stops working without a SIGHUP; a file that becomes
+    unusable keeps the previous keys, and /health says so until it is fixed."""
+    p = write(tmp_path, "models: {a: {endpoints: [{url: 'http://127.0.0.1:9'}]}}")
+    keys = tmp_path / "keys.txt"
+    keys.write_text("old-key\n")
+    with socket_port() as port:
+        pass
+    proc = subprocess.Popen(
+        [*CLI, "serve-router", "--config", str(p), "--port", str(port), "--api-keys-file", str(keys),
+         "--watch-interval", "0.1", "--access-log", "off"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+
+    def status(key: str) -> int:
+        return httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=2).status_code
+
+    try:
+        assert _poll(lambda: status("old-key"), until=200) == 200
+        keys.write_text("new-key\n")
+        assert _poll(lambda: (status("old-key"), status("new-key")), until=(401, 200)) == (401, 200)
+        keys.write_bytes(b"\xff\n")  # unusable: the previous keys stay
+
+        def keys_error() -> object:
+            return httpx.get(base + "/health", timeout=2).json()["last_keys_error"]
+
+        assert _poll(lambda: keys_error() is not None, until=True)
+        health = httpx.get(base + "/health", timeout=2).json()
+        assert health["status"] == "degraded" and "not UTF-8" in health["last_keys_error"]
+        assert status("new-key") == 200
+        metrics = httpx.get(base + "/metrics", timeout=2).text
+        assert 'clusterctl_router_api_keys_reloads_total{result="rejected"} 1.0' in metrics
+        keys.write_text("third-key\n")
+        assert _poll(lambda: keys_error() is None, until=True)
+        assert (status("new-key"), status("third-key")) == (401, 200)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err

@@ -133,3 +133,69 @@ def test_model_added_and_removed(tmp_path):
         assert httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG}).status_code == 404
     finally:
         f.close()
+
+
+def test_a_file_pyyaml_cannot_build_is_rejected_and_watching_goes_on(tmp_path):
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=2)
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(_cfg(f, [0])))
+    f.start(cfg=_cfg(f, [0]), source=FileSource(path, interval=0.05))
+    try:
+        for n, bad in enumerate(("models: {[1, 2]: x}\n", "models: {m: {endpoints: [{replica: 2024-13-01}]}}\n"), 1):
+            path.write_text(bad)
+            f.lt.wait_for(lambda n=n: f.router.reloads_rejected == n, what="rejection")
+            assert "invalid YAML" in f.router.last_reload_error
+        path.write_text(yaml.safe_dump(_cfg(f, [0], **{"0": {"replica": "back"}})))
+        f.lt.wait_for(lambda: f.router.reloads_ok == 1, what="the watcher still running")
+        assert next(iter(f.router.table.workers.values())).view.replica == "back"
+    finally:
+        f.close()
+
+
+def test_a_rewrite_that_keeps_size_and_mtime_is_seen(tmp_path):
+    """Same length, mtime put back (cp -p, rsync -t, or a coarse clock): ctime still moves."""
+    import os
+
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2)
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(_cfg(f, [0, 1], **{"0": {"draining": False}})))
+    st = path.stat()
+    f.start(cfg=_cfg(f, [0, 1], **{"0": {"draining": False}}), source=FileSource(path, interval=0.05))
+    try:
+        text = path.read_text().replace("draining: false", "draining: true ")
+        assert len(text) == st.st_size
+        path.write_text(text)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        f.lt.wait_for(lambda: f.router.reloads_ok == 1, what="reload")
+        assert f.lt.call(lambda: f.router.table.workers[f.engines[0].url].view.draining) is True
+    finally:
+        f.close()
+
+
+def test_a_file_still_being_written_is_read_once_it_holds_still(tmp_path):
+    """A writer that appends in steps (no rename): the watcher never applies a step."""
+    import asyncio
+
+    from cluster_cli.router.source import WatchedFile
+
+    path = tmp_path / "keys.txt"
+    path.write_text("a\n")
+
+    async def go() -> list[bytes | None]:
+        w = WatchedFile(path, interval=0.01, settle=0.08)
+        seen: list[bytes | None] = []
+
+        async def writer() -> None:
+            await asyncio.sleep(0.05)
+            for step in (b"a\nb\n", b"a\nb\nc\n", b"a\nb\nc\nd\n"):
+                path.write_bytes(step)
+                await asyncio.sleep(0.02)  # each step well inside the settle time
+
+        task = asyncio.create_task(writer())
+        async for data in w.changes():
+            seen.append(data)
+            break
+        await task
+        return seen
+
+    assert asyncio.run(go()) == [b"a\nb\nc\nd\n"]

@@ -31,11 +31,11 @@ Example config (router.yaml):
     clusterctl serve-router --config router.yaml --port 8000
     curl -N localhost:8000/v1/chat/completions -d '{"model":"tiny","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 
-The config file is watched and re-read on change or SIGHUP; an invalid new config is
-logged and the previous one keeps serving. Options given here override the config's
-router: section. GET /health answers 200 while the router runs (503 while it shuts
-down); its "status" is "degraded" when some model has no endpoint that can take a
-request (listed in "unavailable_models") or the last reload was rejected.
+The config file (and the API keys file) is watched and re-read on change or SIGHUP; an
+invalid new one is logged and the previous one keeps serving. Options given here override
+the config's router: section. GET /health answers 200 while the router runs (503 while it
+shuts down); its "status" is "degraded" when some model has no endpoint that can take a
+request (listed in "unavailable_models") or the last reload of either file was rejected.
 
 Exit codes: 0 clean shutdown on SIGTERM or SIGINT; 2 bad config, API keys file or
 option value, an access log that cannot be opened, or an address it cannot listen on;
@@ -116,7 +116,9 @@ def serve_router(
     log_level: LogLevel = typer.Option(
         LogLevel.warning, "--log-level", help="Least severe log messages written to stderr.", case_sensitive=False
     ),
-    watch_interval: float = typer.Option(1.0, "--watch-interval", help="Seconds between config file checks."),
+    watch_interval: float = typer.Option(
+        1.0, "--watch-interval", min=0.05, help="Seconds between checks of the config and API keys files."
+    ),
 ) -> None:
     from cluster_cli.router.accesslog import AccessLog
     from cluster_cli.router.config import RouterConfig, with_overrides

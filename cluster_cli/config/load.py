@@ -31,10 +31,11 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def read_yaml(path: Path) -> object:
-    """Parse a YAML file; any problem becomes ConfigError naming the file and line."""
+def read_text(path: Path | str, data: bytes | None = None) -> str:
+    """The file's text (or ``data``, bytes already read from it); a problem is a ConfigError."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes() if data is None else data
+        return raw.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
     except UnicodeDecodeError as e:
@@ -43,6 +44,12 @@ def read_yaml(path: Path) -> object:
         raise ConfigError(f"{path}: is a directory, not a file") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def read_yaml(path: Path | str, data: bytes | None = None) -> object:
+    """Parse a YAML file (or ``data``, its bytes already read); any problem becomes
+    ConfigError naming the file and line."""
+    text = read_text(path, data)
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
     except ConfigError as e:
@@ -52,6 +59,12 @@ def read_yaml(path: Path) -> object:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise ConfigError(f"{path}: {where}invalid YAML: {e.problem}") from None
     except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    except TypeError as e:  # a list or mapping used as a key: unhashable
+        raise ConfigError(f"{path}: invalid YAML: a mapping key must be a plain value ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
+    except ValueError as e:  # a value PyYAML's resolver cannot build, e.g. the date 2024-13-01
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
 
 
@@ -73,10 +86,10 @@ def format_validation_error(path: Path | str, err: ValidationError, most: int = 
     return f"{path}: {'; '.join(parts)}{suffix}"
 
 
-def load_model(path: Path | str, model: type[M]) -> M:
-    """Read YAML at ``path`` and validate it as ``model``."""
+def load_model(path: Path | str, model: type[M], raw: bytes | None = None) -> M:
+    """Read YAML at ``path`` (or ``raw``, its bytes already read) and validate it as ``model``."""
     path = Path(path)
-    data = read_yaml(path)
+    data = read_yaml(path, raw)
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -46,14 +46,29 @@ class ModelQueue:
     reaches the head, so the length that matters (room, ``/metrics``, Retry-After) is ``live``:
     the waiters still waiting, kept exact by each future's done-callback and by the pops."""
 
-    __slots__ = ("limits", "live", "rejected_full", "rejected_timeout", "waiters")
+    __slots__ = ("_limits", "live", "rejected_full", "rejected_timeout", "waiters")
 
     def __init__(self, limits: QueueLimits) -> None:
-        self.limits = limits
+        self._limits = limits
         self.waiters: deque[Waiter] = deque()
         self.live = 0
         self.rejected_full = 0
         self.rejected_timeout = 0
+
+    @property
+    def limits(self) -> QueueLimits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: QueueLimits) -> None:
+        """A reload's limits. A shorter ``max_wait_s`` also shortens the wait of those already
+        queued, by the same amount for all, so deadlines stay in FIFO order (``expired``
+        looks at the head only); a longer one leaves them as they are (still in order)."""
+        cut = self._limits.max_wait_s - limits.max_wait_s
+        if cut > 0:
+            for w in self.waiters:
+                w.deadline -= cut
+        self._limits = limits
 
     def __len__(self) -> int:
         return self.live

@@ -62,6 +62,9 @@ class Router:
         self.reloads_ok = 0
         self.reloads_rejected = 0
         self.last_reload_error: str | None = None
+        self.keys_reloads_ok = 0
+        self.keys_reloads_rejected = 0
+        self.last_keys_error: str | None = None  # the API keys file's last reload failed: old keys kept
         self._apply_limits(cfg)
         table = build_table(cfg, clock=clock)
         self._attach_pools(table)
@@ -128,6 +131,17 @@ class Router:
         self.reloads_rejected += 1
         self.last_reload_error = message
         log.error("config rejected, still serving the previous one: %s", message)
+
+    def reload_keys(self, keys: ApiKeys) -> None:
+        self.api_keys = keys
+        self.keys_reloads_ok += 1
+        self.last_keys_error = None
+        log.warning("API keys reloaded: %d keys", len(keys))
+
+    def reject_keys(self, message: str) -> None:
+        self.keys_reloads_rejected += 1
+        self.last_keys_error = message
+        log.error("API keys not reloaded, still using the previous ones: %s", message)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self, host: str = "127.0.0.1", port: int = 8000, *, sock: object | None = None) -> int:
@@ -269,7 +283,7 @@ class Router:
         unavailable = [n for n, e in t.models.items() if not self.balancer.any_eligible(e)]
         if self._draining:
             status = "draining"
-        elif unavailable or self.last_reload_error is not None:
+        elif unavailable or self.last_reload_error is not None or self.last_keys_error is not None:
             status = "degraded"
         else:
             status = "ok"
@@ -279,6 +293,7 @@ class Router:
             "unavailable_models": unavailable,
             "endpoints": [w.snapshot(now) for w in list(t.workers.values()) + t.retired],
             "last_reload_error": self.last_reload_error,
+            "last_keys_error": self.last_keys_error,
         }
         return json.dumps(body, separators=(",", ":")).encode()
 

@@ -220,9 +220,10 @@ def endpoint_views(cfg: RouterConfig) -> dict[str, EndpointView]:
     return {u: EndpointView(**{**d, "models": tuple(d["models"])}) for u, d in acc.items()}
 
 
-def load_router_config(path: Path | str) -> RouterConfig:
-    """Read and validate a router config; raises ConfigError with a one-line message."""
-    return load_model(path, RouterConfig)
+def load_router_config(path: Path | str, data: bytes | None = None) -> RouterConfig:
+    """Read (or take ``data``, the file's bytes already read) and validate a router config;
+    raises ConfigError with a one-line message."""
+    return load_model(path, RouterConfig, data)
 
 
 def with_overrides(cfg: RouterConfig, overrides: dict[str, dict[str, object]]) -> RouterConfig:

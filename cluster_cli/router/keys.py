@@ -26,12 +26,15 @@ class ApiKeys:
         return len(self._digests)
 
     @classmethod
-    def load(cls, path: Path | str) -> ApiKeys:
+    def load(cls, path: Path | str, data: bytes | None = None) -> ApiKeys:
+        """Keys from ``path`` (or ``data``, its bytes already read)."""
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = (path.read_bytes() if data is None else data).decode("utf-8")
         except OSError as e:
             raise ConfigError(f"{path}: cannot read API keys: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: cannot read API keys: not UTF-8 text (byte {e.start})") from None
         out: set[bytes] = set()
         for n, raw in enumerate(text.splitlines(), 1):
             line = raw.strip()

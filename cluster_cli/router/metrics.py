@@ -86,6 +86,12 @@ class _StateCollector(Collector):
         rel.add_metric(["ok"], r.reloads_ok)
         rel.add_metric(["rejected"], r.reloads_rejected)
         yield rel
+        kr = CounterMetricFamily(
+            "clusterctl_router_api_keys_reloads", "API keys file reloads by result.", labels=["result"]
+        )
+        kr.add_metric(["ok"], r.keys_reloads_ok)
+        kr.add_metric(["rejected"], r.keys_reloads_rejected)
+        yield kr
 
 
 class _Hist:

@@ -10,11 +10,12 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+from cluster_cli.errors import ConfigError
 from cluster_cli.router.accesslog import AccessLog
 from cluster_cli.router.app import Router
 from cluster_cli.router.config import RouterConfig
 from cluster_cli.router.keys import ApiKeys
-from cluster_cli.router.source import FileSource
+from cluster_cli.router.source import FileSource, WatchedFile
 
 log = logging.getLogger("clusterctl.router")
 
@@ -45,11 +46,26 @@ async def serve(
 ) -> None:
     source = FileSource(config_path, interval=watch_interval, transform=transform)
     cfg = source.load()
-    keys = ApiKeys.load(keys_path) if keys_path else None
+    keys_file = WatchedFile(keys_path, interval=watch_interval) if keys_path else None
+    keys = ApiKeys.load(keys_path, keys_file.read()) if keys_path and keys_file else None
     router = Router(cfg, api_keys=keys, access_log=access_log, source=source)
     bound = await router.start(host, port)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
+
+    async def _watch_keys() -> None:
+        """The keys file is watched like the config: a removed key stops working within a
+        poll; a file that cannot be used keeps the old keys, and /health says so."""
+        assert keys_file is not None and keys_path is not None
+        async for data in keys_file.changes():
+            try:
+                router.reload_keys(ApiKeys.load(keys_path, data))
+            except ConfigError as e:
+                router.reject_keys(e.message)
+            except Exception as e:  # never stop watching
+                router.reject_keys(f"{keys_path}: {type(e).__name__}: {e}")
+
+    keys_task = loop.create_task(_watch_keys()) if keys_file is not None else None
 
     def _stop() -> None:
         if not stop.done():
@@ -58,11 +74,8 @@ async def serve(
     def _hup() -> None:
         log.warning("SIGHUP: reloading %s", config_path)
         source.trigger()
-        if keys_path is not None:
-            try:
-                router.api_keys = ApiKeys.load(keys_path)
-            except Exception as e:  # keep the old keys
-                log.error("API keys not reloaded: %s", e)
+        if keys_file is not None:
+            keys_file.trigger()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _stop)
@@ -75,4 +88,6 @@ async def serve(
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             with contextlib.suppress(Exception):
                 loop.remove_signal_handler(sig)
+        if keys_task is not None:
+            keys_task.cancel()
         await router.stop(grace)

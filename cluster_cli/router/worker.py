@@ -96,12 +96,17 @@ class Worker:
     def update_view(self, view: EndpointView, *, breaker_cfg: BreakerConfig, stale_s: float, probe_s: float) -> None:
         """Take a reloaded config's static fields; keep every piece of live state.
 
-        The one exception is learned capacity when ``max_inflight`` changes: every estimate so
-        far was clipped to the old limit, so it restarts from the new one (None: unknown)."""
-        if view.max_inflight != self.view.max_inflight:
+        The exceptions are what was learned of the engine: when ``max_inflight`` changes,
+        every capacity estimate so far was clipped to the old limit, so it restarts from the
+        new one (None: unknown); when the engine or its metric mapping changes (the same URL
+        now serves another engine), the scraped load is dropped too."""
+        new_engine = view.engine != self.view.engine or view.metrics != self.view.metrics
+        if new_engine or view.max_inflight != self.view.max_inflight:
             self.cap = view.max_inflight
             self._cap_obs.clear()
             self.cap_confirmed_at = -1e18
+        if new_engine:
+            self.scraped = Scraped()
         self.view = view
         self.breaker.cfg = breaker_cfg
         self.breaker.name = view.replica
