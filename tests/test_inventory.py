@@ -57,6 +57,8 @@ def test_good_inventory_resolves_paths_and_defaults(tmp_path: Path) -> None:
         ("gpu_classes: {A: [X], B: [X]}\n", "listed under both"),
         ("defaults: {connect_timeout_s: .inf}\nnodes:\n  - {name: a, host: h}\n", "defaults.connect_timeout_s"),
         ("defaults: {command_timeout_s: .nan}\nnodes:\n  - {name: a, host: h}\n", "defaults.command_timeout_s"),
+        ("nodes:\n  - {name: a, host: 2024-13-01}\n", "invalid YAML: month must be in 1..12"),
+        ("{[1]: x}\n", "invalid YAML: a mapping key must be a plain value"),
     ],
 )
 def test_bad_inventory_is_one_located_line(tmp_path: Path, text: str, needle: str) -> None:
