@@ -432,14 +432,17 @@ def run_peers(a: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         work = Path(tmp) / "bench-peers"
         shutil.copytree(src, work, ignore=shutil.ignore_patterns("results-*.json", "__pycache__"))
+        for p in (work, *work.rglob("*")):  # the source may be read-only; the copy is ours
+            p.chmod(p.stat().st_mode | 0o200)
         if a.install and subprocess.run(["bash", "peers.sh", "install"], cwd=work, env=env).returncode:
             return 1
         args = ["--duration", str(a.duration or (5.0 if a.peers_test == "overhead" else 60.0))]
         args += ["--rounds", str(a.rounds)] if a.peers_test == "overhead" else ["--load", str(a.load)]
-        out = Path(a.out).resolve() if a.out else work / "results.json"
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out = Path(a.out).resolve() if a.out else Path(tempfile.gettempdir()) / f"bench-peers-{a.peers_test}-{stamp}.json"
         print(f"peers harness: {src} (copied to {work}); clusterctl: {cc}", flush=True)
         rc = subprocess.run(["bash", "peers.sh", a.peers_test, *args, "--out", str(out)], cwd=work, env=env).returncode
-        if rc == 0 and a.out:
+        if rc == 0:
             print(f"wrote {out}")
         return rc
 

@@ -165,5 +165,41 @@ def test_a_shorter_queue_wait_after_a_reload_applies_to_those_already_waiting():
         q.limits = QueueLimits(max_queue=8, max_wait_s=10.0)  # a longer wait: those queued keep theirs
         third = q.push(loop.create_future(), now=1.0)
         assert third.deadline == 11.0
+        for wait in (30.0, 10.0, 30.0, 10.0):  # cuts do not add up: each is from the queueing time
+            q.limits = QueueLimits(max_queue=8, max_wait_s=wait)
+        assert third.deadline == 11.0
+        q.limits = QueueLimits(max_queue=8, max_wait_s=2.0)
+        assert third.deadline == 3.0
 
     asyncio.run(go())
+
+
+def test_a_scrape_in_flight_when_the_engine_changes_is_dropped(monkeypatch):
+    import asyncio
+    import dataclasses
+
+    from cluster_cli.router import scrape
+
+    c = Clock()
+    w = worker(0, c)
+    vm = MetricMapping.vllm()
+    body = f"{vm.running} 2\n{vm.waiting} 3\n".encode()
+
+    async def go() -> None:
+        gate = asyncio.Event()
+
+        async def fetch(host, port, path, timeout):
+            await gate.wait()  # in flight while the config is reloaded
+            return 200, body  # the old engine's numbers
+
+        monkeypatch.setattr(scrape, "fetch", fetch)
+        task = asyncio.create_task(scrape.scrape_one(w, 1.0, c))
+        await asyncio.sleep(0)
+        llama = MetricMapping("llamacpp:requests_processing", "llamacpp:requests_deferred", None)
+        w.update_view(dataclasses.replace(w.view, engine="llamacpp", metrics=llama),
+                      breaker_cfg=BreakerConfig(), stale_s=3.0, probe_s=5.0)  # fmt: skip
+        gate.set()
+        await task
+
+    asyncio.run(go())
+    assert w.cap is None and w.scraped.running is None and w.scraped.error is None

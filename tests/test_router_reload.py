@@ -199,3 +199,78 @@ def test_a_file_still_being_written_is_read_once_it_holds_still(tmp_path):
         return seen
 
     assert asyncio.run(go()) == [b"a\nb\nc\nd\n"]
+
+
+def test_a_write_just_after_the_watcher_read_the_file_is_not_lost(tmp_path, monkeypatch):
+    """The stamp recorded with the content must be the one from before that content was
+    read: a write landing right after the read then shows as a new stamp."""
+    import asyncio
+
+    from cluster_cli.router import source
+
+    path = tmp_path / "keys.txt"
+    path.write_bytes(b"v1\n")
+    real_read = source._read
+    v2_reads = []
+
+    def read(p):
+        data = real_read(p)
+        if data == b"v2\n":
+            v2_reads.append(1)
+            if len(v2_reads) == 2:  # the settle read that agrees: a writer lands right after it
+                p.write_bytes(b"v3\n")
+        return data
+
+    monkeypatch.setattr(source, "_read", read)
+
+    async def go() -> list[bytes | None]:
+        w = source.WatchedFile(path, interval=0.02, settle=0.02)
+        w.read()
+        seen: list[bytes | None] = []
+        path.write_bytes(b"v2\n")
+        async for data in w.changes():
+            seen.append(data)
+            if data == b"v3\n" or len(seen) > 3:
+                break
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(go(), 10)) == [b"v2\n", b"v3\n"]
+
+
+def test_a_config_and_keys_from_pipes_serve(tmp_path):
+    """`--config <(...)` and `--api-keys-file <(...)` read once; a pipe is not watched."""
+    import subprocess
+    import sys
+    import time
+
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("models: {a: {endpoints: [{url: 'http://127.0.0.1:9'}]}}\n")
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    cli = f"{sys.executable} -c 'from cluster_cli.cli.main import run; run()'"
+    cmd = (f"exec {cli} serve-router --config <(cat {cfg}) --api-keys-file <(printf 'k1\\n') "
+           f"--port {port} --access-log off --watch-interval 0.1")  # fmt: skip
+    proc = subprocess.Popen(["bash", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        codes: tuple[int, int] | None = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                url = f"http://127.0.0.1:{port}/v1/models"
+                codes = (httpx.get(url, headers={"Authorization": "Bearer k1"}, timeout=2).status_code,
+                         httpx.get(url, headers={"Authorization": "Bearer k2"}, timeout=2).status_code)  # fmt: skip
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert codes == (200, 401)
+        time.sleep(0.5)  # a few polls: the pipes stay as they were read
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["last_keys_error"] is None
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["last_reload_error"] is None
+    finally:
+        proc.terminate()
+        _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err

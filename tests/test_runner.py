@@ -144,3 +144,8 @@ def test_route_follows_only_a_first_hop_s_own_jump(tmp_path: Path) -> None:
     # OpenSSH reaches a later hop through the one before it, whatever ssh_config says of it.
     route, _ = _route(tmp_path, "Host n1\n  ProxyJump a,b\nHost b\n  ProxyJump n1\n")
     assert [d.host for d in route] == ["a", "b"]
+
+
+def test_route_reads_match_final_blocks_and_pins_by_the_resolved_port(tmp_path: Path) -> None:
+    route, _ = _route(tmp_path, "Host b\n  Port 2222\nMatch final originalhost n1\n  ProxyJump b\n")
+    assert [(d.alias, d.real) for d in route] == [("jump:[b]:2222", ("b", 2222))]

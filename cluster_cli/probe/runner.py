@@ -342,7 +342,10 @@ def _host_config(paths: list[str], host: str, port: int | None, user: str | None
             local = getpass.getuser()
         except (KeyError, OSError):
             local = ""
-        return SSHClientConfig.load(None, paths, False, False, False, local, user or (), host, port or ())
+        cfg = SSHClientConfig.load(None, paths, False, False, False, local, user or (), host, port or ())
+        if cfg.has_match_final():  # a second pass with `Match final` blocks, as asyncssh makes
+            cfg = SSHClientConfig.load(cfg, paths, True, False, True, local, user or (), host, port or ())
+        return cfg
     except Exception:  # any failure here is asyncssh's to report, per node, at connect time
         return None
 
@@ -374,9 +377,11 @@ def _hops(paths: list[str], spec: str, seen: frozenset[str]) -> tuple[_Dest, ...
             if own:
                 out.extend(_hops(paths, own, seen | {host}))
         name = host if port is None else f"{host}:{port}"
-        alias = f"jump:{host}" if port in (None, 22) else f"jump:[{host}]:{port}"
+        real = _real(cfg, host, port)
+        # Pinned by the name written in ProxyJump and the port it resolves to (b and b:2222 differ).
+        alias = f"jump:{host}" if real[1] == 22 else f"jump:[{host}]:{real[1]}"
         own_key = bool(cfg is not None and cfg.get("IdentityFile"))  # type: ignore[attr-defined]
-        out.append(_Dest(alias, f"jump host {name}: ", host, port, user, _real(cfg, host, port), True, own_key))
+        out.append(_Dest(alias, f"jump host {name}: ", host, port, user, real, True, own_key))
     return tuple(out)
 
 

@@ -33,10 +33,11 @@ class Rejected(Exception):
 
 
 class Waiter:
-    __slots__ = ("deadline", "fut", "live")
+    __slots__ = ("deadline", "fut", "live", "queued_at")
 
-    def __init__(self, fut: asyncio.Future[Worker], deadline: float) -> None:
+    def __init__(self, fut: asyncio.Future[Worker], queued_at: float, deadline: float) -> None:
         self.fut = fut
+        self.queued_at = queued_at
         self.deadline = deadline
         self.live = True  # counted in its queue's ``live`` (until resolved, cancelled or removed)
 
@@ -62,12 +63,11 @@ class ModelQueue:
     @limits.setter
     def limits(self, limits: QueueLimits) -> None:
         """A reload's limits. A shorter ``max_wait_s`` also shortens the wait of those already
-        queued, by the same amount for all, so deadlines stay in FIFO order (``expired``
-        looks at the head only); a longer one leaves them as they are (still in order)."""
-        cut = self._limits.max_wait_s - limits.max_wait_s
-        if cut > 0:
+        queued (to ``queued_at + max_wait_s``); a longer one leaves them as they are. Either
+        way deadlines stay in FIFO order, which ``expired`` (looking at the head) relies on."""
+        if limits.max_wait_s < self._limits.max_wait_s:
             for w in self.waiters:
-                w.deadline -= cut
+                w.deadline = min(w.deadline, w.queued_at + limits.max_wait_s)
         self._limits = limits
 
     def __len__(self) -> int:
@@ -91,7 +91,7 @@ class ModelQueue:
                 else:
                     keep.append(old)
             self.waiters = q = keep
-        w = Waiter(fut, now + self.limits.max_wait_s)
+        w = Waiter(fut, now, now + self.limits.max_wait_s)
         q.append(w)
         self.live += 1
         fut.add_done_callback(lambda _f, w=w: self._gone(w))

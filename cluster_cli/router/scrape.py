@@ -77,8 +77,11 @@ async def scrape_one(w: Worker, timeout: float, now: Callable[[], float]) -> Non
             raise ValueError(f"HTTP {status}")
         running, waiting, kv = resolve(parse_metrics(body.decode("utf-8", "replace"), _names(mapping)), mapping)
     except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
-        w.on_scrape_error(f"{type(e).__name__}: {e}"[:200])
+        if w.view.metrics is mapping:
+            w.on_scrape_error(f"{type(e).__name__}: {e}"[:200])
         return
+    if w.view.metrics is not mapping:
+        return  # a reload changed the engine while this scrape ran: its numbers are the old engine's
     w.on_scrape(running, waiting, kv, now())
 
 

@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import stat
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol
@@ -65,19 +66,20 @@ class WatchedFile:
         self.path = Path(path)
         self.interval = max(MIN_INTERVAL, interval)
         self.settle = SETTLE_S if settle is None else settle
-        self._stamp = _stamp(self.path)
-        self._digest = _digest(_read(self.path))
+        self._stamp = _stamp(self.path)  # nothing is read here: the path may be a pipe
+        self._digest: bytes | None = None
         self._wake = asyncio.Event()
-
-    def seen(self, data: bytes | None) -> None:
-        """Record ``data`` as the content already acted on (e.g. loaded at start-up)."""
-        self._stamp = _stamp(self.path)
-        self._digest = _digest(data)
+        try:
+            # A pipe (--config <(...)) or a device reads once: there is nothing to watch.
+            self.watched = stat.S_ISREG(os.stat(self.path).st_mode)
+        except OSError:
+            self.watched = True  # not there yet: it may appear
 
     def read(self) -> bytes | None:
-        """The file's bytes now, recorded as seen (None if it cannot be read)."""
+        """The file's bytes now (None if it cannot be read), recorded as seen."""
+        stamp = _stamp(self.path)  # before the read: a write after it shows as a new stamp
         data = _read(self.path)
-        self.seen(data)
+        self._stamp, self._digest = stamp, _digest(data)
         return data
 
     def trigger(self) -> None:
@@ -85,7 +87,11 @@ class WatchedFile:
 
     async def changes(self) -> AsyncIterator[bytes | None]:
         """Yields the file's bytes (None: unreadable or gone) each time they changed and held
-        still for ``settle`` seconds, and on every ``trigger()`` (then without waiting)."""
+        still for ``settle`` seconds, and on every ``trigger()`` (then without waiting).
+        Yields nothing for a path that was not a regular file at the start (a pipe)."""
+        if not self.watched:
+            log.info("%s is not a regular file: not watched", self.path)
+            await asyncio.Event().wait()
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.interval)
@@ -100,13 +106,13 @@ class WatchedFile:
             if not forced:
                 for _ in range(SETTLE_TRIES):
                     await asyncio.sleep(self.settle)
+                    stamp = _stamp(self.path)  # before the read it vouches for (see ``read``)
                     again = _read(self.path)
                     if again == data:
                         break
                     data = again
                 else:
                     continue  # still being written: look again at the next poll
-                stamp = _stamp(self.path)
             digest = _digest(data)
             self._stamp = stamp
             if not forced and digest == self._digest:
