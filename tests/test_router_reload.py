@@ -153,7 +153,7 @@ def test_a_file_pyyaml_cannot_build_is_rejected_and_watching_goes_on(tmp_path):
 
 
 def test_a_rewrite_that_keeps_size_and_mtime_is_seen(tmp_path):
-    """Same length, mtime put back (cp -p, rsync -t, or a coarse clock): ctime still moves."""
+    """Same length, mtime put back (cp -p, rsync -t, or a coarse clock): the bytes differ."""
     import os
 
     f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2)
@@ -202,8 +202,8 @@ def test_a_file_still_being_written_is_read_once_it_holds_still(tmp_path):
 
 
 def test_a_write_just_after_the_watcher_read_the_file_is_not_lost(tmp_path, monkeypatch):
-    """The stamp recorded with the content must be the one from before that content was
-    read: a write landing right after the read then shows as a new stamp."""
+    """A write landing right after the watcher read the file (and before it recorded what
+    it read) is reported at the next poll, never taken as already seen."""
     import asyncio
 
     from cluster_cli.router import source

@@ -5,16 +5,14 @@ config and ``reject(message)`` with a one-line reason for each invalid one (the 
 config keeps serving). ``trigger()`` asks for an immediate re-read (SIGHUP). A later
 source can follow a watch stream from the state store instead of a file.
 
-``WatchedFile`` is the polling underneath (also used for the API keys file): a change of
-(mtime, ctime, size, inode) makes it read the file, a change of its bytes makes it report
-them, and only once they have held still for a moment, so a writer that does not replace
-the file atomically is not read half-way.
+``WatchedFile`` is the polling underneath (also used for the API keys file): it reads the
+file each poll and reports new bytes once they have held still for a moment, so a writer
+that does not replace the file atomically is not read half-way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import stat
@@ -38,16 +36,6 @@ class EndpointSource(Protocol):
     def trigger(self) -> None: ...
 
 
-def _stamp(path: Path) -> tuple[int, int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    # ctime too: a same-size rewrite within the filesystem's mtime granularity, or one whose
-    # writer restores the mtime (cp -p, rsync -t), still changes it.
-    return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
-
-
 def _read(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
@@ -55,32 +43,32 @@ def _read(path: Path) -> bytes | None:
         return None
 
 
-def _digest(data: bytes | None) -> bytes | None:
-    return None if data is None else hashlib.sha256(data).digest()
-
-
 class WatchedFile:
-    """Polls ``path`` every ``interval`` seconds; ``trigger`` forces a report at once."""
+    """Reads ``path`` every ``interval`` seconds and reports new content; ``trigger``
+    forces a report at once.
+
+    It compares the bytes, not the file's times or size: a same-size rewrite within a
+    coarse timestamp tick, or by a writer that puts the mtime back (cp -p, rsync -t), is
+    still seen, and a file touched without a change is not reported. A config or keys file
+    is small; reading it once a second costs next to nothing.
+    """
 
     def __init__(self, path: Path | str, *, interval: float = 1.0, settle: float | None = None) -> None:
         self.path = Path(path)
         self.interval = max(MIN_INTERVAL, interval)
         self.settle = SETTLE_S if settle is None else settle
-        self._stamp = _stamp(self.path)  # nothing is read here: the path may be a pipe
-        self._digest: bytes | None = None
         self._wake = asyncio.Event()
         try:
             # A pipe (--config <(...)) or a device reads once: there is nothing to watch.
             self.watched = stat.S_ISREG(os.stat(self.path).st_mode)
         except OSError:
             self.watched = True  # not there yet: it may appear
+        self._last = _read(self.path) if self.watched else None
 
     def read(self) -> bytes | None:
         """The file's bytes now (None if it cannot be read), recorded as seen."""
-        stamp = _stamp(self.path)  # before the read: a write after it shows as a new stamp
-        data = _read(self.path)
-        self._stamp, self._digest = stamp, _digest(data)
-        return data
+        self._last = _read(self.path)
+        return self._last
 
     def trigger(self) -> None:
         self._wake.set()
@@ -99,25 +87,21 @@ class WatchedFile:
             except TimeoutError:
                 forced = False
             self._wake.clear()
-            stamp = _stamp(self.path)
-            if not forced and stamp == self._stamp:
-                continue
             data = _read(self.path)
             if not forced:
-                for _ in range(SETTLE_TRIES):
+                if data == self._last:
+                    continue
+                for _ in range(SETTLE_TRIES):  # held still for a moment: not half-written
                     await asyncio.sleep(self.settle)
-                    stamp = _stamp(self.path)  # before the read it vouches for (see ``read``)
                     again = _read(self.path)
                     if again == data:
                         break
                     data = again
                 else:
                     continue  # still being written: look again at the next poll
-            digest = _digest(data)
-            self._stamp = stamp
-            if not forced and digest == self._digest:
-                continue  # touched, not changed
-            self._digest = digest
+                if data == self._last:
+                    continue  # changed and changed back
+            self._last = data
             self._wake.clear()  # a trigger during the settle time is answered by this read
             yield data
 
