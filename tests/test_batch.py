@@ -143,6 +143,11 @@ def test_nothing_is_left_running_after_the_batch() -> None:
     assert res["hang"].rc == 124 and "timed out" in res["hang"].stderr
     _, res = run_local({"fine": "echo fine"}, timeout=47)
     assert res["fine"].stdout == "fine\n"
+    # The watchdog ends its sleep in its TERM trap, which may run just after the batch has
+    # returned on a busy box: give it a moment (it would otherwise live 39 or 47 s).
+    deadline = time.monotonic() + 10
+    while (_procs_with("39") or _procs_with("47")) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _procs_with("39") == [] and _procs_with("47") == []
 
 

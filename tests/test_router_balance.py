@@ -203,3 +203,35 @@ def test_a_scrape_in_flight_when_the_engine_changes_is_dropped(monkeypatch):
 
     asyncio.run(go())
     assert w.cap is None and w.scraped.running is None and w.scraped.error is None
+
+
+def test_a_scrape_in_flight_across_a_reload_that_keeps_the_engine_counts(monkeypatch):
+    """Every reload builds new (equal) views and metric mappings: that is not a new engine."""
+    import asyncio
+    import dataclasses
+
+    from cluster_cli.router import scrape
+
+    c = Clock()
+    w = worker(0, c)
+    vm = MetricMapping.vllm()
+    body = f"{vm.running} 2\n{vm.waiting} 3\n".encode()
+
+    async def go() -> None:
+        gate = asyncio.Event()
+
+        async def fetch(host, port, path, timeout):
+            await gate.wait()
+            return 200, body
+
+        monkeypatch.setattr(scrape, "fetch", fetch)
+        task = asyncio.create_task(scrape.scrape_one(w, 1.0, c))
+        await asyncio.sleep(0)
+        view = dataclasses.replace(w.view, metrics=MetricMapping.vllm(), replica="renamed")
+        assert view.metrics is not w.view.metrics and view.metrics == w.view.metrics
+        w.update_view(view, breaker_cfg=BreakerConfig(), stale_s=3.0, probe_s=5.0)
+        gate.set()
+        await task
+
+    asyncio.run(go())
+    assert w.scraped.running == 2 and w.cap == 2

@@ -192,7 +192,7 @@ def test_a_file_still_being_written_is_read_once_it_holds_still(tmp_path):
                 await asyncio.sleep(0.02)  # each step well inside the settle time
 
         task = asyncio.create_task(writer())
-        async for data in w.changes():
+        async for data, _why in w.changes():
             seen.append(data)
             break
         await task
@@ -214,12 +214,12 @@ def test_a_write_just_after_the_watcher_read_the_file_is_not_lost(tmp_path, monk
     v2_reads = []
 
     def read(p):
-        data = real_read(p)
-        if data == b"v2\n":
+        content = real_read(p)
+        if content[0] == b"v2\n":
             v2_reads.append(1)
             if len(v2_reads) == 2:  # the settle read that agrees: a writer lands right after it
                 p.write_bytes(b"v3\n")
-        return data
+        return content
 
     monkeypatch.setattr(source, "_read", read)
 
@@ -228,7 +228,7 @@ def test_a_write_just_after_the_watcher_read_the_file_is_not_lost(tmp_path, monk
         w.read()
         seen: list[bytes | None] = []
         path.write_bytes(b"v2\n")
-        async for data in w.changes():
+        async for data, _why in w.changes():
             seen.append(data)
             if data == b"v3\n" or len(seen) > 3:
                 break
@@ -274,3 +274,63 @@ def test_a_config_and_keys_from_pipes_serve(tmp_path):
         proc.terminate()
         _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
+
+
+def test_a_fifo_or_an_oversized_file_in_place_of_the_config_is_refused_not_waited_on(tmp_path, monkeypatch):
+    """A FIFO put where the file was would block a plain read until a writer came: the
+    router would stop answering. It is refused at once, and so is a file over the limit."""
+    import asyncio
+    import os
+
+    from cluster_cli.router import source
+
+    monkeypatch.setattr(source, "MAX_BYTES", 1000)
+    path = tmp_path / "keys.txt"
+    path.write_bytes(b"k1\n")
+
+    async def go() -> list[tuple[bytes | None, str | None]]:
+        w = source.WatchedFile(path, interval=0.02, settle=0.02)
+        seen: list[tuple[bytes | None, str | None]] = []
+        path.unlink()
+        os.mkfifo(path)  # nobody ever writes to it
+        async for content in w.changes():
+            seen.append(content)
+            if len(seen) == 1:
+                path.unlink()
+                path.write_bytes(b"x" * 1001)
+            else:
+                break
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(go(), 10)) == [(None, "not a regular file"), (None, "larger than 0 MiB")]
+
+
+def test_a_read_that_fails_in_an_unexpected_way_is_reported_and_watching_goes_on(tmp_path, monkeypatch):
+    import asyncio
+
+    from cluster_cli.router import source
+
+    path = tmp_path / "keys.txt"
+    path.write_bytes(b"k1\n")
+    real = source.os.read
+    fail = [True]
+
+    def flaky_read(fd, n):
+        if fail[0]:
+            fail[0] = False
+            raise MemoryError
+        return real(fd, n)
+
+    async def go() -> list[tuple[bytes | None, str | None]]:
+        w = source.WatchedFile(path, interval=0.02, settle=0.02)
+        monkeypatch.setattr(source.os, "read", flaky_read)
+        path.write_bytes(b"k2\n")
+        seen: list[tuple[bytes | None, str | None]] = []
+        async for content in w.changes():
+            seen.append(content)
+            if content[0] is not None:
+                break
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(go(), 10))
+    assert seen[-1] == (b"k2\n", None)

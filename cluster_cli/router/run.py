@@ -57,7 +57,10 @@ async def serve(
         """The keys file is watched like the config: a removed key stops working within a
         poll; a file that cannot be used keeps the old keys, and /health says so."""
         assert keys_file is not None and keys_path is not None
-        async for data in keys_file.changes():
+        async for data, why in keys_file.changes():
+            if data is None:
+                router.reject_keys(f"{keys_path}: cannot read API keys: {why}")
+                continue
             try:
                 router.reload_keys(ApiKeys.load(keys_path, data))
             except ConfigError as e:

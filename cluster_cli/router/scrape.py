@@ -69,6 +69,7 @@ def _names(mapping: MetricMapping) -> set[str]:
 
 async def scrape_one(w: Worker, timeout: float, now: Callable[[], float]) -> None:
     mapping = w.view.metrics
+    gen = w.engine_gen
     if mapping.running is None and mapping.waiting is None and mapping.kv_cache_usage is None:
         return
     try:
@@ -77,10 +78,10 @@ async def scrape_one(w: Worker, timeout: float, now: Callable[[], float]) -> Non
             raise ValueError(f"HTTP {status}")
         running, waiting, kv = resolve(parse_metrics(body.decode("utf-8", "replace"), _names(mapping)), mapping)
     except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
-        if w.view.metrics is mapping:
+        if w.engine_gen == gen:
             w.on_scrape_error(f"{type(e).__name__}: {e}"[:200])
         return
-    if w.view.metrics is not mapping:
+    if w.engine_gen != gen:
         return  # a reload changed the engine while this scrape ran: its numbers are the old engine's
     w.on_scrape(running, waiting, kv, now())
 

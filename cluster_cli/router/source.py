@@ -5,14 +5,15 @@ config and ``reject(message)`` with a one-line reason for each invalid one (the 
 config keeps serving). ``trigger()`` asks for an immediate re-read (SIGHUP). A later
 source can follow a watch stream from the state store instead of a file.
 
-``WatchedFile`` is the polling underneath (also used for the API keys file): it reads the
-file each poll and reports new bytes once they have held still for a moment, so a writer
-that does not replace the file atomically is not read half-way.
+``WatchedFile`` is the polling underneath (also used for the API keys file): it reports new
+bytes once they have held still for a moment, so a writer that does not replace the file
+atomically is not read half-way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import stat
@@ -28,6 +29,8 @@ log = logging.getLogger("clusterctl.router")
 MIN_INTERVAL = 0.05  # seconds between polls, at least (0 would spin a core)
 SETTLE_S = 0.2  # a change is read again after this long, and used once two reads agree
 SETTLE_TRIES = 20
+FULL_READ_EVERY = 10  # polls: the content is compared at least this often, whatever the stat says
+MAX_BYTES = 16 << 20  # a config or keys file larger than this is refused
 
 
 class EndpointSource(Protocol):
@@ -36,21 +39,61 @@ class EndpointSource(Protocol):
     def trigger(self) -> None: ...
 
 
-def _read(path: Path) -> bytes | None:
+Content = tuple[bytes | None, str | None]  # the file's bytes, or None and why it cannot be read
+
+
+def _read(path: Path) -> Content:
+    """Never blocks on a FIFO (O_NONBLOCK, then only regular files are read), never raises."""
     try:
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, "file not found"
+    except OSError as e:
+        return None, f"cannot read: {e.strerror or e}"
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return None, "is a directory, not a file"
+        if not stat.S_ISREG(st.st_mode):
+            return None, "not a regular file"
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, 1 << 20):
+            size += len(chunk)
+            if size > MAX_BYTES:
+                return None, f"larger than {MAX_BYTES >> 20} MiB"
+            chunks.append(chunk)
+        return b"".join(chunks), None
+    except OSError as e:
+        return None, f"cannot read: {e.strerror or e}"
+    except Exception as e:  # MemoryError and the like: reported, never the end of the watching
+        return None, f"cannot read: {type(e).__name__}: {e}"
+    finally:
+        os.close(fd)
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)  # stat never opens, so never blocks on a FIFO
     except OSError:
         return None
+    return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+
+
+def _digest(c: Content) -> bytes:
+    return hashlib.sha256(c[0]).digest() if c[0] is not None else b"error:" + (c[1] or "").encode()
 
 
 class WatchedFile:
-    """Reads ``path`` every ``interval`` seconds and reports new content; ``trigger``
+    """Polls ``path`` every ``interval`` seconds and reports new content; ``trigger``
     forces a report at once.
 
-    It compares the bytes, not the file's times or size: a same-size rewrite within a
-    coarse timestamp tick, or by a writer that puts the mtime back (cp -p, rsync -t), is
-    still seen, and a file touched without a change is not reported. A config or keys file
-    is small; reading it once a second costs next to nothing.
+    A poll stats the file and reads it (in a thread) when the stat changed, and every
+    ``FULL_READ_EVERY`` polls in any case, then compares the bytes: a same-size rewrite
+    within a coarse timestamp tick, or by a writer that puts the mtime back (cp -p,
+    rsync -t), is still seen, and a file touched without a change is not reported. Only
+    regular files of at most ``MAX_BYTES`` are read: a FIFO put in its place is refused,
+    never waited on.
     """
 
     def __init__(self, path: Path | str, *, interval: float = 1.0, settle: float | None = None) -> None:
@@ -63,23 +106,32 @@ class WatchedFile:
             self.watched = stat.S_ISREG(os.stat(self.path).st_mode)
         except OSError:
             self.watched = True  # not there yet: it may appear
-        self._last = _read(self.path) if self.watched else None
+        self._stamp = _stamp(self.path)
+        self._digest = _digest(_read(self.path)) if self.watched else b""
 
     def read(self) -> bytes | None:
-        """The file's bytes now (None if it cannot be read), recorded as seen."""
-        self._last = _read(self.path)
-        return self._last
+        """The file's bytes now, for the first load (a pipe too), recorded as seen; None if
+        it cannot be read (the loader then reads the path itself and says why)."""
+        self._stamp = _stamp(self.path)
+        try:
+            data = self.path.read_bytes()
+        except OSError:
+            data = None
+        self._digest = _digest((data, None if data is not None else "unreadable"))
+        return data
 
     def trigger(self) -> None:
         self._wake.set()
 
-    async def changes(self) -> AsyncIterator[bytes | None]:
-        """Yields the file's bytes (None: unreadable or gone) each time they changed and held
-        still for ``settle`` seconds, and on every ``trigger()`` (then without waiting).
-        Yields nothing for a path that was not a regular file at the start (a pipe)."""
+    async def changes(self) -> AsyncIterator[Content]:
+        """Yields (bytes, None), or (None, why) when the file is gone or cannot be read, each
+        time that changed and held still for ``settle`` seconds, and on every ``trigger()``
+        (then without waiting). Yields nothing for a path that was not a regular file at the
+        start (a pipe)."""
         if not self.watched:
             log.info("%s is not a regular file: not watched", self.path)
             await asyncio.Event().wait()
+        polls = 0
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.interval)
@@ -87,23 +139,31 @@ class WatchedFile:
             except TimeoutError:
                 forced = False
             self._wake.clear()
-            data = _read(self.path)
+            polls += 1
+            stamp = _stamp(self.path)  # before the read it vouches for
+            if not forced and stamp == self._stamp and polls % FULL_READ_EVERY:
+                continue
+            content = await asyncio.to_thread(_read, self.path)
             if not forced:
-                if data == self._last:
+                if _digest(content) == self._digest:
+                    self._stamp = stamp
                     continue
                 for _ in range(SETTLE_TRIES):  # held still for a moment: not half-written
                     await asyncio.sleep(self.settle)
-                    again = _read(self.path)
-                    if again == data:
+                    stamp = _stamp(self.path)
+                    again = await asyncio.to_thread(_read, self.path)
+                    if again == content:
                         break
-                    data = again
+                    content = again
                 else:
                     continue  # still being written: look again at the next poll
-                if data == self._last:
-                    continue  # changed and changed back
-            self._last = data
+            self._stamp = stamp
+            digest = _digest(content)
+            if not forced and digest == self._digest:
+                continue  # changed and changed back
+            self._digest = digest
             self._wake.clear()  # a trigger during the settle time is answered by this read
-            yield data
+            yield content
 
 
 class FileSource:
@@ -131,9 +191,11 @@ class FileSource:
         self.file.trigger()
 
     async def run(self, apply: Callable[[RouterConfig], None], reject: Callable[[str], None]) -> None:
-        async for data in self.file.changes():
+        async for data, why in self.file.changes():
+            if data is None:
+                reject(f"{self.path}: {why}")
+                continue
             try:
-                # ``None``: gone or unreadable; reading the path again names the reason.
                 cfg = self.transform(load_router_config(self.path, data))
             except ConfigError as e:
                 reject(e.message)

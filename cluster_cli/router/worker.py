@@ -50,6 +50,7 @@ class Worker:
         "cap_confirmed_at",
         "completed",
         "drain_rate",
+        "engine_gen",
         "failed",
         "health_ok",
         "host_header",
@@ -83,6 +84,7 @@ class Worker:
         self.drain_rate = 0.0
         self._rate_mark = (clock(), 0)
         self.scraped = Scraped()
+        self.engine_gen = 0
         self.cap: int | None = view.max_inflight
         self.cap_confirmed_at = -1e18
         self._cap_obs: deque[tuple[float, int, bool]] = deque()
@@ -107,6 +109,7 @@ class Worker:
             self.cap_confirmed_at = -1e18
         if new_engine:
             self.scraped = Scraped()
+            self.engine_gen += 1  # a scrape started before this is the old engine's: dropped
         self.view = view
         self.breaker.cfg = breaker_cfg
         self.breaker.name = view.replica
