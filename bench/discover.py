@@ -22,6 +22,11 @@ Besides wall time it records the client's CPU time (rusage of the process tree) 
 servers' CPU time (sshd and its reaped children, from /proc/PID/stat of each node's sshd):
 on a 2-core box the 64 sshds share the cores with the client.
 
+With ``--jump N``, N more nodes sit behind one jump host (a cpu-only node that is not probed):
+clusterctl reaches them through ssh_config's ``ProxyJump`` (one shared, verified connection
+to the jump host), ansible through an ssh ``ProxyCommand`` per host, as its users do; the
+jump host's logins per run are counted too.
+
 At the largest size it then profiles clusterctl: start-up (``clusterctl --version``),
 ``python -X importtime`` grouped by package, an in-process run timed phase by phase
 (imports, inventory, state, connect, commands, save, output), and a cProfile of the real
@@ -29,6 +34,7 @@ command grouped by where the time is spent.
 
     python bench/discover.py                                  # 8, 32, 64 nodes, 5 runs each
     python bench/discover.py --sizes 8,32,64 --repeat 5 --mixed 32 --shell 2
+    python bench/discover.py --sizes 8 --repeat 3 --no-profile --jump 64
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -314,7 +322,8 @@ class Bench:
         )
         base = "; ".join(PROBES.values())
         hosts: dict[str, Any] = {}
-        for name, n in self.c.nodes.items():
+        for name in self.expect:
+            n = self.c.nodes[name]
             extra = [c for c in self.expect[name].commands if c not in PROBES.values()]
             hosts[name] = {"ansible_host": n.host, "ansible_port": n.port, "sminfo_cmds": "; ".join(extra) or "true"}
         inv = {
@@ -599,6 +608,86 @@ def _short(path: str) -> str:
     return path
 
 
+class JumpBench(Bench):
+    """Every node behind one jump host (not itself probed). clusterctl reaches them through
+    ssh_config's ProxyJump (one shared, verified connection to the jump host); ansible the
+    way its users do, with an ssh ProxyCommand per host (`ssh -W` through the jump host)."""
+
+    def __init__(self, work: Path, cluster: Cluster, parallel: int, timeout: float, jump: str) -> None:
+        self.jump = jump
+        super().__init__(work, cluster, parallel, timeout)
+        j = cluster.nodes[jump]
+        d = self.work / "jump"
+        d.mkdir(parents=True, exist_ok=True)
+        patterns = " ".join(sorted({n.host for name, n in cluster.nodes.items() if name != jump}))
+        (d / "ssh_config").write_text(
+            f"Host {jump}\n  HostName {j.host}\n  Port {j.port}\n  User {cluster.user}\n"
+            f"  IdentityFile {cluster.identity_file}\n  IdentitiesOnly yes\n"
+            f"Host {patterns}\n  ProxyJump {jump}\n"
+        )
+        data = yaml.safe_load(cluster.inventory_path.read_text())
+        data["nodes"] = [n for n in data["nodes"] if n["name"] != jump]
+        data["ssh_config"] = str(d / "ssh_config")
+        for key in ("identity_file", "known_hosts"):
+            data["defaults"][key] = str(cluster.inventory_path.parent / data["defaults"][key])
+        self.inventory = d / "inventory.yaml"
+        self.inventory.write_text(yaml.safe_dump(data))
+
+    def _ansible_setup(self) -> None:
+        self.expect.pop(self.jump, None)
+        super()._ansible_setup()
+        j = self.c.nodes[self.jump]
+        proxy = (
+            f"ssh -F /dev/null -i {self.c.identity_file} -o UserKnownHostsFile={self.c.known_hosts_path} "
+            "-o GlobalKnownHostsFile=/dev/null -o StrictHostKeyChecking=yes -o IdentitiesOnly=yes -o BatchMode=yes "
+            f"-W %h:%p -p {j.port} {self.c.user}@{j.host}"
+        )
+        inv = json.loads(self.hosts_file.read_text())
+        inv["all"]["vars"]["ansible_ssh_common_args"] += f" -o ProxyCommand='{proxy}'"
+        self.hosts_file.write_text(json.dumps(inv, indent=1))
+
+    def clusterctl_argv(self, state: Path) -> list[str]:
+        return [self.clusterctl, "--state", str(state), "discover", "-i", str(self.inventory),
+                "-o", "json", "--parallel", str(self.parallel)]  # fmt: skip
+
+    def jump_logins(self) -> int:
+        log = self.c.nodes[self.jump].log_path
+        return log.read_text(errors="replace").count("Accepted publickey") if log.exists() else 0
+
+
+def run_jump(args: argparse.Namespace, work: Path, n: int) -> list[str]:
+    """``n`` nodes behind one jump host, both contenders ``args.repeat`` times, interleaved."""
+    specs = [*count_specs(n, PRESET, "gpu"), *count_specs(1, "cpu-only", "jump")]
+    out: list[str] = []
+    with testbed(work / f"tb-jump-{n}", specs) as c:
+        jump = next(name for name in c.nodes if name.startswith("jump"))
+        b = JumpBench(work / f"run-jump-{n}", c, args.parallel, args.timeout, jump)
+        print(f"[{n} nodes behind jump host {jump}] ({c.mode})", flush=True)
+        cc, an = Series(), Series()
+        logins: dict[str, list[int]] = {"clusterctl": [], "ansible": []}
+        b.run_clusterctl()  # warm-up, not counted
+        b.run_ansible()
+        for i in range(args.repeat):
+            for label, series, fn in (("clusterctl", cc, b.run_clusterctl), ("ansible", an, b.run_ansible)):
+                before = b.jump_logins()
+                r = fn()
+                logins[label].append(b.jump_logins() - before)
+                series.runs.append(r)
+                if not r.ok:
+                    print(f"  run {i + 1}: {label} FAILED: {r.error}", flush=True)
+            print(f"  run {i + 1}: clusterctl {cc.runs[-1].wall_s:.2f}s, ansible {an.runs[-1].wall_s:.2f}s", flush=True)
+        cm, am = cc.median(), an.median()
+        out.append(
+            f"{n} nodes behind one jump host: clusterctl median {_fmt(cm)}s, ansible (ProxyCommand) {_fmt(am)}s"
+            + (f" ({am / cm:.1f}x)" if cm and am else "")
+            + f"; logins on the jump host per run: clusterctl {statistics.median(logins['clusterctl']):g}, "
+            f"ansible {statistics.median(logins['ansible']):g}; client CPU {_fmt(cc.median('cpu_s'))} / "
+            f"{_fmt(an.median('cpu_s'))} s; servers' CPU (jump host included) {_fmt(cc.median('server_cpu_s'))} / "
+            f"{_fmt(an.median('server_cpu_s'))} s"
+        )
+    return out
+
+
 # ---------------------------------------------------------------------------
 # main
 
@@ -640,6 +729,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="N",
         help="also time ansible -m shell (Python on the node) N times per size (in the first N rounds)",
     )
+    ap.add_argument("--jump", type=int, default=0, metavar="N",
+                    help="also N nodes behind one jump host (ssh_config ProxyJump vs ansible ProxyCommand)")  # fmt: skip
     ap.add_argument("--no-profile", action="store_true", help="skip the profile at the largest size")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run before it counts as failed")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (outputs of every run)")
@@ -708,6 +799,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not args.no_profile and label == str(max(sizes)):
                     print(f"  profiling clusterctl at {label} nodes...", flush=True)
                     extra += [f"profile at {label} nodes:", *profile(b, args.repeat, cm)]
+        if args.jump:
+            extra += run_jump(args, work, args.jump)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
