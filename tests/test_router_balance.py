@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 
 from cluster_cli.engines import MetricMapping
 from cluster_cli.router.balancer import fit_message
@@ -174,9 +175,10 @@ def test_a_shorter_queue_wait_after_a_reload_applies_to_those_already_waiting():
     asyncio.run(go())
 
 
-def test_a_scrape_in_flight_when_the_engine_changes_is_dropped(monkeypatch):
+def _scrape_across_a_reload(monkeypatch, reloaded: Callable[[EndpointView], EndpointView]) -> Worker:
+    """A worker whose scrape (answering vLLM's numbers: 2 running, 3 waiting) is in flight
+    while its view is replaced by ``reloaded(view)``; returns it once the scrape has landed."""
     import asyncio
-    import dataclasses
 
     from cluster_cli.router import scrape
 
@@ -190,48 +192,35 @@ def test_a_scrape_in_flight_when_the_engine_changes_is_dropped(monkeypatch):
 
         async def fetch(host, port, path, timeout):
             await gate.wait()  # in flight while the config is reloaded
-            return 200, body  # the old engine's numbers
-
-        monkeypatch.setattr(scrape, "fetch", fetch)
-        task = asyncio.create_task(scrape.scrape_one(w, 1.0, c))
-        await asyncio.sleep(0)
-        llama = MetricMapping("llamacpp:requests_processing", "llamacpp:requests_deferred", None)
-        w.update_view(dataclasses.replace(w.view, engine="llamacpp", metrics=llama),
-                      breaker_cfg=BreakerConfig(), stale_s=3.0, probe_s=5.0)  # fmt: skip
-        gate.set()
-        await task
-
-    asyncio.run(go())
-    assert w.cap is None and w.scraped.running is None and w.scraped.error is None
-
-
-def test_a_scrape_in_flight_across_a_reload_that_keeps_the_engine_counts(monkeypatch):
-    """Every reload builds new (equal) views and metric mappings: that is not a new engine."""
-    import asyncio
-    import dataclasses
-
-    from cluster_cli.router import scrape
-
-    c = Clock()
-    w = worker(0, c)
-    vm = MetricMapping.vllm()
-    body = f"{vm.running} 2\n{vm.waiting} 3\n".encode()
-
-    async def go() -> None:
-        gate = asyncio.Event()
-
-        async def fetch(host, port, path, timeout):
-            await gate.wait()
             return 200, body
 
         monkeypatch.setattr(scrape, "fetch", fetch)
         task = asyncio.create_task(scrape.scrape_one(w, 1.0, c))
         await asyncio.sleep(0)
-        view = dataclasses.replace(w.view, metrics=MetricMapping.vllm(), replica="renamed")
-        assert view.metrics is not w.view.metrics and view.metrics == w.view.metrics
-        w.update_view(view, breaker_cfg=BreakerConfig(), stale_s=3.0, probe_s=5.0)
+        w.update_view(reloaded(w.view), breaker_cfg=BreakerConfig(), stale_s=3.0, probe_s=5.0)
         gate.set()
         await task
 
     asyncio.run(go())
+    return w
+
+
+def test_a_scrape_in_flight_when_the_engine_changes_is_dropped(monkeypatch):
+    import dataclasses
+
+    llama = MetricMapping("llamacpp:requests_processing", "llamacpp:requests_deferred", None)
+    w = _scrape_across_a_reload(monkeypatch, lambda v: dataclasses.replace(v, engine="llamacpp", metrics=llama))
+    assert w.cap is None and w.scraped.running is None and w.scraped.error is None  # the old engine's numbers
+
+
+def test_a_scrape_in_flight_across_a_reload_that_keeps_the_engine_counts(monkeypatch):
+    """Every reload builds new (equal) views and metric mappings: that is not a new engine."""
+    import dataclasses
+
+    def reloaded(v: EndpointView) -> EndpointView:
+        new = dataclasses.replace(v, metrics=MetricMapping.vllm(), replica="renamed")
+        assert new.metrics is not v.metrics and new.metrics == v.metrics
+        return new
+
+    w = _scrape_across_a_reload(monkeypatch, reloaded)
     assert w.scraped.running == 2 and w.cap == 2
