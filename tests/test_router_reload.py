@@ -312,18 +312,17 @@ def test_a_read_that_fails_in_an_unexpected_way_is_reported_and_watching_goes_on
 
     path = tmp_path / "keys.txt"
     path.write_bytes(b"k1\n")
-    real = source.os.read
     fail = [True]
 
-    def flaky_read(fd, n):
-        if fail[0] and source.os.fstat(fd).st_ino == path.stat().st_ino:  # only our file's read
+    def flaky_open(file, *args, **kwargs):
+        if fail[0] and str(file) == str(path):
             fail[0] = False
             raise MemoryError
-        return real(fd, n)
+        return open(file, *args, **kwargs)
 
     async def go() -> list[tuple[bytes | None, str | None]]:
         w = source.WatchedFile(path, interval=0.02, settle=0.02)
-        monkeypatch.setattr(source.os, "read", flaky_read)
+        monkeypatch.setattr(source, "open", flaky_open, raising=False)
         path.write_bytes(b"k2\n")
         seen: list[tuple[bytes | None, str | None]] = []
         async for content in w.changes():
@@ -335,3 +334,91 @@ def test_a_read_that_fails_in_an_unexpected_way_is_reported_and_watching_goes_on
     seen = asyncio.run(asyncio.wait_for(go(), 10))
     assert fail == [False]  # the read did fail once
     assert seen[-1] == (b"k2\n", None)
+
+
+def test_the_start_and_the_watching_read_a_file_alike(tmp_path, monkeypatch):
+    """A file the watcher would refuse (here: over the size limit) is refused at the start
+    too, and an untouched file is never reported, full re-reads included."""
+    import asyncio
+
+    import pytest
+
+    from cluster_cli.errors import ConfigError
+    from cluster_cli.router import source
+
+    path = tmp_path / "router.yaml"
+    path.write_text("models: {a: {endpoints: [{url: 'http://127.0.0.1:9'}]}}\n")
+    assert source.FileSource(path).load().models
+    monkeypatch.setattr(source, "MAX_BYTES", 20)
+    with pytest.raises(ConfigError, match=r"router\.yaml: larger than"):
+        source.FileSource(path).load()
+
+    async def go() -> None:
+        w = source.WatchedFile(path, interval=0.01, settle=0.01)
+        assert w.read() == (None, "larger than 0 MiB")
+        with pytest.raises(TimeoutError):  # 50 polls, 5 of them full reads: nothing new
+            await asyncio.wait_for(w.changes().__anext__(), 0.5)
+
+    asyncio.run(go())
+
+
+def test_a_stuck_filesystem_holds_neither_the_loop_nor_the_exit(tmp_path, monkeypatch):
+    """Stat and read run in daemon threads: a read that hangs (a dead NFS server) does not
+    stall the event loop, and a router that stops does not wait for it."""
+    import asyncio
+    import threading
+
+    from cluster_cli.router import source
+
+    path = tmp_path / "keys.txt"
+    path.write_bytes(b"k1\n")
+    stuck = threading.Event()
+    threads: set[str] = set()
+    real_stamp = source._stamp
+
+    def stamp(p):
+        threads.add(threading.current_thread().name)
+        return real_stamp(p)
+
+    def read(p):
+        threads.add(threading.current_thread().name)
+        stuck.wait(30)  # released at the end of the test
+        return None, "stuck"
+
+    async def go() -> None:
+        w = source.WatchedFile(path, interval=0.01)
+        monkeypatch.setattr(source, "_stamp", stamp)
+        monkeypatch.setattr(source, "_read", read)
+        w.trigger()
+        task = asyncio.create_task(w.changes().__anext__())
+        await asyncio.sleep(0.3)  # the loop runs on while the read hangs
+        assert not task.done()
+        task.cancel()
+
+    try:
+        asyncio.run(go())  # returns although the read still hangs
+        assert not stuck.is_set()
+        assert threads and threading.main_thread().name not in threads
+    finally:
+        stuck.set()
+
+
+def test_a_fifo_is_refused_without_opening_it(tmp_path):
+    """Opening a FIFO would release a writer waiting on it, and closing it break that writer."""
+    import os
+    import threading
+
+    from cluster_cli.router.source import _read
+
+    fifo = tmp_path / "keys.txt"
+    os.mkfifo(fifo)
+    wrote: list[int] = []
+    writer = threading.Thread(target=lambda: wrote.append(fifo.open("wb").write(b"payload")), daemon=True)
+    writer.start()
+    assert _read(fifo) == (None, "not a regular file")
+    writer.join(0.3)
+    assert writer.is_alive()  # still waiting for a reader: untouched
+    with fifo.open("rb") as r:
+        assert r.read() == b"payload"
+    writer.join(5)
+    assert wrote == [7]

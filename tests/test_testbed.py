@@ -555,10 +555,12 @@ def test_kill_also_ends_what_lives_only_in_the_nodes_network(testbed_factory: Cl
     n = c.node("z")
     tag = f"tbnet-{secrets.token_hex(4)}"
     # Entered with `ip netns exec`: in the node's network, outside its PID namespace.
-    p = subprocess.Popen(["ip", "netns", "exec", str(n.netns), "bash", "-c", f"exec -a {tag} sleep 300"])
+    p = subprocess.Popen(["ip", "netns", "exec", str(n.netns), "bash", "-c", f"exec -a {tag} sleep 300"],
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while not [q for q in all_pids() if tag in cmdline(q)] and time.monotonic() < deadline:
+            assert p.poll() is None, f"ip netns exec failed (rc {p.returncode}): {p.stderr.read() if p.stderr else ''}"
             time.sleep(0.05)
         assert [q for q in all_pids() if tag in cmdline(q)]
         c.kill("z")

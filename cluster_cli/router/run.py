@@ -47,7 +47,12 @@ async def serve(
     source = FileSource(config_path, interval=watch_interval, transform=transform)
     cfg = source.load()
     keys_file = WatchedFile(keys_path, interval=watch_interval) if keys_path else None
-    keys = ApiKeys.load(keys_path, keys_file.read()) if keys_path and keys_file else None
+    keys = None
+    if keys_path and keys_file:
+        data, why = keys_file.read()
+        if data is None:
+            raise ConfigError(f"{keys_path}: cannot read API keys: {why.removeprefix('cannot read: ') if why else ''}")
+        keys = ApiKeys.load(keys_path, data)
     router = Router(cfg, api_keys=keys, access_log=access_log, source=source)
     bound = await router.start(host, port)
     loop = asyncio.get_running_loop()
@@ -59,7 +64,7 @@ async def serve(
         assert keys_file is not None and keys_path is not None
         async for data, why in keys_file.changes():
             if data is None:
-                router.reject_keys(f"{keys_path}: cannot read API keys: {why}")
+                router.reject_keys(f"{keys_path}: cannot read API keys: {(why or '').removeprefix('cannot read: ')}")
                 continue
             try:
                 router.reload_keys(ApiKeys.load(keys_path, data))

@@ -13,18 +13,21 @@ atomically is not read half-way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import stat
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from cluster_cli.errors import ConfigError
 from cluster_cli.router.config import RouterConfig, load_router_config
 
 log = logging.getLogger("clusterctl.router")
+T = TypeVar("T")
 
 MIN_INTERVAL = 0.05  # seconds between polls, at least (0 would spin a core)
 SETTLE_S = 0.2  # a change is read again after this long, and used once two reads agree
@@ -43,57 +46,92 @@ Content = tuple[bytes | None, str | None]  # the file's bytes, or None and why i
 
 
 def _read(path: Path) -> Content:
-    """Never blocks on a FIFO (O_NONBLOCK, then only regular files are read), never raises."""
+    """The file's bytes, or why not. Only a regular file of at most ``MAX_BYTES`` is opened
+    (a FIFO is never opened: that would release, then break, a writer waiting on it).
+    Never raises. Blocking: call it off the event loop (``_off_loop``)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        st = os.stat(path)
     except FileNotFoundError:
         return None, "file not found"
     except OSError as e:
         return None, f"cannot read: {e.strerror or e}"
+    if stat.S_ISDIR(st.st_mode):
+        return None, "is a directory, not a file"
+    if not stat.S_ISREG(st.st_mode):
+        return None, "not a regular file"
     try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            return None, "is a directory, not a file"
-        if not stat.S_ISREG(st.st_mode):
-            return None, "not a regular file"
-        chunks: list[bytes] = []
-        size = 0
-        while chunk := os.read(fd, 1 << 20):
-            size += len(chunk)
-            if size > MAX_BYTES:
-                return None, f"larger than {MAX_BYTES >> 20} MiB"
-            chunks.append(chunk)
-        return b"".join(chunks), None
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # replaced since the stat
+                return None, "not a regular file"
+            data = f.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None, "file not found"
     except OSError as e:
         return None, f"cannot read: {e.strerror or e}"
     except Exception as e:  # MemoryError and the like: reported, never the end of the watching
         return None, f"cannot read: {type(e).__name__}: {e}"
-    finally:
-        os.close(fd)
+    if len(data) > MAX_BYTES:
+        return None, f"larger than {MAX_BYTES >> 20} MiB"
+    return data, None
 
 
-def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+Stamp = tuple[int, int, int, int] | None
+
+
+def _stamp(path: Path) -> Stamp:
     try:
-        st = os.stat(path)  # stat never opens, so never blocks on a FIFO
+        st = os.stat(path)
     except OSError:
         return None
     return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+
+
+def _poll(path: Path, last: Stamp, full: bool) -> tuple[Stamp, Content | None]:
+    """The file's stamp, and its content if the stamp moved or ``full`` (else None).
+    The stamp is taken before the read it vouches for. Blocking: call it off the loop."""
+    stamp = _stamp(path)
+    return stamp, (_read(path) if full or stamp != last else None)
 
 
 def _digest(c: Content) -> bytes:
     return hashlib.sha256(c[0]).digest() if c[0] is not None else b"error:" + (c[1] or "").encode()
 
 
+def _off_loop(fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
+    """``fn(*args)`` in a daemon thread: a read stuck on a dead network filesystem then
+    holds neither the event loop nor the process's exit (the default executor would)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: object) -> None:
+        if not fut.done():
+            if ok:
+                fut.set_result(value)  # type: ignore[arg-type]
+            else:
+                fut.set_exception(value)  # type: ignore[arg-type]
+
+    def work() -> None:
+        try:
+            result: tuple[bool, object] = (True, fn(*args))
+        except BaseException as e:  # handed to the awaiting coroutine
+            result = (False, e)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, *result)
+
+    threading.Thread(target=work, name=f"clusterctl-watch {fn.__name__}", daemon=True).start()
+    return fut
+
+
 class WatchedFile:
     """Polls ``path`` every ``interval`` seconds and reports new content; ``trigger``
     forces a report at once.
 
-    A poll stats the file and reads it (in a thread) when the stat changed, and every
+    A poll stats the file and reads it when the stat changed, and every
     ``FULL_READ_EVERY`` polls in any case, then compares the bytes: a same-size rewrite
     within a coarse timestamp tick, or by a writer that puts the mtime back (cp -p,
-    rsync -t), is still seen, and a file touched without a change is not reported. Only
-    regular files of at most ``MAX_BYTES`` are read: a FIFO put in its place is refused,
-    never waited on.
+    rsync -t), is still seen, and a file touched without a change is not reported. Both the
+    stat and the read run in a daemon thread, never on the event loop. Only regular files of
+    at most ``MAX_BYTES`` are read: a FIFO put in its place is refused, never opened.
     """
 
     def __init__(self, path: Path | str, *, interval: float = 1.0, settle: float | None = None) -> None:
@@ -106,21 +144,27 @@ class WatchedFile:
             self.watched = stat.S_ISREG(os.stat(self.path).st_mode)
         except OSError:
             self.watched = True  # not there yet: it may appear
-        self._stamp = _stamp(self.path)
-        self._digest = _digest(_read(self.path)) if self.watched else b""
+        self._stamp: Stamp = None
+        self._digest = b""
+        if self.watched:
+            self.read()
 
-    def read(self) -> bytes | None:
-        """The file's bytes now, for the first load (a pipe too), recorded as seen; None if
-        it cannot be read (the loader then reads the path itself and says why)."""
-        self._stamp = _stamp(self.path)
-        try:
-            data = self.path.read_bytes()
-        except OSError:
-            data = None
-        self._digest = _digest((data, None if data is not None else "unreadable"))
-        return data
+    def read(self) -> Content:
+        """The file's content now, recorded as seen: what the first load uses, so the start
+        and the watching agree. A path that is not watched (a pipe) is read once, as is."""
+        if not self.watched:
+            try:
+                return self.path.read_bytes(), None
+            except OSError as e:
+                return None, f"cannot read: {e.strerror or e}"
+        self._stamp, content = _poll(self.path, None, True)
+        assert content is not None
+        self._digest = _digest(content)
+        return content
 
     def trigger(self) -> None:
+        if not self.watched:
+            log.warning("%s is not a regular file (a pipe?): nothing to re-read", self.path)
         self._wake.set()
 
     async def changes(self) -> AsyncIterator[Content]:
@@ -140,21 +184,20 @@ class WatchedFile:
                 forced = False
             self._wake.clear()
             polls += 1
-            stamp = _stamp(self.path)  # before the read it vouches for
-            if not forced and stamp == self._stamp and polls % FULL_READ_EVERY:
-                continue
-            content = await asyncio.to_thread(_read, self.path)
+            full = forced or polls % FULL_READ_EVERY == 0
+            stamp, content = await _off_loop(_poll, self.path, self._stamp, full)
+            if content is None:
+                continue  # the stat did not move
             if not forced:
                 if _digest(content) == self._digest:
                     self._stamp = stamp
                     continue
                 for _ in range(SETTLE_TRIES):  # held still for a moment: not half-written
                     await asyncio.sleep(self.settle)
-                    stamp = _stamp(self.path)
-                    again = await asyncio.to_thread(_read, self.path)
+                    stamp, again = await _off_loop(_poll, self.path, None, True)
                     if again == content:
                         break
-                    content = again
+                    content = again  # type: ignore[assignment]
                 else:
                     continue  # still being written: look again at the next poll
             self._stamp = stamp
@@ -185,7 +228,10 @@ class FileSource:
         return self.file.interval
 
     def load(self) -> RouterConfig:
-        return self.transform(load_router_config(self.path, self.file.read()))
+        data, why = self.file.read()
+        if data is None:
+            raise ConfigError(f"{self.path}: {why}")
+        return self.transform(load_router_config(self.path, data))
 
     def trigger(self) -> None:
         self.file.trigger()
