@@ -202,9 +202,7 @@ class AsyncsshConnector:
             # Its own IdentityFile from ssh_config if any (as in OpenSSH), else the node's
             # key and then SSH's default keys (and ssh-agent).
             keys = () if dest.own_key or not key else [key, *_default_keys()]
-        shown = target.model_copy(
-            update={"host": dest.real[0], "port": dest.real[1], "identity_file": None if keys == () else key}
-        )
+        shown = _shown(target, dest, None if keys == () else key)
         try:
             return await asyncio.wait_for(
                 asyncssh.connect(
@@ -219,8 +217,7 @@ class AsyncsshConnector:
                     # Pins are kept per node name, whatever host/port ssh_config resolves to.
                     host_key_alias=dest.alias if pinned else (),
                     config=paths or (),
-                    # The route was read from ssh_config already: never follow ProxyJump again.
-                    tunnel=via if via is not None else (None if dest.jump else ()),
+                    tunnel=_tunnel(dest, via),
                     # AES-GCM is hardware-accelerated almost everywhere; chacha20 costs ~25% of
                     # discover's client CPU on a large fleet (bench/README.md, Discovery).
                     encryption_algs=_CIPHERS,
@@ -282,7 +279,7 @@ class AsyncsshConnector:
                 asyncssh.get_server_host_key(
                     dest.host,
                     dest.port or (),
-                    tunnel=via if via is not None else (None if dest.jump else ()),
+                    tunnel=_tunnel(dest, via),
                     config=paths or (),
                 ),
                 timeout=target.connect_timeout_s + 1,
@@ -290,8 +287,7 @@ class AsyncsshConnector:
         except TimeoutError:
             raise SSHError(f"{where}connect timed out after {target.connect_timeout_s:g}s") from None
         except (asyncssh.Error, OSError, ValueError) as e:  # ValueError: a peer not speaking SSH
-            shown = target.model_copy(update={"host": dest.real[0], "port": dest.real[1]})
-            raise SSHError(f"{where}{_connect_error(e, shown, via_label, dest)}") from e
+            raise SSHError(f"{where}{_connect_error(e, _shown(target, dest), via_label, dest)}") from e
         if key is None:
             raise SSHError(f"{where}server offered no host key")
         async with self._pin_lock:
@@ -306,6 +302,20 @@ class AsyncsshConnector:
             except OSError as e:
                 raise SSHError(f"{where}cannot pin its host key in {self.pinned}: {e.strerror or e}") from None
         return str(self.pinned)
+
+
+def _tunnel(dest: _Dest, via: asyncssh.SSHClientConnection | None) -> object:
+    """asyncssh's ``tunnel`` for ``dest``: the hop before it, or for a jump host that is
+    the first hop, none at all (its route was read from ssh_config already: never follow
+    ProxyJump again); a node without a route leaves it to ssh_config (``()``)."""
+    if via is not None:
+        return via
+    return None if dest.jump else ()
+
+
+def _shown(target: SSHTarget, dest: _Dest, identity_file: str | None = None) -> SSHTarget:
+    """``target`` as its error messages should name it: ``dest``'s real address and key."""
+    return target.model_copy(update={"host": dest.real[0], "port": dest.real[1], "identity_file": identity_file})
 
 
 def _connect_error(e: BaseException, shown: SSHTarget, via_label: str, dest: _Dest) -> str:

@@ -15,7 +15,7 @@ from cluster_cli.router.accesslog import AccessLog
 from cluster_cli.router.app import Router
 from cluster_cli.router.config import RouterConfig
 from cluster_cli.router.keys import ApiKeys
-from cluster_cli.router.source import FileSource, WatchedFile
+from cluster_cli.router.source import Content, FileSource, WatchedFile
 
 log = logging.getLogger("clusterctl.router")
 
@@ -30,6 +30,14 @@ def install_uvloop() -> bool:
         return False
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     return True
+
+
+def _load_keys(path: Path, content: Content) -> ApiKeys:
+    """API keys from what ``WatchedFile`` read; ConfigError when it could not be read."""
+    data, why = content
+    if data is None:
+        raise ConfigError(f"{path}: cannot read API keys: {(why or '').removeprefix('cannot read: ')}")
+    return ApiKeys.load(path, data)
 
 
 async def serve(
@@ -47,12 +55,7 @@ async def serve(
     source = FileSource(config_path, interval=watch_interval, transform=transform)
     cfg = source.load()
     keys_file = WatchedFile(keys_path, interval=watch_interval) if keys_path else None
-    keys = None
-    if keys_path and keys_file:
-        data, why = keys_file.read()
-        if data is None:
-            raise ConfigError(f"{keys_path}: cannot read API keys: {why.removeprefix('cannot read: ') if why else ''}")
-        keys = ApiKeys.load(keys_path, data)
+    keys = _load_keys(keys_path, keys_file.read()) if keys_path and keys_file else None
     router = Router(cfg, api_keys=keys, access_log=access_log, source=source)
     bound = await router.start(host, port)
     loop = asyncio.get_running_loop()
@@ -62,12 +65,9 @@ async def serve(
         """The keys file is watched like the config: a removed key stops working within a
         poll; a file that cannot be used keeps the old keys, and /health says so."""
         assert keys_file is not None and keys_path is not None
-        async for data, why in keys_file.changes():
-            if data is None:
-                router.reject_keys(f"{keys_path}: cannot read API keys: {(why or '').removeprefix('cannot read: ')}")
-                continue
+        async for content in keys_file.changes():
             try:
-                router.reload_keys(ApiKeys.load(keys_path, data))
+                router.reload_keys(_load_keys(keys_path, content))
             except ConfigError as e:
                 router.reject_keys(e.message)
             except Exception as e:  # never stop watching

@@ -227,22 +227,22 @@ class FileSource:
     def interval(self) -> float:
         return self.file.interval
 
-    def load(self) -> RouterConfig:
-        data, why = self.file.read()
+    def _config(self, content: Content) -> RouterConfig:
+        data, why = content
         if data is None:
             raise ConfigError(f"{self.path}: {why}")
         return self.transform(load_router_config(self.path, data))
+
+    def load(self) -> RouterConfig:
+        return self._config(self.file.read())
 
     def trigger(self) -> None:
         self.file.trigger()
 
     async def run(self, apply: Callable[[RouterConfig], None], reject: Callable[[str], None]) -> None:
-        async for data, why in self.file.changes():
-            if data is None:
-                reject(f"{self.path}: {why}")
-                continue
+        async for content in self.file.changes():
             try:
-                cfg = self.transform(load_router_config(self.path, data))
+                cfg = self._config(content)
             except ConfigError as e:
                 reject(e.message)
                 continue
