@@ -50,8 +50,12 @@ def facts_from_outputs(
     own_pids: frozenset[int] = frozenset(),
     sm_guids: Mapping[tuple[str, int], int | None] | None = None,
     probed_at: float | None = None,
+    ib_ports: Sequence[HcaPort] | None = None,
 ) -> NodeFacts:
-    """Pure: the raw outputs of the probe commands of one node -> its facts."""
+    """Pure: the raw outputs of the probe commands of one node -> its facts.
+
+    ``ib_ports`` is ``parse_ibstat`` of ``outputs["ibstat"]`` where the caller already has it.
+    """
     problems: list[str] = []
 
     # CPU and memory
@@ -122,7 +126,7 @@ def facts_from_outputs(
     hcas: list[HcaPort] = []
     ib = outputs.get("ibstat")
     if ib is not None and ib.rc == 0:
-        for p in parse_ibstat(ib.stdout):
+        for p in parse_ibstat(ib.stdout) if ib_ports is None else ib_ports:
             fab = inv.fabric_for(node, p.ca) if p.is_ib_attachment else None
             guid = (sm_guids or {}).get((p.ca, p.port))
             hcas.append(replace(p, fabric=fab, sm_guid=guid))
@@ -184,8 +188,9 @@ async def probe_node(
             )
             sm: dict[tuple[str, int], int | None] = {}
             ib = outputs.get("ibstat")
-            if ib is not None and ib.rc == 0:
-                ports = [p for p in parse_ibstat(ib.stdout) if p.is_ib_attachment]
+            every_port = parse_ibstat(ib.stdout) if ib is not None and ib.rc == 0 else None
+            if every_port is not None:
+                ports = [p for p in every_port if p.is_ib_attachment]
                 got = {(p.ca, p.port): outputs.get(sminfo_record(p.ca, p.port)) for p in ports}
                 # Ports our parser sees that the in-batch shortcut missed: ask in a second exec.
                 again = [k for k, r in got.items() if r is None]
@@ -197,7 +202,9 @@ async def probe_node(
                         res = {}  # keep the facts already gathered; SM identity stays unknown
                     got.update({k: res.get(f"sm{i}") for i, k in enumerate(again)})
                 sm = {k: parse_sminfo(r.stdout) if r is not None and r.rc == 0 else None for k, r in got.items()}
-        return facts_from_outputs(inv, node, outputs, own_pids=own_pids, sm_guids=sm, probed_at=started)
+        return facts_from_outputs(
+            inv, node, outputs, own_pids=own_pids, sm_guids=sm, probed_at=started, ib_ports=every_port
+        )
     except SSHError as e:
         return unreachable(node, e.message.removeprefix(f"{node.name}: "), started)
 

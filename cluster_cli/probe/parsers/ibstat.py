@@ -51,6 +51,13 @@ def _lid(value: str) -> int | None:
     return int(m.group(1), 16) if m.group(1) is not None else int(m.group(2))
 
 
+def _plain(text: str) -> str:
+    """Without terminal escapes and carriage returns (both are rare: skip the work then)."""
+    if "\x1b" in text:
+        text = _ANSI.sub("", text)
+    return text.replace("\r", "") if "\r" in text else text
+
+
 def parse_ibstat(text: str) -> list[HcaPort]:
     """Every port of every CA in ``ibstat`` output, in output order (``fabric``/``sm_guid`` unset)."""
     if not isinstance(text, str):
@@ -78,20 +85,23 @@ def parse_ibstat(text: str) -> list[HcaPort]:
                 )
             )
 
-    for raw in _ANSI.sub("", text).replace("\r", "").split("\n"):
+    for raw in _plain(text).split("\n"):
         line = raw.strip()
-        m = _CA.fullmatch(line)
+        first = line[:1]
+        m = _CA.fullmatch(line) if first == "C" else None
         if m:
             flush()
             ca, ca_type, port = m.group(1), None, None
             continue
-        m = _PORT.fullmatch(line)
+        m = _PORT.fullmatch(line) if first == "P" else None
         if m:
             flush()
             port, port_no = ({} if ca is not None else None), int(m.group(1))
             continue
+        if ca is None:
+            continue
         m = _KEY_VALUE.fullmatch(line)
-        if not m or ca is None:
+        if not m:
             continue
         key, value = m.group(1).strip().lower(), m.group(2).strip()
         if port is not None:
@@ -106,7 +116,7 @@ def parse_sminfo(text: str) -> int | None:
     """Master SM port GUID from ``sminfo`` (None if absent, zero, or the SM is not MASTER)."""
     if not isinstance(text, str):
         return None
-    for line in _ANSI.sub("", text).replace("\r", "").split("\n"):
+    for line in _plain(text).split("\n"):
         m = _SMINFO.search(line)
         if not m:
             continue
