@@ -37,13 +37,15 @@ install: deps $(PY)
 	@$(PY) -m pip install -q -e '.[test]'
 
 lint: install
-	$(VENV)/bin/ruff check cluster_cli testbed tests bench
+	$(VENV)/bin/ruff check cluster_cli testbed tests bench scripts
+	$(VENV)/bin/ruff format --check cluster_cli testbed tests bench scripts
 
 llama-server: install
 	@PYTHON=$(abspath $(PY)) bash scripts/install-llama-server.sh >/dev/null
 
 test: install llama-server
-	$(VENV)/bin/ruff check cluster_cli testbed tests bench
+	$(VENV)/bin/ruff check cluster_cli testbed tests bench scripts
+	$(VENV)/bin/ruff format --check cluster_cli testbed tests bench scripts
 	LLAMA_SERVER="$$(PYTHON=$(abspath $(PY)) bash scripts/install-llama-server.sh)" $(PY) -m pytest -q -p no:cacheprovider
 
 demo: install

@@ -439,7 +439,9 @@ def run_peers(a: argparse.Namespace) -> int:
         args = ["--duration", str(a.duration or (5.0 if a.peers_test == "overhead" else 60.0))]
         args += ["--rounds", str(a.rounds)] if a.peers_test == "overhead" else ["--load", str(a.load)]
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        out = Path(a.out).resolve() if a.out else Path(tempfile.gettempdir()) / f"bench-peers-{a.peers_test}-{stamp}.json"
+        out = (
+            Path(a.out).resolve() if a.out else Path(tempfile.gettempdir()) / f"bench-peers-{a.peers_test}-{stamp}.json"
+        )
         print(f"peers harness: {src} (copied to {work}); clusterctl: {cc}", flush=True)
         rc = subprocess.run(["bash", "peers.sh", a.peers_test, *args, "--out", str(out)], cwd=work, env=env).returncode
         if rc == 0:
@@ -462,7 +464,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=None, help="write the JSON results here")
     ap.add_argument("--peers-test", choices=["overhead", "balance"], default="overhead", help="peers: which test")
-    ap.add_argument("--peers-dir", default=None, help="peers: the harness (default: shared/bench-peers beside the repo)")
+    ap.add_argument(
+        "--peers-dir", default=None, help="peers: the harness (default: shared/bench-peers beside the repo)"
+    )
     ap.add_argument("--install", action="store_true", help="peers: install nginx and the peers' venvs first")
     a = ap.parse_args(argv)
     if a.what == "peers":

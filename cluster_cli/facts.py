@@ -100,8 +100,7 @@ class Gpu:
             "free": self.free,
             "problems": list(self.problems),
             "processes": [
-                {"pid": p.pid, "name": p.name, "gpu_uuid": p.gpu_uuid, "used_mib": p.used_mib}
-                for p in self.processes
+                {"pid": p.pid, "name": p.name, "gpu_uuid": p.gpu_uuid, "used_mib": p.used_mib} for p in self.processes
             ],
         }
 
@@ -253,9 +252,7 @@ class NodeFacts:
             "fabric": self.fabric,
             "labels": dict(self.labels),
             "gpus": [g.to_dict() for g in self.gpus],
-            "nvlink_domains": None
-            if self.nvlink_domains is None
-            else [list(d) for d in self.nvlink_domains],
+            "nvlink_domains": None if self.nvlink_domains is None else [list(d) for d in self.nvlink_domains],
             "hcas": [h.to_dict() for h in self.hcas],
             "fabrics": sorted(self.fabrics),
             "problems": list(self.problems),

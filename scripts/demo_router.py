@@ -39,9 +39,9 @@ def main() -> int:
         cfg = d / "router.yaml"
         cfg.write_text(
             "engines:\n"
-            "  llamacpp: {metrics: {running: \"llamacpp:requests_processing\", waiting: \"llamacpp:requests_deferred\"}}\n"
+            '  llamacpp: {metrics: {running: "llamacpp:requests_processing", waiting: "llamacpp:requests_deferred"}}\n'
             "models:\n  tiny:\n    endpoints:\n"
-            + "".join(f"      - {{url: \"{u}\", engine: llamacpp, replica: tiny-{i}}}\n" for i, u in enumerate(urls))
+            + "".join(f'      - {{url: "{u}", engine: llamacpp, replica: tiny-{i}}}\n' for i, u in enumerate(urls))
         )
         print(f"router config: {cfg}\n" + cfg.read_text())
         port = free_port()
@@ -50,6 +50,7 @@ def main() -> int:
             [ctl, "serve-router", "--config", str(cfg), "--port", str(port), "--access-log", "off"],
             start_new_session=True,
         )
+
         def stop_router() -> None:
             with contextlib.suppress(ProcessLookupError):  # it may have exited (and been reaped) already
                 os.killpg(router.pid, signal.SIGTERM)

@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--mode", choices=MODES, default="auto")
     up.add_argument("--timeout", type=float, default=None, help="seconds to wait for all sshd")
     up.add_argument("--path-extra", action="append", default=[], help="extra PATH entry on nodes")
-    dn = sub.add_parser("down", help="stop the testbed in DIR: its processes, namespaces, links and addresses (its files stay)")
+    dn = sub.add_parser(
+        "down", help="stop the testbed in DIR: its processes, namespaces, links and addresses (its files stay)"
+    )
     dn.add_argument("--dir", required=True)
     st = sub.add_parser("status", help="show nodes and whether sshd answers")
     st.add_argument("--dir", required=True)

@@ -258,10 +258,7 @@ def test_the_watchdog_never_signals_a_process_that_is_not_its_own_job() -> None:
     # the batch's pid list (found through the job's own stdout file) before the deadline.
     stranger = subprocess.Popen(["sleep", "60"])
     try:
-        add = (
-            "sh -c 'd=$(dirname \"$(readlink /proc/$$/fd/1)\"); "
-            f"echo {stranger.pid} >>\"$d/p\"; sleep 39'"
-        )
+        add = f'sh -c \'d=$(dirname "$(readlink /proc/$$/fd/1)"); echo {stranger.pid} >>"$d/p"; sleep 39\''
         _, res = run_local({"hang": add}, timeout=1)
         assert res["hang"].rc == 124
         assert stranger.poll() is None, "the watchdog killed a process that was not one of its jobs"

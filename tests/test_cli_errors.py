@@ -273,5 +273,5 @@ def test_ssh_config_checks_name_asyncssh_errors_and_skip_match_exec(tmp_path: Pa
     p = inv(tmp_path, body)
     check_ssh_files(load_inventory(p), p)
     assert not marker.exists()  # asyncssh runs it when it connects; the up-front check must not
-    (tmp_path / "cfg").write_text(f'Match host gpu1\n  Port 2222\nHost other\n  ProxyCommand touch {marker}\n')
+    (tmp_path / "cfg").write_text(f"Match host gpu1\n  Port 2222\nHost other\n  ProxyCommand touch {marker}\n")
     check_ssh_files(load_inventory(p), p)  # a valid config passes

@@ -286,7 +286,9 @@ models:
 def test_inventory_fabric_overrides_the_fabric_recorded_with_the_facts(tmp_path: Path) -> None:
     # Both nodes were discovered on ib-a; the operator has since moved gpu-02 to ib-b.
     inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01"), dgx("gpu-02")], catalog=MULTI_NODE_CATALOG)
-    both_a = "nodes:\n  - {name: gpu-01, host: 10.0.0.1, fabric: ib-a}\n  - {name: gpu-02, host: 10.0.0.2, fabric: ib-a}\n"
+    both_a = (
+        "nodes:\n  - {name: gpu-01, host: 10.0.0.1, fabric: ib-a}\n  - {name: gpu-02, host: 10.0.0.2, fabric: ib-a}\n"
+    )
     inv.write_text(both_a)
     r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
     assert r.exit_code == 0, r.output

@@ -297,8 +297,6 @@ def test_guid_roundtrip(guid: int) -> None:
     assert parse_guid(f"0x{guid:016x}") == parse_guid(f"0x{guid:x}") == parse_guid(colon) == guid
 
 
-
-
 _IB_TEXTS = [
     fx(f) for f in [*IBSTAT_EXPECTED, "sminfo.master.txt", "ibstatus.cx7-hdr.txt", "ibv_devinfo.cx7-vf-cloud-vm.txt"]
 ]

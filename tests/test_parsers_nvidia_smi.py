@@ -633,8 +633,6 @@ def _fixture_texts() -> list[str]:
     return [p.read_text(errors="replace") for p in sorted(FIXTURES.glob("nvidia-smi*"))]
 
 
-
-
 TEXTS = _fixture_texts()
 
 

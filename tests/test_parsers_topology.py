@@ -228,8 +228,6 @@ def _valid(result: object) -> bool:
     return True
 
 
-
-
 @FUZZ
 @given(st.text())
 def test_never_raises_on_text(text: str) -> None:

@@ -127,7 +127,11 @@ def test_two_jump_hosts_that_go_through_each_other_are_a_loop_not_a_hang(testbed
     c = testbed_factory("ja=cpu-only,jb=cpu-only,n1=cpu-only,n2=cpu-only")
     inv = behind_jump(c, ["ja", "jb"], ["n1", "n2"], pattern="node-n1")
     cfg = c.inventory_path.parent / "ssh_config"
-    text = cfg.read_text().replace("Host jb\n", "Host jb\n  ProxyJump ja\n").replace("Host ja\n", "Host ja\n  ProxyJump jb\n")
+    text = (
+        cfg.read_text()
+        .replace("Host jb\n", "Host jb\n  ProxyJump ja\n")
+        .replace("Host ja\n", "Host ja\n  ProxyJump jb\n")
+    )
     cfg.write_text(text + "Host node-n2\n  ProxyJump jb\n")
     code, doc, _ = discover(tmp_path / "s.db", inv, "--timeout", "20")
     assert code == 1

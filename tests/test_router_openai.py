@@ -108,10 +108,13 @@ def test_chunked_request_body_and_pipelining(fleet):
 
 
 def test_head_answers_with_the_head_alone_on_a_kept_alive_connection(fleet):
-    reqs = b"".join(
-        b"%s %s HTTP/1.1\r\nHost: x\r\n\r\n" % (m, p)
-        for m, p in ((b"HEAD", b"/health"), (b"HEAD", b"/v1/models"), (b"HEAD", b"/nope"), (b"GET", b"/v1/models"))
-    ) + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    reqs = (
+        b"".join(
+            b"%s %s HTTP/1.1\r\nHost: x\r\n\r\n" % (m, p)
+            for m, p in ((b"HEAD", b"/health"), (b"HEAD", b"/v1/models"), (b"HEAD", b"/nope"), (b"GET", b"/v1/models"))
+        )
+        + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
     with socket.create_connection(("127.0.0.1", fleet.port), timeout=10) as s:
         s.sendall(reqs)
         data = b""

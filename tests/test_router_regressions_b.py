@@ -88,7 +88,9 @@ class _Cutter(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if b"\r\n\r\n" in data and b"/v1/" in data:
-            self.tr.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + b"{" * 100)
+            self.tr.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + b"{" * 100
+            )
             asyncio.get_running_loop().call_later(0.05, self.tr.abort)
 
 

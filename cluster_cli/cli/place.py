@@ -128,8 +128,7 @@ def _read(
             # Cordons live in the state store: a file's stale "cordoned" never outlives an uncordon.
             cordons = store.cordons()
             raw = [
-                replace(f, cordoned=f.name in cordons, cordon_reason=cordons.get(f.name, {}).get("reason"))
-                for f in raw
+                replace(f, cordoned=f.name in cordons, cordon_reason=cordons.get(f.name, {}).get("reason")) for f in raw
             ]
         source = str(facts_path)
     else:

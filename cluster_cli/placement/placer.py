@@ -495,7 +495,9 @@ class _Planner:
         )
         # A single-node replica is on no fabric; its shard still lists the node's Active IB ports.
         hcas = tuple(dict.fromkeys(ca for cas in node.attachments.values() for ca in cas))
-        return Replica(model.name, r, p.name, p.engine, (Shard(node.name, gpus, hcas),), None, cls, p.cpus, p.memory_mib)
+        return Replica(
+            model.name, r, p.name, p.engine, (Shard(node.name, gpus, hcas),), None, cls, p.cpus, p.memory_mib
+        )
 
     def _keep_in_one_domain(self, b: _Buckets, cls: str, k: int, best: int) -> int:
         """The best-fit node, unless it would split the TP group across NVLink domains while

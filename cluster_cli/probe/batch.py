@@ -52,7 +52,7 @@ from cluster_cli.probe.runner import CommandResult
 TIMED_OUT = 124
 NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 # Shell syntax that a command must not contain to run directly as a background job.
-_SHELL_SYNTAX = frozenset(";|&<>()$`\n\\\"*?[]{}~#!")
+_SHELL_SYNTAX = frozenset(';|&<>()$`\n\\"*?[]{}~#!')
 
 _PRELUDE = r"""export LC_ALL=C
 # The batch's own tools from the system's default PATH (never a look-alike on the user's),
@@ -98,7 +98,7 @@ kl() {
 # running (recording their pids), KILL what is left a second later, and a second after that
 # wake the batch (USR1) so that it stops waiting for jobs that even KILL could not end.
 _WATCHDOG = (
-    "( trap 'kill $s 2>/dev/null; exit' TERM; $cc_p sleep {t} & s=$!; : >\"$d/w\"; wait $s; : >\"$d/t\"; "
+    '( trap \'kill $s 2>/dev/null; exit\' TERM; $cc_p sleep {t} & s=$!; : >"$d/w"; wait $s; : >"$d/t"; '
     "kl TERM; $cc_p sleep 1 & s=$!; wait $s; kl KILL; $cc_p sleep 1 & s=$!; wait $s; kill -USR1 $$ ) "
     ">/dev/null 2>&1 </dev/null & w=$!"
 )
@@ -139,11 +139,55 @@ exit 0
 # Words that are shell builtins or keywords, not programs: such a command needs its own sh.
 _NOT_PROGRAMS = frozenset(
     (
-        ".", ":", "[", "alias", "bg", "break", "cd", "command", "continue", "eval", "exec", "exit",
-        "export", "fg", "getopts", "hash", "jobs", "kill", "local", "read", "readonly", "return", "set",
-        "shift", "test", "times", "trap", "type", "ulimit", "umask", "unalias", "unset", "wait", "case",
-        "do", "done", "elif", "else", "esac", "fi", "for", "if", "in", "then", "until", "while", "{",
-        "}", "!",
+        ".",
+        ":",
+        "[",
+        "alias",
+        "bg",
+        "break",
+        "cd",
+        "command",
+        "continue",
+        "eval",
+        "exec",
+        "exit",
+        "export",
+        "fg",
+        "getopts",
+        "hash",
+        "jobs",
+        "kill",
+        "local",
+        "read",
+        "readonly",
+        "return",
+        "set",
+        "shift",
+        "test",
+        "times",
+        "trap",
+        "type",
+        "ulimit",
+        "umask",
+        "unalias",
+        "unset",
+        "wait",
+        "case",
+        "do",
+        "done",
+        "elif",
+        "else",
+        "esac",
+        "fi",
+        "for",
+        "if",
+        "in",
+        "then",
+        "until",
+        "while",
+        "{",
+        "}",
+        "!",
     )
 )
 
@@ -154,12 +198,7 @@ def _is_simple(cmd: str) -> bool:
         return False
     bare = re.sub(r"'[^']*'", "''", cmd)  # anything goes inside single quotes
     words = bare.split()
-    return (
-        bool(words)
-        and "=" not in words[0]
-        and words[0] not in _NOT_PROGRAMS
-        and not (_SHELL_SYNTAX & set(bare))
-    )
+    return bool(words) and "=" not in words[0] and words[0] not in _NOT_PROGRAMS and not (_SHELL_SYNTAX & set(bare))
 
 
 # The remote command of a batch: the script itself goes on stdin. A script inside the

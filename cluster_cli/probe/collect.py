@@ -131,7 +131,9 @@ def facts_from_outputs(
             guid = (sm_guids or {}).get((p.ca, p.port))
             hcas.append(replace(p, fabric=fab, sm_guid=guid))
     elif ib is not None and not _missing(ib) and node.fabric:
-        problems.append(f"ibstat: failed (rc {ib.rc}): {ib.output.strip().splitlines()[0] if ib.output.strip() else ''}")
+        problems.append(
+            f"ibstat: failed (rc {ib.rc}): {ib.output.strip().splitlines()[0] if ib.output.strip() else ''}"
+        )
     if node.fabric and not any(h.is_ib_attachment for h in hcas):
         problems.append(f"fabric: declared on {node.fabric} but no Active InfiniBand port")
 

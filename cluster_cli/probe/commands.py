@@ -48,11 +48,11 @@ PROBES: dict[str, str] = {
 # checks the ports against its own parser and asks again for any that were missed.
 SMINFO_AFTER_IBSTAT = (
     "for x in $($cc_p awk '"
-    "/^CA /{c=$2; gsub(/[^A-Za-z0-9_.-]/, \"\", c)} "
-    "/^[ \\t]*Port [0-9]+:/{p=$2; sub(/:.*/, \"\", p); s=\"\"} "
+    '/^CA /{c=$2; gsub(/[^A-Za-z0-9_.-]/, "", c)} '
+    '/^[ \\t]*Port [0-9]+:/{p=$2; sub(/:.*/, "", p); s=""} '
     "/^[ \\t]*State:/{s=$2} "
-    "/^[ \\t]*Link layer:/{if (s == \"Active\" && $3 == \"InfiniBand\" && c != \"\") print c \":\" p}"
-    "' \"$o\"); do run \"sm:$x\" sminfo -C \"${x%:*}\" -P \"${x##*:}\"; done"
+    '/^[ \\t]*Link layer:/{if (s == "Active" && $3 == "InfiniBand" && c != "") print c ":" p}'
+    '\' "$o"); do run "sm:$x" sminfo -C "${x%:*}" -P "${x##*:}"; done'
 )
 
 

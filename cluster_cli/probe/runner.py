@@ -170,11 +170,7 @@ class AsyncsshConnector:
         fails the nodes behind it at once; one that closed since is opened again."""
         k = (prefix, target.known_hosts, target.identity_file, tuple(paths), target.connect_timeout_s)
         fut = self._hops.get(k)
-        if (
-            fut is None
-            or fut.cancelled()
-            or (fut.done() and fut.exception() is None and fut.result().is_closed())
-        ):
+        if fut is None or fut.cancelled() or (fut.done() and fut.exception() is None and fut.result().is_closed()):
             before = prefix[-2].label if len(prefix) > 1 else ""
             fut = asyncio.ensure_future(self._connect(target, prefix[-1], paths, via, before))
             self._hops[k] = fut

@@ -333,7 +333,9 @@ class Router:
             ex = trace.exchange
             ttfb = ex.first_at - t0 if ex is not None and ex.first_at else None
             stalled = ex is not None and ex.stalled
-            note = "dropped: the client read nothing for the idle timeout" if stalled else "client closed the connection"
+            note = (
+                "dropped: the client read nothing for the idle timeout" if stalled else "client closed the connection"
+            )
             raise
         finally:
             self._inflight_total -= 1

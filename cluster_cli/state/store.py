@@ -235,7 +235,12 @@ class Store:
                         # The old hardware facts, stamped with this probe's time: the guard
                         # below must compare when each answer (or silence) was observed.
                         f = replace(
-                            old, host=f.host, reachable=False, error=f.error, labels=f.labels, fabric=f.fabric,
+                            old,
+                            host=f.host,
+                            reachable=False,
+                            error=f.error,
+                            labels=f.labels,
+                            fabric=f.fabric,
                             probed_at=f.probed_at,
                         )
                 doc = f.to_dict()
@@ -293,8 +298,7 @@ class Store:
     # ---- replicas ---------------------------------------------------------
     def replicas(self) -> list[Replica]:
         return [
-            self._replica(spec)
-            for (spec,) in self._db.execute("SELECT spec FROM replicas ORDER BY model, replica")
+            self._replica(spec) for (spec,) in self._db.execute("SELECT spec FROM replicas ORDER BY model, replica")
         ]
 
     def replica_rows(self) -> list[dict[str, Any]]:
