@@ -105,6 +105,31 @@ def test_cordon_roundtrip_and_unknown_node(tmp_path: Path) -> None:
         assert s.cordons() == {}
 
 
+def test_cordon_without_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CLUSTERCTL_INVENTORY", raising=False)
+    r = run(tmp_path, "cordon", "gpu-01", "--reason", "x")  # no -i, no state: nothing to check against
+    (line,) = error_lines(r)
+    assert r.exit_code == 2 and "no inventory given" in line and "discover" in line
+    assert not (tmp_path / "state.db").exists()
+    p = inv(tmp_path, "nodes:\n  - {name: gpu-01, host: h}\n")
+    monkeypatch.setenv("CLUSTERCTL_INVENTORY", str(p))
+    assert run(tmp_path, "cordon", "gpu-01", "--reason", "x").exit_code == 0
+    r = run(tmp_path, "cordon", "gpu-02", "--reason", "x")
+    assert r.exit_code == 2 and "no node named 'gpu-02'" in r.output
+    monkeypatch.delenv("CLUSTERCTL_INVENTORY")
+    with Store(tmp_path / "state.db") as s:
+        s.save_discovery([], inventory=tmp_path / "gone.yaml")
+    r = run(tmp_path, "uncordon", "gpu-01")
+    (line,) = error_lines(r)
+    assert r.exit_code == 2 and "gone.yaml" in line and "is gone" in line
+    with Store(tmp_path / "state.db") as s:
+        s.save_discovery([], inventory=p)
+        assert s.inventory() == p
+    assert run(tmp_path, "uncordon", "gpu-01").exit_code == 0
+    with Store(tmp_path / "state.db") as s:
+        assert s.cordons() == {}
+
+
 def test_cordon_needs_reason(tmp_path: Path) -> None:
     p = inv(tmp_path, "nodes:\n  - {name: gpu-01, host: h}\n")
     r = run(tmp_path, "cordon", "gpu-01", "-i", str(p), "--reason", "  ")

@@ -137,6 +137,19 @@ def test_state_store_facts_allocations_and_version(tmp_path: Path) -> None:
         assert s.version() == version and len(s.replicas()) == 2  # nothing written
 
 
+def test_without_i_the_inventory_discover_recorded_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CLUSTERCTL_INVENTORY", raising=False)
+    inv, cat, _ = write_inputs(tmp_path, [dgx("gpu-01"), dgx("gpu-02")], inventory_nodes=["gpu-01"])
+    r = place(tmp_path, "--dry-run", "-c", str(cat))
+    assert r.exit_code == 2 and "no inventory given" in r.output
+    with Store(tmp_path / "state.db") as s:
+        s.save_discovery([dgx("gpu-01"), dgx("gpu-02")], inventory=inv.resolve())
+    r = place(tmp_path, "--dry-run", "-c", str(cat), "-o", "json")
+    assert r.exit_code in (0, 3), r.output
+    nodes = {sh["node"] for x in json.loads(r.stdout)["replicas"] for sh in x["shards"]}
+    assert nodes == {"gpu-01"}  # gpu-02 has facts but is not in the recorded inventory
+
+
 def test_facts_file_gets_the_stores_cordons(tmp_path: Path) -> None:
     inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01"), dgx("gpu-02", cpus=8)])
     with Store(tmp_path / "state.db") as s:

@@ -16,6 +16,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cluster_cli.cli.main import app
+from cluster_cli.state.store import Store
 
 runner = CliRunner()
 
@@ -75,6 +76,24 @@ def test_cordon_survives_rediscovery(testbed, tmp_path: Path) -> None:
         assert code == 0
         n = by_name(doc)["gpu-02"]
         assert n["cordoned"] is True and n["cordon_reason"] == "PSU"
+
+
+def test_cordon_without_inventory_uses_the_one_discover_recorded(testbed, tmp_path: Path) -> None:
+    state = tmp_path / "s.db"
+    code, _, err = discover(state, testbed.inventory_path)
+    assert code == 0, err
+    with Store(state, readonly=True) as s:
+        assert s.inventory() == testbed.inventory_path.resolve()
+    r = runner.invoke(app, ["--state", str(state), "cordon", "gpu-02", "--reason", "PSU"])  # the form
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["--state", str(state), "cordon", "gpu-99", "--reason", "x"])
+    assert r.exit_code == 2 and "no node named 'gpu-99'" in r.output
+    assert str(testbed.inventory_path.resolve()) in r.output  # names the inventory it checked
+    code, doc, _ = discover(state, testbed.inventory_path)
+    assert code == 0 and by_name(doc)["gpu-02"]["cordoned"] is True
+    assert runner.invoke(app, ["--state", str(state), "uncordon", "gpu-02"]).exit_code == 0
+    with Store(state, readonly=True) as s:
+        assert s.cordons() == {}
 
 
 def test_faulty_gpus_are_not_free(testbed_factory, tmp_path: Path) -> None:

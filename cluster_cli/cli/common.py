@@ -12,6 +12,31 @@ from cluster_cli.errors import ClusterctlError, ConfigError
 from cluster_cli.state.store import Store
 
 INVENTORY_HELP = "Inventory YAML (nodes and how to reach them)."
+INVENTORY_ENV = "CLUSTERCTL_INVENTORY"
+RECORDED_INVENTORY_HELP = (
+    "Inventory YAML (nodes and how to reach them). Default: the one the last 'discover' used with this state."
+)
+
+
+def recorded_inventory(given: Path | None, state_path: Path) -> Path:
+    """``given``, else the inventory the last ``discover`` recorded in the state; aborts if neither."""
+    if given is not None:
+        return given
+    recorded = None
+    if state_path.exists():
+        try:
+            with Store(state_path, readonly=True) as store:
+                recorded = store.inventory()
+        except ClusterctlError as e:
+            ui.fail(e)
+    if recorded is None:
+        ui.abort(
+            f"no inventory given (-i INVENTORY or {INVENTORY_ENV}) and none recorded in {state_path} "
+            "(a 'clusterctl discover -i INVENTORY' records it)"
+        )
+    if not recorded.is_file():
+        ui.abort(f"{recorded}: the inventory the last discover used (recorded in {state_path}) is gone; pass -i")
+    return recorded
 
 
 def inventory_or_abort(path: Path, *, check_files: bool = False, state_path: Path | None = None) -> Inventory:

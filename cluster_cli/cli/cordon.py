@@ -10,19 +10,29 @@ from pathlib import Path
 import typer
 
 from cluster_cli.cli import ui
-from cluster_cli.cli.common import INVENTORY_HELP, inventory_or_abort, open_store
+from cluster_cli.cli.common import (
+    INVENTORY_ENV,
+    RECORDED_INVENTORY_HELP,
+    inventory_or_abort,
+    open_store,
+    recorded_inventory,
+)
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError
 from cluster_cli.state.store import Store
 
 CORDON_EXAMPLE = """
-Example:
+Examples:
 
-  clusterctl cordon gpu-03 -i inventory.yaml --reason "ECC storm, RMA ticket 4411"
+  clusterctl cordon gpu-03 --reason "ECC storm, RMA ticket 4411"
+  clusterctl cordon gpu-03 -i inventory.yaml --reason "before the first discover"
+
+Without -i the node is checked against the inventory the last discover used.
 """
 UNCORDON_EXAMPLE = """
-Example:
+Examples:
 
+  clusterctl uncordon gpu-03
   clusterctl uncordon gpu-03 -i inventory.yaml
 """
 
@@ -51,13 +61,15 @@ def cordon(
     ctx: typer.Context,
     node: str = typer.Argument(..., help="Node name, as in the inventory."),
     reason: str = typer.Option(..., "--reason", "-r", help="Why (shown by discover and place)."),
-    inventory: Path = typer.Option(..., "--inventory", "-i", help=INVENTORY_HELP),
+    inventory: Path | None = typer.Option(
+        None, "--inventory", "-i", envvar=INVENTORY_ENV, help=RECORDED_INVENTORY_HELP
+    ),
 ) -> None:
     """Cordon a node: placement puts nothing new on it. Survives re-discovery."""
     if not reason.strip():
         ui.abort("--reason must not be empty")
-    _check_node(inventory, node)
     state: App = ctx.obj
+    _check_node(recorded_inventory(inventory, state.state_path), node)
     with open_store(state.state_path) as store:
         try:
             store.cordon(node, reason.strip())
@@ -70,11 +82,13 @@ def cordon(
 def uncordon(
     ctx: typer.Context,
     node: str = typer.Argument(..., help="Node name, as in the inventory."),
-    inventory: Path = typer.Option(..., "--inventory", "-i", help=INVENTORY_HELP),
+    inventory: Path | None = typer.Option(
+        None, "--inventory", "-i", envvar=INVENTORY_ENV, help=RECORDED_INVENTORY_HELP
+    ),
 ) -> None:
     """Lift a node's cordon."""
     state: App = ctx.obj
-    _check_node(inventory, node, or_cordoned_in=state.state_path)
+    _check_node(recorded_inventory(inventory, state.state_path), node, or_cordoned_in=state.state_path)
     with open_store(state.state_path) as store:
         try:
             was = store.uncordon(node)

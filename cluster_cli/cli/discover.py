@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from cluster_cli.cli import ui
-from cluster_cli.cli.common import INVENTORY_HELP, inventory_or_abort, open_store, pinned_hosts_path
+from cluster_cli.cli.common import INVENTORY_ENV, INVENTORY_HELP, inventory_or_abort, open_store, pinned_hosts_path
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError, ExitCode
 from cluster_cli.facts import NodeFacts
@@ -29,7 +29,7 @@ unreachable, the rest saved), 2 bad inventory or state.
 @app.command(epilog=EXAMPLE)
 def discover(
     ctx: typer.Context,
-    inventory: Path = typer.Option(..., "--inventory", "-i", help=INVENTORY_HELP),
+    inventory: Path = typer.Option(..., "--inventory", "-i", envvar=INVENTORY_ENV, help=INVENTORY_HELP),
     node: list[str] = typer.Option(None, "--node", "-n", help="Probe only this node (repeatable)."),
     parallel: int = typer.Option(64, "--parallel", "-p", min=1, help="Nodes probed at once."),
     timeout: float = typer.Option(
@@ -77,7 +77,7 @@ def discover(
                                          node_timeout_s=timeout, on_done=done))  # fmt: skip
 
     try:
-        store.save_discovery(facts)
+        store.save_discovery(facts, inventory=inventory.resolve())
         saved = {f.name: f for f in store.nodes([n.name for n in nodes])}
         all_nodes = store.nodes([n.name for n in inv.nodes])
     except ClusterctlError as e:

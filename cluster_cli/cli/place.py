@@ -17,7 +17,7 @@ import typer
 from rich.text import Text
 
 from cluster_cli.cli import ui
-from cluster_cli.cli.common import INVENTORY_HELP
+from cluster_cli.cli.common import INVENTORY_ENV, RECORDED_INVENTORY_HELP, recorded_inventory
 from cluster_cli.cli.main import App, app
 from cluster_cli.config.inventory import Inventory, load_inventory
 from cluster_cli.errors import ClusterctlError, ConfigError, ExitCode
@@ -31,6 +31,7 @@ EXAMPLE = """
 Examples:
 
   clusterctl place --dry-run -i inventory.yaml -c catalog.yaml
+  clusterctl place --dry-run -c catalog.yaml       # the inventory the last discover used
   clusterctl place --dry-run -i inv.yaml -c cat.yaml --facts f.json -o json
 
 --facts takes what 'clusterctl discover -o json' prints.
@@ -42,7 +43,9 @@ Exit codes: 0 all replicas placed, 3 some unplaced (plan still printed),
 @app.command(epilog=EXAMPLE)
 def place(
     ctx: typer.Context,
-    inventory: Path = typer.Option(..., "--inventory", "-i", help=INVENTORY_HELP),
+    inventory: Path | None = typer.Option(
+        None, "--inventory", "-i", envvar=INVENTORY_ENV, help=RECORDED_INVENTORY_HELP
+    ),
     catalog: Path = typer.Option(..., "--catalog", "-c", help="Catalog YAML (models, replicas, profiles)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Compute and print the plan; change nothing."),
     facts: Path = typer.Option(
@@ -60,6 +63,7 @@ def place(
             "applying a plan is 'clusterctl up' (not yet available); use 'clusterctl place --dry-run' to preview it"
         )
     state: App = ctx.obj
+    inventory = recorded_inventory(inventory, state.state_path)
     try:
         inv = load_inventory(inventory)
         cat = load_catalog(catalog)

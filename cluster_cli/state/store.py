@@ -198,6 +198,11 @@ class Store:
         row = self._db.execute("SELECT value FROM meta WHERE key='state_version'").fetchone()
         return int(row[0]) if row else 0
 
+    def inventory(self) -> Path | None:
+        """The inventory the last ``discover`` read (absolute), if any."""
+        row = self._db.execute("SELECT value FROM meta WHERE key='inventory'").fetchone()
+        return Path(row[0]) if row else None
+
     def _event(self, db: sqlite3.Connection, kind: str, node: str | None, message: str) -> None:
         db.execute("INSERT INTO events(at, kind, node, message) VALUES (?,?,?,?)", (time.time(), kind, node, message))
 
@@ -216,14 +221,20 @@ class Store:
             raise StateError(f"{self.path}: unreadable replica record ({e})") from None
 
     # ---- nodes ------------------------------------------------------------
-    def save_discovery(self, facts: Iterable[NodeFacts]) -> None:
+    def save_discovery(self, facts: Iterable[NodeFacts], *, inventory: Path | str | None = None) -> None:
         """Upsert the facts of one discover run in one transaction.
 
         A node that did not answer keeps its last known hardware facts but is marked
-        unreachable with the error. Cordons are never touched here.
+        unreachable with the error. Cordons are never touched here. ``inventory`` (an
+        absolute path) is recorded as the one the state follows, for commands run without -i.
         """
         now = time.time()
         with self.write() as db:
+            if inventory is not None:
+                db.execute(
+                    "INSERT INTO meta VALUES ('inventory', ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                    (str(inventory),),
+                )
             for f in facts:
                 if not f.reachable:
                     row = db.execute("SELECT facts FROM nodes WHERE name=?", (f.name,)).fetchone()
