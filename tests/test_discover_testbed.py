@@ -96,6 +96,28 @@ def test_cordon_without_inventory_uses_the_one_discover_recorded(testbed, tmp_pa
         assert s.cordons() == {}
 
 
+def test_fabric_conflicts_follow_the_inventory_of_this_run(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("a=hgx-h200x8:fabric=ib-a,b=hgx-h200x8:fabric=ib-a,x=hgx-h200x8:fabric=ib-b")
+    doc_inv = yaml.safe_load(c.inventory_path.read_text())
+    for n in doc_inv["nodes"]:
+        if n["name"] == "x":
+            n["fabric"] = "ib-a"  # wrong: x is cabled to ib-b, whose SM it sees
+    wrong = c.inventory_path.with_name("wrong.yaml")
+    wrong.write_text(yaml.safe_dump(doc_inv))
+    state = tmp_path / "s.db"
+    code, doc, _ = discover(state, wrong)
+    assert code == 0
+    assert doc["fabric_conflicts"] and all("x" in line for line in doc["fabric_conflicts"])
+    x = by_name(doc)["x"]
+    assert any(p.startswith("fabric-conflict") for p in x["problems"])  # on the node, not only in the summary
+    assert all(h["fabric"] is None for h in x["hcas"])  # off the fabric its SM contradicts
+    assert all(h["fabric"] == "ib-a" for h in by_name(doc)["a"]["hcas"] if h["state"] == "Active")
+    # The inventory is fixed; only `a` is probed again. x's stored facts were probed under
+    # the wrong declaration, but the cross-check uses what the inventory says now.
+    code, doc, _ = discover(state, c.inventory_path, "--node", "a")
+    assert code == 0 and doc["fabric_conflicts"] == []
+
+
 def test_faulty_gpus_are_not_free(testbed_factory, tmp_path: Path) -> None:
     c = testbed_factory(
         "f1=hgx-h200x8:fabric=ib-a:ecc=1:foreign=2:4411:python3 train.py:remap=3:retire=4,"

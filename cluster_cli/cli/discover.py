@@ -44,8 +44,9 @@ def discover(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from cluster_cli.probe.collect import discover as run_discover
-    from cluster_cli.probe.fabric import fabric_conflicts
+    from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts
     from cluster_cli.probe.runner import AsyncsshConnector
+    from cluster_cli.state.view import for_inventory
 
     state: App = ctx.obj
     inv = inventory_or_abort(inventory, check_files=True, state_path=state.state_path)
@@ -78,14 +79,17 @@ def discover(
 
     try:
         store.save_discovery(facts, inventory=inventory.resolve())
-        saved = {f.name: f for f in store.nodes([n.name for n in nodes])}
-        all_nodes = store.nodes([n.name for n in inv.nodes])
+        # Every node of the inventory, as it declares them now (fabrics, classes, labels): the
+        # fabric cross-check also covers nodes probed by an earlier run (``--node``).
+        fleet = for_inventory(inv, store.nodes([n.name for n in inv.nodes]), from_state=True)
     except ClusterctlError as e:
         ui.fail(e)
     finally:
         store.close()
-    result = [saved[n.name] for n in nodes]
-    conflicts = fabric_conflicts([f for f in all_nodes if f.reachable])
+    conflicts = fabric_conflicts([f for f in fleet if f.reachable])
+    # A port whose SM contradicts its declared fabric is shown off it, with the problem on its node.
+    shown = {f.name: f for f in distrust_conflicting_ports(fleet)}
+    result = [shown[n.name] for n in nodes]
 
     if output is ui.Output.table:
         render(result)

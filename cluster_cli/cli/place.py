@@ -21,8 +21,9 @@ from cluster_cli.cli.common import INVENTORY_ENV, RECORDED_INVENTORY_HELP, recor
 from cluster_cli.cli.main import App, app
 from cluster_cli.config.inventory import Inventory, load_inventory
 from cluster_cli.errors import ClusterctlError, ConfigError, ExitCode
-from cluster_cli.facts import Gpu, NodeFacts, Replica
+from cluster_cli.facts import NodeFacts, Replica
 from cluster_cli.state.store import Store
+from cluster_cli.state.view import for_inventory
 
 if TYPE_CHECKING:
     from cluster_cli.placement import Plan
@@ -120,7 +121,7 @@ def _inputs(
             )
         if extra := sorted(named - {n.name for n in inv.nodes}):
             ui.warn(f"{facts_path}: ignoring facts of nodes not in the inventory: {', '.join(extra)}")
-    return for_inventory(inv, raw), current, version, source
+    return for_inventory(inv, raw, from_state=facts_path is None), current, version, source
 
 
 def _read(
@@ -174,39 +175,6 @@ def read_facts(path: Path) -> list[NodeFacts]:
         except (TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"{path}: nodes.{i} ({d.get('name', '?')}): invalid facts: {e}") from None
     return out
-
-
-def for_inventory(inv: Inventory, facts: list[NodeFacts]) -> list[NodeFacts]:
-    """Only the inventory's nodes, with its fabric assignments and GPU classes applied.
-
-    The inventory is the source of truth for fabrics: on a node it puts on a fabric, every
-    port's fabric is the one it gives now (node default or per-HCA override), whatever the
-    facts recorded. Facts of a node it puts on no fabric keep their own (hand-written facts).
-
-    A node the inventory names but that has no facts is listed as unreachable, so
-    explanations say so instead of leaving it out.
-    """
-    by_name = {f.name: f for f in facts}
-    listed = {p for names in inv.gpu_classes.values() for p in names}
-    out = []
-    for n in inv.nodes:
-        f = by_name.get(n.name)
-        if f is None:
-            out.append(NodeFacts(n.name, host=n.host, reachable=False, error="no facts (not discovered yet)"))
-            continue
-        # The inventory says which fabric a port is on, now: a fabric stored with the facts is
-        # what the inventory said when the node was probed, and a node may have moved since.
-        # Only for a node the inventory puts on no fabric at all do the facts' fabrics stand.
-        declared = n.fabric is not None or bool(n.hca_fabrics)
-        hcas = tuple(replace(h, fabric=inv.fabric_for(n, h.ca)) if declared else h for h in f.hcas)
-        gpus = tuple(_reclass(g, inv) if g.product in listed else g for g in f.gpus)
-        fabric = n.fabric if declared else f.fabric
-        out.append(replace(f, hcas=hcas, gpus=gpus, fabric=fabric, labels={**n.labels, **f.labels}))
-    return out
-
-
-def _reclass(g: Gpu, inv: Inventory) -> Gpu:
-    return replace(g, gpu_class=inv.gpu_class(g.product))
 
 
 # --------------------------------------------------------------------------- output
