@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -158,5 +159,6 @@ def test_bad_catalog_is_one_located_line(tmp_path: Path, body: str, where: str, 
         load_catalog(path)
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith(f"{path}: {where}"), msg
+    # file, then the line (and the list item's name) where the YAML has them, then the field
+    assert re.match(rf"{re.escape(str(path))}: (line [0-9]+( \([^)]*\))?: )?{re.escape(where)}", msg), msg
     assert needle in msg, msg

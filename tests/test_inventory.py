@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cluster_cli.config.inventory import ACCEPT_NEW, load_inventory
 from cluster_cli.errors import ConfigError
@@ -45,10 +49,14 @@ def test_good_inventory_resolves_paths_and_defaults(tmp_path: Path) -> None:
     ("text", "needle"),
     [
         ("nodes: [{name: a, host: h}\n", "invalid YAML"),
-        ("nodes:\n  - {name: a, host: h, colour: red}\n", "nodes.0.colour: unknown key"),
-        ("nodez: []\n", "nodez: unknown key"),
-        ("nodes:\n  - {name: a, host: h}\n  - {name: a, host: g}\n", "duplicate node name 'a'"),
-        ("nodes:\n  - {name: a}\n", "nodes.0.host: Field required"),
+        ("nodes:\n  - {name: a, host: h, colour: red}\n", "line 2 (a): nodes.0.colour: unknown key"),
+        ("nodez: []\n", "line 1: nodez: unknown key"),
+        (
+            "nodes:\n  - {name: a, host: h}\n  - {name: a, host: g}\n",
+            "line 3 (a): nodes.1.name: duplicate node name 'a'",
+        ),
+        ("nodes:\n  - name: a\n    host: h\n\n    colour: red\n", "line 5 (a): nodes.0.colour: unknown key"),
+        ("nodes:\n  - {name: a}\n", "line 2 (a): nodes.0.host: Field required"),
         ("nodes:\n  - {name: a, host: h, port: 70000}\n", "nodes.0.port"),
         ("fabrics: {ib-a: {}}\nnodes:\n  - {name: a, host: h, fabric: ib-z}\n", "unknown fabric 'ib-z'"),
         ("nodes:\n  - {name: 'bad name', host: h}\n", "invalid node name"),
@@ -74,3 +82,29 @@ def test_bad_inventory_is_one_located_line(tmp_path: Path, text: str, needle: st
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="file not found"):
         load_inventory(tmp_path / "nope.yaml")
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 70000), st.text(max_size=6))
+_keys = st.sampled_from(["name", "host", "port", "user", "fabric", "labels", "colour", "nodes", "defaults", "x"])
+_docs = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(_keys, inner, max_size=4)),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    nodes=st.lists(st.dictionaries(_keys, _docs, max_size=5), max_size=3), top=st.dictionaries(_keys, _docs, max_size=2)
+)
+def test_any_inventory_loads_or_is_one_located_line(tmp_path_factory: pytest.TempPathFactory, nodes, top) -> None:
+    p = tmp_path_factory.mktemp("inv") / "inventory.yaml"
+    p.write_text(yaml.safe_dump({**top, "nodes": nodes}, default_flow_style=False))
+    try:
+        load_inventory(p)
+    except ConfigError as e:
+        msg = str(e)
+        assert msg.startswith(f"{p}: ") and "\n" not in msg
+        line = re.match(rf"{re.escape(str(p))}: line ([0-9]+)", msg)
+        if line:  # a line it names is in the file
+            assert 1 <= int(line.group(1)) <= len(p.read_text().splitlines())

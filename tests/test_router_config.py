@@ -56,7 +56,7 @@ def test_issue_example_parses(tmp_path):
     [
         (
             "models: {m: {endpoints: [{url: 'http://h:1', bogus: 1}]}}",
-            "router.yaml: models.m.endpoints.0.bogus: unknown key",
+            "router.yaml: line 1: models.m.endpoints.0.bogus: unknown key",
         ),
         ("models: {m: {endpoints: [{url: 'https://h:1'}]}}", "only http:// upstreams"),
         ("models: {m: {endpoints: [{url: 'http://h:1/v1'}]}}", "without a path"),

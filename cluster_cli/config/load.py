@@ -68,8 +68,40 @@ def read_yaml(path: Path | str, data: bytes | None = None) -> object:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
 
 
-def format_validation_error(path: Path | str, err: ValidationError, most: int = 3) -> str:
-    """Pydantic errors as ``file: field.path: message`` on one line (up to ``most``, then a count)."""
+def _locate(root: yaml.Node | None, loc: tuple[object, ...], at_key: bool) -> tuple[int | None, str | None]:
+    """The 1-based line of ``loc`` in a composed YAML tree (the key's line when ``at_key``, as
+    for an unknown key; else the value's), and the ``name`` of the last list item passed
+    through, if it has one. Stops at the deepest part of ``loc`` that the tree has."""
+    node, line, name = root, None, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            hit = next(
+                (kv for kv in node.value if isinstance(kv[0], yaml.ScalarNode) and kv[0].value == str(part)), None
+            )
+            if hit is None:
+                break
+            line = (hit[0] if at_key else hit[1]).start_mark.line + 1
+            node = hit[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+            if isinstance(node, yaml.MappingNode):
+                named = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == "name"), None)
+                name = named.value if isinstance(named, yaml.ScalarNode) else None
+        else:
+            break
+    return line, name
+
+
+def format_validation_error(path: Path | str, err: ValidationError, most: int = 3, text: str | None = None) -> str:
+    """Pydantic errors as ``file: line N (item name): field.path: message`` on one line (up to
+    ``most``, then a count). The line (and a list item's name) needs ``text``, the YAML read."""
+    root = None
+    if text is not None:
+        try:
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
+        except (yaml.YAMLError, RecursionError, ValueError, TypeError):
+            root = None
     parts = []
     errors = err.errors()
     for e in errors[:most]:
@@ -77,10 +109,13 @@ def format_validation_error(path: Path | str, err: ValidationError, most: int = 
         msg = str(e["msg"]).removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        if not loc:
+        if not loc:  # a model-level check names its field in the message: "nodes.1.name: ..."
             loc, _, rest = msg.partition(": ") if ": " in msg else ("(top level)", "", msg)
             msg = rest
-        parts.append(f"{loc}: {msg}")
+        path_parts = tuple(int(p) if p.isdigit() else p for p in loc.split("."))
+        line, name = _locate(root, path_parts, at_key=e["type"] == "extra_forbidden")
+        where = " ".join(x for x in (f"line {line}" if line is not None else "", f"({name})" if name else "") if x)
+        parts.append(f"{where + ': ' if where else ''}{loc}: {msg}")
     more = len(errors) - most
     suffix = f" (and {more} more error{'s' if more > 1 else ''})" if more > 0 else ""
     return f"{path}: {'; '.join(parts)}{suffix}"
@@ -89,7 +124,8 @@ def format_validation_error(path: Path | str, err: ValidationError, most: int = 
 def load_model(path: Path | str, model: type[M], raw: bytes | None = None) -> M:
     """Read YAML at ``path`` (or ``raw``, its bytes already read) and validate it as ``model``."""
     path = Path(path)
-    data = read_yaml(path, raw)
+    text = read_text(path, raw)
+    data = read_yaml(path, text.encode("utf-8"))
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -97,6 +133,6 @@ def load_model(path: Path | str, model: type[M], raw: bytes | None = None) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(path, e)) from None
+        raise ConfigError(format_validation_error(path, e, text=text)) from None
     except ConfigError as e:
         raise ConfigError(f"{path}: {e.message}") from None
