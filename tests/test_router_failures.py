@@ -184,6 +184,32 @@ def test_admission_queue_then_429_with_retry_after():
         f.close()
 
 
+def test_a_retry_waits_for_the_busy_endpoint_rather_than_the_dead_one():
+    """tiny-0 dies while tiny-1 is full: a new request must not spend its retries on tiny-0."""
+    f = Fleet(2, capacity=1, token_delay_s=0.02, tokens=1000)
+    # no active health checks here: the retry logic alone must keep the request alive
+    f.start(cfg=f.config(router={"health_interval_s": 60}, endpoint_extra={1: {"max_inflight": 1}}))
+    dead, busy = f.engines
+    entry = f.router.table.models["sim"]
+    try:
+        s1, s2 = _raw_stream(f.port), _raw_stream(f.port)  # one long stream on each engine
+        f.lt.wait_for(lambda: dead.running == 1 and busy.running == 1, what="one stream on each engine")
+        f.lt.run(dead.refuse())  # tiny-0 goes away; tiny-1 stays full
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", chat(f, max_tokens=2)))
+        t.start()
+        f.lt.wait_for(lambda: len(entry.queue) == 1 or "r" in result, what="the retry queued for tiny-1")
+        assert "r" not in result, result["r"].text  # not failed on tiny-0 over and over
+        assert f.router.table.workers[dead.url].breaker.failures == 1
+        for s in (s1, s2):
+            s.close()  # the stream on tiny-1 ends: its slot goes to the waiting retry
+        t.join(20)
+        assert result["r"].status_code == 200, result["r"].text
+        assert busy.served >= 1
+    finally:
+        f.close()
+
+
 def test_admission_queue_timeout_is_429():
     f = Fleet(1, capacity=1, token_delay_s=0.02, tokens=1000)
     f.start(

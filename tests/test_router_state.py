@@ -128,6 +128,7 @@ class BalancerMachine(RuleBasedStateMachine):
         self.tasks: list[asyncio.Task[Lease]] = []
         self.held: list[Lease] = []
         self.all_workers = {id(w): w for w in self.table.workers.values()}
+        self.retries: dict[asyncio.Task[Lease], tuple[list, list]] = {}  # task -> (excluded, others)
 
     def teardown(self) -> None:
         for t in self.tasks:
@@ -141,8 +142,12 @@ class BalancerMachine(RuleBasedStateMachine):
         done = [t for t in self.tasks if t.done()]
         for t in done:
             self.tasks.remove(t)
+            excluded, others = self.retries.pop(t, ([], []))
             if not t.cancelled() and t.exception() is None:
-                self.held.append(t.result())
+                lease = t.result()
+                self.held.append(lease)
+                if lease.worker in excluded:  # back to a failed endpoint only when no other could serve
+                    assert not any(w.unavailable_reason() is None and not w.removed for w in others), lease.worker.url
             elif not t.cancelled():
                 assert isinstance(t.exception(), Rejected)
 
@@ -150,6 +155,16 @@ class BalancerMachine(RuleBasedStateMachine):
     def start(self) -> None:
         entry = self.bal.table.models["m"]
         self.tasks.append(self.loop.create_task(self.bal.acquire(entry)))
+        self.settle()
+
+    @rule(data=st.data())
+    def start_retry(self, data: st.DataObject) -> None:
+        """A retry: it avoids the endpoints that failed it while another one is eligible."""
+        entry = self.bal.table.models["m"]
+        exclude = data.draw(st.lists(st.sampled_from(list(entry.workers)), unique=True, max_size=3))
+        task = self.loop.create_task(self.bal.acquire(entry, exclude))
+        self.tasks.append(task)
+        self.retries[task] = (exclude, [w for w in entry.workers if w not in exclude])
         self.settle()
 
     @rule(data=st.data(), outcome=st.sampled_from([True, False, None]))
@@ -214,11 +229,16 @@ class BalancerMachine(RuleBasedStateMachine):
         assert self.bal.active_leases == len(self.held)
 
     @invariant()
-    def no_waiter_while_a_slot_is_free(self) -> None:
+    def no_waiter_while_a_slot_it_may_take_is_free(self) -> None:
         entry = self.bal.table.models["m"]
-        if entry.queue.peek_live():
-            now = self.clock()
-            assert not any(w.unavailable_reason() is None and not w.saturated(now) for w in entry.workers)
+        now = self.clock()
+        eligible = [w for w in entry.workers if w.unavailable_reason() is None]
+        free = [w for w in eligible if not w.saturated(now)]
+        for waiter in entry.queue.waiters:
+            if waiter.fut.done():
+                continue
+            untried = [w for w in eligible if w not in waiter.exclude]
+            assert not any(w not in waiter.exclude or not untried for w in free), [w.url for w in free]
 
 
 TestBalancer = BalancerMachine.TestCase
@@ -278,3 +298,34 @@ class ReloadMachine(RuleBasedStateMachine):
 
 TestReload = ReloadMachine.TestCase
 TestReload.settings = SETTINGS
+
+
+def test_a_retry_waits_for_an_untried_endpoint_rather_than_going_back_to_the_one_that_failed() -> None:
+    async def go() -> None:
+        clock = Clock()
+        table = build_table(config(URLS[:2]), clock=clock)
+        bal = Balancer(table, LeastLoad(random.Random(0)), clock)
+        a, b = table.workers[URLS[0]], table.workers[URLS[1]]
+        a.cap = b.cap = 1
+        entry = table.models["m"]
+        held_b = bal._pick_now(entry, [a])  # b is busy with a long stream
+        assert held_b is not None and held_b.worker is b
+        # a request failed on a (now free again): its retry must not go back to a while b exists
+        assert bal.try_acquire(entry, [a]) is None
+        retry = asyncio.ensure_future(bal.acquire(entry, [a]))
+        plain = asyncio.ensure_future(bal.acquire(entry))  # a newcomer behind it may still use a
+        await asyncio.sleep(0)
+        assert not retry.done() and plain.done() and plain.result().worker is a
+        held_b.release(True)  # b frees up: the retry gets it
+        await asyncio.sleep(0)
+        assert retry.done() and retry.result().worker is b
+        retry.result().release(True)
+        plain.result().release(True)
+        # with b gone (breaker open), a is the only one left: the retry may go back to it
+        b.breaker._open()
+        lease = await bal.acquire(entry, [a])
+        assert lease.worker is a
+        lease.release(True)
+        assert a.inflight == b.inflight == 0
+
+    asyncio.run(go())

@@ -33,12 +33,15 @@ class Rejected(Exception):
 
 
 class Waiter:
-    __slots__ = ("deadline", "fut", "live", "queued_at")
+    __slots__ = ("deadline", "exclude", "fut", "live", "queued_at")
 
-    def __init__(self, fut: asyncio.Future[Worker], queued_at: float, deadline: float) -> None:
+    def __init__(
+        self, fut: asyncio.Future[Worker], queued_at: float, deadline: float, exclude: tuple[Worker, ...] = ()
+    ) -> None:
         self.fut = fut
         self.queued_at = queued_at
         self.deadline = deadline
+        self.exclude = exclude  # a retry: the endpoints that already failed it
         self.live = True  # counted in its queue's ``live`` (until resolved, cancelled or removed)
 
 
@@ -81,7 +84,7 @@ class ModelQueue:
             w.live = False
             self.live -= 1
 
-    def push(self, fut: asyncio.Future[Worker], now: float) -> Waiter:
+    def push(self, fut: asyncio.Future[Worker], now: float, exclude: tuple[Worker, ...] = ()) -> Waiter:
         q = self.waiters
         if len(q) > 2 * self.live + 16:  # mostly clients that gave up: drop them (amortised O(1))
             keep: deque[Waiter] = deque()
@@ -91,7 +94,7 @@ class ModelQueue:
                 else:
                     keep.append(old)
             self.waiters = q = keep
-        w = Waiter(fut, now, now + self.limits.max_wait_s)
+        w = Waiter(fut, now, now + self.limits.max_wait_s, exclude)
         q.append(w)
         self.live += 1
         fut.add_done_callback(lambda _f, w=w: self._gone(w))
@@ -106,6 +109,11 @@ class ModelQueue:
             if not w.fut.done():
                 return w
         return None
+
+    def remove(self, w: Waiter) -> None:
+        """Take ``w`` out from anywhere in the queue (a retry served ahead of its turn)."""
+        self.waiters.remove(w)
+        self._gone(w)
 
     def peek_live(self) -> bool:
         q = self.waiters

@@ -66,12 +66,21 @@ class Balancer:
 
     # ---------------------------------------------------------------- picking
     def _pick_now(self, entry: ModelEntry, exclude: Collection[Worker] = ()) -> Lease | None:
-        """A lease on the best unsaturated eligible worker, or None (all full or none eligible)."""
+        """A lease on the best unsaturated eligible worker, or None (all full or none eligible).
+
+        ``exclude`` (a retry: the endpoints that already failed it) are avoided while any other
+        eligible endpoint exists, even one that is full for now: the retry then waits for it
+        rather than going back to an endpoint that just failed. Once every eligible endpoint
+        has been tried, any of them may take it.
+        """
         now = self.clock()
         cands = [w for w in entry.workers if w.unavailable_reason() is None and not w.saturated(now)]
-        if exclude and len(cands) > 1:
-            narrowed = [w for w in cands if w not in exclude]
-            cands = narrowed or cands
+        if exclude:
+            untried = [w for w in cands if w not in exclude]
+            if untried:
+                cands = untried
+            elif any(w not in exclude and w.unavailable_reason() is None for w in entry.workers):
+                return None
         w = self.policy.select(cands, now)
         if w is None:
             return None
@@ -107,7 +116,7 @@ class Balancer:
                 q.retry_after(),
             )
         fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
-        q.push(fut, self.clock())  # type: ignore[arg-type]
+        q.push(fut, self.clock(), tuple(exclude))  # type: ignore[arg-type]
         self.dispatch(entry)
         try:
             return await fut
@@ -120,14 +129,34 @@ class Balancer:
     def dispatch(self, entry: ModelEntry) -> None:
         q = entry.queue
         while q.waiters and q.peek_live():
-            lease = self._pick_now(entry)
+            head = q.waiters[0]
+            lease = self._pick_now(entry, head.exclude)
             if lease is None:
+                # A retry at the head waits for endpoints it has not tried; the slot that is
+                # free may still suit someone behind it.
+                if head.exclude and self._serve_behind(entry):
+                    continue
                 return
             waiter = q.pop_live()
             if waiter is None:  # cannot happen after peek_live; keep the slot bookkeeping exact anyway
                 lease.release(None)
                 return
             waiter.fut.set_result(lease)  # type: ignore[arg-type]
+
+    def _serve_behind(self, entry: ModelEntry) -> bool:
+        """Give a free slot to the first live waiter (past the head) that can take it now."""
+        q = entry.queue
+        for waiter in q.waiters:
+            if waiter.fut.done():
+                continue
+            lease = self._pick_now(entry, waiter.exclude)
+            if lease is not None:
+                q.remove(waiter)
+                waiter.fut.set_result(lease)  # type: ignore[arg-type]
+                return True
+            if not waiter.exclude:
+                return False  # nothing is free for a waiter with no exclusions: nor for any behind it
+        return False
 
     def on_release(self, w: Worker) -> None:
         if self.active_leases > 0:
