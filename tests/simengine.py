@@ -5,7 +5,8 @@ Continuous batching: one scheduler loop; each step (``token_delay_s / speed``) e
 running sequence emits one token; at most ``capacity`` sequences run, the rest wait in
 FIFO order. Exports vLLM's or llama.cpp's metric names. It can be slowed (``speed``),
 made to fail (``fail_status`` = 5xx answers, ``refuse()`` = connections refused,
-``hang`` = never answers, ``cut_after`` = streams cut after N tokens, ``health_status``),
+``hang`` = never answers, ``cut_after`` = streams cut after N tokens, ``done_linger_s`` = a
+pause after "[DONE]" before the stream's terminating chunk, ``health_status``),
 or killed mid-stream (``kill()``: every connection reset, the port closed).
 
 Streams send their response head at once (as vLLM does) and tokens as they come.
@@ -70,6 +71,7 @@ class SimEngine:
         self.fail_status: int | None = None
         self.hang = False
         self.cut_after: int | None = None
+        self.done_linger_s = 0.0  # a pause between a stream's "[DONE]" and its terminating chunk
         self.health_status = 200
         self.running = 0
         self.waiting = 0
@@ -197,7 +199,7 @@ class SimEngine:
         if seq.stream:
             out = self._chunk(seq, self._piece(seq.i - 1))
             if self.cut_after is not None and seq.i > self.cut_after:
-                seq.conn.abort()
+                seq.conn.cut()  # the scheduler finishes seq (this loop is walking _active)
                 return True
             if seq.i >= seq.n:
                 out += self._chunk(seq, b"", b"length") + b"data: [DONE]\n\n"
@@ -332,6 +334,8 @@ class SimEngine:
             hdr = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n"
             conn.write(hdr + (b"" if keep else b"Connection: close\r\n") + b"\r\n")
             await self.generate(seq)
+            if self.done_linger_s and not conn.closed:
+                await asyncio.sleep(self.done_linger_s)  # "[DONE]" sent, the terminating chunk not yet
             if not conn.closed:
                 conn.write(b"0\r\n\r\n")
                 if not keep:
@@ -419,9 +423,14 @@ class _Conn(asyncio.Protocol):
 
     def abort(self) -> None:
         if not self.closed:
+            self.cut()
+            self.e._reap(self)
+
+    def cut(self) -> None:
+        """Reset the connection; whoever holds its request finishes it."""
+        if not self.closed:
             self.closed = True
             self.tr.abort()  # type: ignore[union-attr]
-            self.e._reap(self)
 
 
 class LoopThread:

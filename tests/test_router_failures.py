@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import threading
@@ -11,6 +12,7 @@ import openai
 import pytest
 from simengine import Fleet
 
+from cluster_cli.router.accesslog import AccessLog
 from cluster_cli.router.breaker import State
 
 MSG = [{"role": "user", "content": "hello"}]
@@ -94,6 +96,51 @@ def test_stream_cut_upstream_ends_with_sse_error_and_clean_close():
             for _ in client(f).chat.completions.create(model="sim", messages=MSG, stream=True):
                 pass
         assert chat(f, max_tokens=2).status_code == 200  # the router is fine afterwards
+    finally:
+        f.close()
+
+
+def test_concurrent_streams_cut_upstream_each_end_cleanly():
+    """Every stream of an engine that cuts them ends with the error event; none hangs."""
+    f = Fleet(1, capacity=4, token_delay_s=0.01, tokens=10).start()
+    eng = f.engines[0]
+    eng.cut_after = 3
+    body = {"model": "sim", "messages": MSG, "stream": True}
+    results: list[str] = []
+
+    def one() -> None:
+        with httpx.stream("POST", f.base + "/chat/completions", json=body, timeout=20) as r:
+            results.append([line for line in r.iter_lines() if line.startswith("data: ")][-1])
+
+    try:
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert len(results) == 3 and all("upstream_stream_cut" in last for last in results)
+        assert f.lt.call(lambda: (eng.running, eng.aborted)) == (0, 3)  # the engine's own books balance
+    finally:
+        f.close()
+
+
+def test_a_client_that_hangs_up_after_done_was_served():
+    """OpenAI's clients close on "[DONE]"; when the engine's terminating chunk comes later,
+    the request still counts as served: status 200 in the log and metrics, a completion."""
+    buf = io.StringIO()
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=3).start(access_log=AccessLog(buf))
+    eng = f.engines[0]
+    eng.done_linger_s = 2.0
+    w = f.router.table.workers[eng.url]
+    try:
+        chunks = list(client(f).chat.completions.create(model="sim", messages=MSG, stream=True))
+        assert len(chunks) == 4
+        f.lt.wait_for(lambda: w.inflight == 0, what="the request to leave the endpoint")
+        assert f.lt.call(lambda: (w.completed, w.failed)) == (1, 0)
+        f.lt.call(f.router.access.flush)
+        (rec,) = [json.loads(x) for x in buf.getvalue().splitlines()]
+        assert (rec["status"], rec["note"]) == (200, "client closed after [DONE]")
+        assert 'status="200"' in httpx.get(f.url + "/metrics").text
     finally:
         f.close()
 

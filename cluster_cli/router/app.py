@@ -336,6 +336,10 @@ class Router:
             note = (
                 "dropped: the client read nothing for the idle timeout" if stalled else "client closed the connection"
             )
+            if ex is not None and ex.done_seen and not stalled:
+                # It had the whole stream: OpenAI's clients hang up on "[DONE]" without
+                # waiting for the terminating chunk. Served, not abandoned.
+                status, note = ex.status, "client closed after [DONE]"
             raise
         finally:
             self._inflight_total -= 1
@@ -445,7 +449,7 @@ class Router:
                 except BaseException:
                     if ex is not None:
                         ex.cancel()
-                    lease.release(None)
+                    lease.release(True if ex is not None and ex.done_seen and not ex.stalled else None)
                     raise
                 finally:
                     conn.exchange = None

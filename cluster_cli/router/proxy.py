@@ -32,6 +32,7 @@ class Exchange:
         "chunked",
         "client",
         "conn",
+        "done_seen",
         "error",
         "first_at",
         "fut",
@@ -65,6 +66,7 @@ class Exchange:
         self.error: UpstreamError | None = None
         self.first_at = 0.0
         self.stalled = False  # the router dropped the client for reading nothing
+        self.done_seen = False  # the stream's final ``data: [DONE]`` event was relayed
 
     def _resolve(self, code: int) -> None:
         if not self.fut.done():
@@ -102,6 +104,8 @@ class Exchange:
                 data = data[:cut]
                 if not data:
                     return
+            if b"[DONE]" in data[-16:]:  # "data: [DONE]\n\n" ends an OpenAI stream
+                self.done_seen = True
         if self.chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         if self.pending is not None:
