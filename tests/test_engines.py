@@ -46,6 +46,9 @@ def test_llamacpp_metric_names_and_no_kv_gauge() -> None:
         ),
         # without running: single overrides on top of vLLM's names
         ({"waiting": "my_waiting"}, (VLLM_RUNNING, "my_waiting", VLLM_KV_CACHE)),
+        # running given as blank: the engine exports none, and the mapping is complete
+        ({"running": None, "waiting": "w"}, (None, "w", None)),
+        ({"running": ""}, (None, None, None)),
     ],
 )
 def test_mapping_resolution(mapping, expected) -> None:

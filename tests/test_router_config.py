@@ -194,6 +194,19 @@ def test_cli_rejects_unknown_choices_with_exit_2(tmp_path):
         assert res.exit_code == 2 and value in res.output, res.output
 
 
+def test_cli_flag_values_the_config_refuses_name_the_flag(tmp_path):
+    p = write(tmp_path, "models: {m: {endpoints: [{url: 'http://h:1'}]}}")
+    for args, needle in (
+        (["--max-body-bytes", "10"], "--max-body-bytes 10: Input should be greater than or equal to 1024"),
+        (["--queue-timeout", "-1"], "--queue-timeout -1.0: Input should be greater than 0"),
+    ):
+        res = subprocess.run(
+            [*CLI, "serve-router", "--config", str(p), "--port", "0", *args], capture_output=True, text=True, timeout=60
+        )
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr
+
+
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     p = write(tmp_path, "models: {m: {endpoints: [{url: 'http://h:1', nope: 1}]}}")
     res = subprocess.run(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -173,5 +174,66 @@ def test_refused_and_unrouted_requests_get_access_log_lines_too(tmp_path):
             ("GET", "/v1/chat/completions", 405), ("DELETE", "/nowhere", 404),
         ]  # fmt: skip
         assert "sk-test" not in buf.getvalue()
+    finally:
+        f.close()
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    """Send raw bytes, read until the router closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_requests_refused_while_being_read_are_logged_and_counted():
+    buf = io.StringIO()
+    f = Fleet(1, capacity=2, token_delay_s=0, tokens=2).start(
+        router={"limits": {"max_body_bytes": 1024, "max_header_bytes": 1024}}, access_log=AccessLog(buf, max_buffer=1)
+    )
+    try:
+        big = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n"
+        assert _raw(f.port, big).startswith(b"HTTP/1.1 413 ")
+        chunked = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n800\r\n" + b"x" * 2048
+        assert _raw(f.port, chunked + b"\r\n0\r\n\r\n").startswith(b"HTTP/1.1 413 ")
+        assert _raw(f.port, b"GET /health HTTP/1.1\r\nX: " + b"y" * 2000 + b"\r\n\r\n").startswith(b"HTTP/1.1 431 ")
+        assert _raw(f.port, b"BROKEN\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+        deep = b"[" * 200_000
+        r = httpx.post(f.base + "/chat/completions", content=deep[:1000], headers={"content-type": "application/json"})
+        assert r.status_code == 400  # not valid JSON
+        f.lt.call(lambda: setattr(f.router, "max_body_bytes", 1 << 20))  # let a deep one through the size check
+        r = httpx.post(f.base + "/chat/completions", content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+        lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+        assert [(r["method"], r["path"], r["status"], r["note"]) for r in lines[:4]] == [
+            ("POST", "/v1/chat/completions", 413, "request_too_large"),
+            ("POST", "/v1/completions", 413, "request_too_large"),
+            ("", "", 431, "request_header_too_large"),
+            ("", "", 400, "bad_request"),
+        ]
+        assert [r["status"] for r in lines[4:]] == [400, 400]
+        s = samples(httpx.get(f.url + "/metrics").text)
+        count = {st: s.get(("clusterctl_router_requests_total", (("endpoint", ""), ("model", ""), ("status", st))))
+                 for st in ("413", "431", "400")}  # fmt: skip
+        assert count == {"413": 2, "431": 1, "400": 3}
+        assert not any(("status", "0") in lab for (n, lab) in s if n == "clusterctl_router_requests_total")
+    finally:
+        f.close()
+
+
+def test_wrong_methods_get_405_with_allow_and_http10_keep_alive_is_declined():
+    f = Fleet(1, capacity=2, token_delay_s=0, tokens=2).start()
+    try:
+        r = httpx.put(f.url + "/v1/models")
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+        assert r.json()["error"]["code"] == "method_not_allowed"
+        r = httpx.get(f.base + "/chat/completions")
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        assert httpx.post(f.url + "/nowhere").status_code == 404
+        out = _raw(f.port, b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")  # returns: the router closed
+        head = out.split(b"\r\n\r\n", 1)[0].lower()
+        assert head.startswith(b"http/1.1 200") and b"connection: close" in head
     finally:
         f.close()

@@ -139,11 +139,24 @@ def serve_router(
         "admission": {"max_queue": max_queue, "max_wait_s": queue_timeout},
     }
 
+    flags = {
+        ("router", "policy"): "--policy",
+        ("router", "limits", "max_body_bytes"): "--max-body-bytes",
+        ("router", "limits", "connect_timeout_s"): "--connect-timeout",
+        ("router", "limits", "idle_timeout_s"): "--idle-timeout",
+        ("router", "admission", "max_queue"): "--max-queue",
+        ("router", "admission", "max_wait_s"): "--queue-timeout",
+    }
+
     def transform(cfg: RouterConfig) -> RouterConfig:
+        from pydantic import ValidationError
+
         try:
             return with_overrides(cfg, overrides)
-        except Exception as e:  # pydantic ValidationError on a bad flag value
-            raise ConfigError(f"command-line option: {str(e).splitlines()[-1].strip()}") from None
+        except ValidationError as e:  # a flag's value the config's own rules refuse
+            first = e.errors()[0]
+            flag = flags.get(tuple(first["loc"]), ".".join(map(str, first["loc"])))
+            raise ConfigError(f"{flag} {first.get('input')}: {first['msg']}") from None
 
     if access_log == "off":
         alog = AccessLog(None)

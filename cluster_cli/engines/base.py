@@ -43,8 +43,10 @@ class MetricMapping:
         """Resolve a config mapping.
 
         Empty -> vLLM's names. A mapping that names its own ``running`` metric is a
-        complete statement: what it leaves out stays unknown. A mapping without
-        ``running`` overrides single names on top of vLLM's.
+        complete statement: what it leaves out stays unknown; so is one that gives
+        ``running`` as null or "" (the engine exports none: the router's own in-flight
+        count stands in). A mapping without ``running`` overrides single names on top
+        of vLLM's.
         """
         mapping = dict(mapping or {})
         unknown = set(mapping) - set(METRIC_KEYS)
@@ -52,8 +54,10 @@ class MetricMapping:
             raise ValueError(f"unknown metric key(s): {', '.join(sorted(unknown))}; use {', '.join(METRIC_KEYS)}")
         if not mapping:
             return cls.vllm()
-        if mapping.get("running"):
-            return cls(mapping.get("running"), mapping.get("waiting") or None, mapping.get("kv_cache_usage") or None)
+        if "running" in mapping:
+            return cls(
+                mapping["running"] or None, mapping.get("waiting") or None, mapping.get("kv_cache_usage") or None
+            )
         base = cls.vllm()
         return cls(
             base.running,

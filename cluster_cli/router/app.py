@@ -242,17 +242,34 @@ class Router:
             )  # fmt: skip
         return None
 
+    def refused(self, conn: ClientConn, req: Request | None, status: int, code: str) -> None:
+        """A request refused while it was being read (head too large, malformed, body over the limit)."""
+        self.metrics.request("", "", status, None, 0.0)
+        if self.access.enabled:
+            self._seq += 1
+            method = req.method.decode("latin-1") if req is not None else ""
+            path = req.path.decode("latin-1") if req is not None else ""
+            self.access.log(self._seq, conn.peer, method, path, "", "", status, 0, None, 0.0, code)
+
     def _answer(self, conn: ClientConn, req: Request) -> int:
         """Answer a request that is not proxied; returns its HTTP status."""
         path = req.path
         if path in PROXY_PATHS:
-            data = error_response(405, "use POST", "method_not_allowed", keep_alive=conn.keep_alive)
+            data = error_response(
+                405, "use POST", "method_not_allowed", keep_alive=conn.keep_alive, extra=b"Allow: POST\r\n"
+            )
             conn.write(data if req.method != b"HEAD" else _head_only(data))
             return 405
         if req.method not in (b"GET", b"HEAD"):
-            status = 405 if path in _GET_PATHS else 404
-            conn.write(error_response(status, "not found", "not_found", keep_alive=conn.keep_alive))
-            return status
+            if path in _GET_PATHS:
+                msg = f"{path.decode('latin-1')} takes GET or HEAD"
+                extra = b"Allow: GET, HEAD\r\n"
+                conn.write(error_response(405, msg, "method_not_allowed", keep_alive=conn.keep_alive, extra=extra))
+                return 405
+            conn.write(
+                error_response(404, f"no route for {path.decode('latin-1')}", "not_found", keep_alive=conn.keep_alive)
+            )
+            return 404
         # A HEAD answer is the GET answer's head alone (same Content-Length, no body).
         write = conn.write if req.method == b"GET" else lambda data: conn.write(_head_only(data))
         if path == b"/health":
@@ -341,6 +358,10 @@ class Router:
                 # waiting for the terminating chunk. Served, not abandoned.
                 status, note = ex.status, "client closed after [DONE]"
             raise
+        except Exception as e:
+            status, note = 500, f"internal error: {type(e).__name__}"  # answered so by the server
+            model, endpoint, attempts = trace.model, trace.endpoint, trace.attempts
+            raise
         finally:
             self._inflight_total -= 1
             total = time.monotonic() - t0
@@ -388,6 +409,8 @@ class Router:
             obj = json.loads(req.body)
         except ValueError:
             return self._fail(conn, 400, "request body is not valid JSON", "invalid_json")
+        except RecursionError:
+            return self._fail(conn, 400, "request body is nested too deeply", "invalid_json")
         model = obj.get("model") if isinstance(obj, dict) else None
         if not isinstance(model, str) or not model:
             msg = "you must provide a model parameter"

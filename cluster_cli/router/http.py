@@ -176,7 +176,9 @@ def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
         headers.append((name, value))
     if chunked and clen is not None:
         raise BadRequest(400, "both Content-Length and chunked", "bad_request")
-    keep = b"close" not in conn if version == b"HTTP/1.1" else b"keep-alive" in conn
+    # HTTP/1.0's keep-alive is an extension a server may decline: declined (the response says
+    # "Connection: close" and the connection closes after it), never half-kept.
+    keep = b"close" not in conn if version == b"HTTP/1.1" else False
     req = Request(method, target, version, headers, keep)
     req.expect_continue = expect
     if forward:

@@ -33,6 +33,9 @@ class Handler(Protocol):
 
     def handle(self, conn: ClientConn, req: Request) -> Awaitable[None] | None: ...
 
+    def refused(self, conn: ClientConn, req: Request | None, status: int, code: str) -> None:
+        """A request answered with an error while it was still being read (its log line and metrics)."""
+
 
 class ClientConn(asyncio.Protocol):
     __slots__ = (
@@ -122,12 +125,12 @@ class ClientConn(asyncio.Protocol):
                 idx = buf.find(b"\r\n\r\n")
                 if idx < 0 or idx > h.max_header_bytes:
                     if idx > h.max_header_bytes or len(buf) > h.max_header_bytes:
-                        self._reject(431, "request head too large", "request_header_too_large")
+                        self._reject(None, 431, "request head too large", "request_header_too_large")
                     return
                 try:
                     req, clen, chunked = parse_request_head(buf[:idx])
                 except BadRequest as e:
-                    self._reject(e.status, e.message, e.code)
+                    self._reject(None, e.status, e.message, e.code)
                     return
                 buf = self._buf = buf[idx + 4 :]
                 self.keep_alive = req.keep_alive
@@ -138,9 +141,8 @@ class ClientConn(asyncio.Protocol):
                 else:
                     clen = clen or 0
                     if clen > h.max_body_bytes:
-                        self._reject(
-                            413, f"request body is {clen} bytes; the limit is {h.max_body_bytes}", "request_too_large"
-                        )
+                        msg = f"request body is {clen} bytes; the limit is {h.max_body_bytes}"
+                        self._reject(req, 413, msg, "request_too_large")
                         return
                     self._clen = clen
                 self._req = req
@@ -156,15 +158,14 @@ class ClientConn(asyncio.Protocol):
                 try:
                     payload, rest = dec.feed(buf)  # type: ignore[union-attr]
                 except ValueError:
-                    self._reject(400, "malformed chunked request body", "bad_request")
+                    self._reject(req, 400, "malformed chunked request body", "bad_request")
                     return
                 self._buf = b""
                 if payload:
                     self._body_parts.append(payload)
                     if sum(len(p) for p in self._body_parts) > h.max_body_bytes:
-                        self._reject(
-                            413, f"request body is over the limit of {h.max_body_bytes} bytes", "request_too_large"
-                        )
+                        msg = f"request body is over the limit of {h.max_body_bytes} bytes"
+                        self._reject(req, 413, msg, "request_too_large")
                         return
                 if not dec.done:  # type: ignore[union-attr]
                     return
@@ -175,10 +176,15 @@ class ClientConn(asyncio.Protocol):
             self.busy = True
             self.task = asyncio.get_running_loop().create_task(self._run(req))
 
-    def _reject(self, status: int, message: str, code: str) -> None:
+    def _reject(self, req: Request | None, status: int, message: str, code: str) -> None:
+        """Answer an error before the request was read whole (``req``: its head, when parsed), and close."""
         self.keep_alive = False
         self.write(error_response(status, message, code, keep_alive=False))
         self.close()
+        try:
+            self.h.refused(self, req, status, code)
+        except Exception:  # its log line must never take the connection handling down
+            log.exception("could not record a refused request")
 
     async def _run(self, req: Request) -> None:
         try:
