@@ -8,6 +8,7 @@ tested with hand-made instances.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -150,6 +151,29 @@ def problem_key(problem: str) -> str:
     return problem.split(":", 1)[0].split(" ", 1)[0].strip()
 
 
+DEFAULT_SUBNET_PREFIX = 0xFE80_0000_0000_0000  # what every subnet has unless its SM is told otherwise
+_PREFIX_TEXT = re.compile(r"[0-9A-Fa-f]{1,4}(?::[0-9A-Fa-f]{1,4}){3}")
+
+
+def prefix_text(prefix: int) -> str:
+    """``0xfe80000000000000`` -> ``fe80:0000:0000:0000`` (as sysfs and ibstatus print it)."""
+    return ":".join(f"{(prefix >> shift) & 0xFFFF:04x}" for shift in (48, 32, 16, 0))
+
+
+def prefix_value(v: object) -> int | None:
+    """``"fe80:0000:0000:0000"`` (four hex groups, as ``prefix_text`` writes) or an int -> int."""
+    if v is None:
+        return None
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64:
+        return v
+    if not isinstance(v, str) or not _PREFIX_TEXT.fullmatch(v.strip()):
+        raise ValueError(f"subnet_prefix: expected four hex groups like fe80:0000:0000:0000, got {v!r}")
+    out = 0
+    for part in v.strip().split(":"):
+        out = (out << 16) | int(part, 16)
+    return out
+
+
 @dataclass(frozen=True)
 class HcaPort:
     """One port of an RDMA adapter, from ``ibstat``."""
@@ -166,6 +190,7 @@ class HcaPort:
     ca_type: str | None = None
     sm_guid: int | None = None  # master SM port GUID seen from this port (sminfo), if known
     fabric: str | None = None  # from the inventory (node default or per-HCA override)
+    subnet_prefix: int | None = None  # upper 64 bits of the port's GID 0 (sysfs), if known
 
     @property
     def is_ib_attachment(self) -> bool:
@@ -188,6 +213,7 @@ class HcaPort:
             "sm_lid": self.sm_lid,
             "ca_type": self.ca_type,
             "sm_guid": None if self.sm_guid is None else f"0x{self.sm_guid:016x}",
+            "subnet_prefix": None if self.subnet_prefix is None else prefix_text(self.subnet_prefix),
             "fabric": self.fabric,
         }
 
@@ -207,6 +233,7 @@ class HcaPort:
             ca_type=d.get("ca_type"),
             sm_guid=int(d["sm_guid"], 16) if isinstance(d.get("sm_guid"), str) else d.get("sm_guid"),
             fabric=d.get("fabric"),
+            subnet_prefix=prefix_value(d.get("subnet_prefix")),
         )
 
 

@@ -13,7 +13,7 @@ Spec grammar (CLI ``--nodes``)::
 
     options: fabric=NAME  cpus=N  mem_gib=N  ecc=IDX  remap=IDX  retire=IDX
              foreign=IDX:PID:NAME[:MIB]  lost=IDX  smi_error=no-driver|driver-mismatch|no-devices
-             slow=SECONDS  garbage  sm_guid=0xHEX  ib_down=IDX  hca=CA:FABRIC  label=KEY/VALUE
+             slow=SECONDS  garbage  sm_guid=0xHEX  prefix=HEX16  ib_down=IDX  hca=CA:FABRIC  label=KEY/VALUE
 
 Index options may repeat (``ecc=1:ecc=3``) or list with ``+`` (``ecc=1+3``). A token
 without ``=`` continues the previous option's value, which is how ``foreign`` carries
@@ -258,6 +258,7 @@ class NodeSpec:
     slow: float = 0.0
     garbage: bool = False
     sm_guid: int | None = None
+    subnet_prefix: int | None = None  # of every IB port's GID 0 (default fe80:0000:0000:0000)
     ib_down: tuple[int, ...] = ()
     hca_fabrics: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
@@ -382,6 +383,11 @@ def apply_options(spec: NodeSpec, options: Iterable[str]) -> NodeSpec:
                 raise ValueError(f"{n}: slow={val!r} is not a number") from None
         elif key == "sm_guid":
             kw["sm_guid"] = _int(n, key, val if val.lower().startswith("0x") else "0x" + val)
+        elif key == "prefix":
+            prefix = _int(n, key, val if val.lower().startswith("0x") else "0x" + val)
+            if not 0 < prefix < 1 << 64:
+                raise ValueError(f"{n}: prefix={val!r}: a subnet prefix is 64 bits (16 hex digits)")
+            kw["subnet_prefix"] = prefix
         elif key in _INDEX_OPTS:
             lists.setdefault(key, list(getattr(spec, key))).extend(_int(n, key, v) for v in val.split("+") if v)
         elif key == "foreign":
@@ -771,6 +777,23 @@ def sminfo(spec: NodeSpec, ca: str, port: int) -> ToolOutput:
     return ToolOutput(line.encode())
 
 
+DEFAULT_SUBNET_PREFIX = 0xFE80_0000_0000_0000
+
+
+def sysfs_gids(spec: NodeSpec, index: int) -> dict[str, str]:
+    """``/sys/class``-relative path -> content of each InfiniBand port's ``gids/0``
+    (subnet prefix, then the port GUID), as a real HCA's sysfs shows it."""
+    prefix = spec.subnet_prefix if spec.subnet_prefix is not None else DEFAULT_SUBNET_PREFIX
+    out = {}
+    for nic in spec.hw.nics:
+        if nic.link_layer != "InfiniBand":
+            continue
+        gid = (prefix << 64) | port_guid(spec, index, nic)
+        text = ":".join(f"{(gid >> (16 * i)) & 0xFFFF:04x}" for i in range(7, -1, -1))
+        out[f"infiniband/{nic.ca}/ports/1/gids/0"] = text + "\n"
+    return out
+
+
 def meminfo(spec: NodeSpec) -> str:
     """A plausible /proc/meminfo whose MemTotal is exactly mem_gib GiB."""
     total = spec.effective_mem_gib * 1024 * 1024
@@ -863,6 +886,7 @@ class Rendered:
     tools: dict[str, dict[str, ToolOutput]]
     missing: tuple[str, ...]
     meminfo: ToolOutput
+    sysfs: dict[str, str] = field(default_factory=dict)  # /sys/class-relative path -> content
 
     def expected(self, command: str) -> ToolOutput:
         """What a probe command line (as in ``cluster_cli.probe.commands``) returns."""
@@ -914,7 +938,7 @@ def render(spec: NodeSpec, index: int) -> Rendered:
     n = f"{spec.effective_cpus}\n".encode()
     tools["nproc"] = {a: garbage_output("nproc", spec) if g else ToolOutput(n) for a in ("--all", "")}
     mem = garbage_output("meminfo", spec) if g else ToolOutput(meminfo(spec).encode())
-    return Rendered(spec, index, tools, tuple(missing), mem)
+    return Rendered(spec, index, tools, tuple(missing), mem, sysfs_gids(spec, index))
 
 
 def gpu_classes(specs: Iterable[NodeSpec]) -> dict[str, list[str]]:

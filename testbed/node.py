@@ -284,6 +284,7 @@ class Node:
             _write(self.host_key_path.with_suffix(".pub"), host_key[1], 0o644)
         (self.dir / "spec.json").write_text(spec_json(self.spec, self.index))
         self._write_tools(rendered)
+        self._write_sysfs(rendered)
         path = ":".join([str(self.bin_dir), *path_extra, _SYS_PATH])
         env = {"PATH": path, "HOME": str(self.home), "TESTBED_NODE": self.marker, "TESTBED_NODE_NAME": self.name}
         lines = [
@@ -315,6 +316,19 @@ class Node:
             "LogLevel INFO",
         ]
         self.config_path.write_text("\n".join(lines) + "\n")
+
+    @property
+    def sys_class_dir(self) -> Path:
+        """Mounted over ``/sys/class`` inside the node (netns mode): its HCAs' GIDs."""
+        return self.dir / "sys-class"
+
+    def _write_sysfs(self, r: Rendered) -> None:
+        if self.sys_class_dir.exists():
+            shutil.rmtree(self.sys_class_dir)
+        for rel, text in r.sysfs.items():
+            p = self.sys_class_dir / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            _write(p, text.encode(), 0o444)
 
     def _write_tools(self, r: Rendered) -> None:
         cat = _which("cat")
@@ -395,7 +409,11 @@ class Node:
                 "slave",
                 "/bin/sh",
                 "-c",
-                'echo "$0" >/proc/sys/kernel/hostname && exec "$@"',
+                # The node's own /sys/class (its HCAs' sysfs), in its own mount namespace only.
+                'echo "$0" >/proc/sys/kernel/hostname && '
+                f"{{ [ ! -d {shlex.quote(str(self.sys_class_dir))} ] || "
+                f"mount --bind {shlex.quote(str(self.sys_class_dir))} /sys/class; }} && "
+                'exec "$@"',
                 self.name,
                 *argv,
             ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import subprocess
 import time
 from contextlib import asynccontextmanager
@@ -19,7 +20,7 @@ from cluster_cli.config.inventory import Inventory
 from cluster_cli.probe import collect
 from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
 from cluster_cli.probe.collect import probe_node
-from cluster_cli.probe.commands import SMINFO_AFTER_IBSTAT, sminfo_record
+from cluster_cli.probe.commands import SMINFO_AFTER_IBSTAT, gid_record, sminfo_record
 from cluster_cli.probe.parsers.ibstat import parse_ibstat
 from testbed.hardware import parse_node
 
@@ -236,9 +237,22 @@ def test_the_shortcut_agrees_with_the_parser_on_real_outputs(fixture: Path) -> N
     cmds = {"ibstat": f"cat {fixture}"}
     then = {"ibstat": SMINFO_AFTER_IBSTAT.replace(" sminfo ", " echo ")}
     _, out, token = batch_output(cmds, then=then)
-    started = set(parse_records(cmds, out, token)) - {"ibstat"}
-    expected = {sminfo_record(p.ca, p.port) for p in parse_ibstat(text) if p.is_ib_attachment}
-    assert started == expected
+    records = parse_records(cmds, out, token)
+    started = set(records) - {"ibstat"}
+    active = [p for p in parse_ibstat(text) if p.is_ib_attachment]
+    assert started == {sminfo_record(p.ca, p.port) for p in active} | {gid_record(p.ca, p.port) for p in active}
+    for p in active:  # no /sys/class/infiniband here: each GID record is there, empty, rc 1
+        assert records[gid_record(p.ca, p.port)].rc in (0, 1)
+
+
+def test_val_records_need_no_process_and_say_whether_they_hold_anything() -> None:
+    cmds = {"a": "echo a"}
+    then = {"a": 'val v1 "hello world"; val v2 ""; val "bad name" x'}
+    _, out, token = batch_output(cmds, then=then)
+    res = parse_records(cmds, out, token)
+    assert (res["v1"].rc, res["v1"].stdout) == (0, "hello world\n")
+    assert res["v2"].rc == 1 and res["v2"].stdout.strip() == ""
+    assert set(res) == {"a", "v1", "v2"}  # a name outside [A-Za-z0-9_.:-] is skipped
 
 
 def test_builtins_as_first_word_run_in_a_shell() -> None:
@@ -397,3 +411,14 @@ def test_where_the_system_has_no_tools_in_bin_the_batch_uses_the_users_path(tmp_
     res = parse_records(cmds, p.stdout, token)
     assert (res["a"].rc, res["a"].stdout) == (0, "hi\n")
     assert (res["b"].rc, res["b"].stderr) == (3, "err\n")
+
+
+def test_the_ibstat_snippet_leaves_the_batchs_own_variables_alone() -> None:
+    """It runs inside the batch's shell: assigning g (the give-up flag), n, R, ... would corrupt
+    the batch (a GID read into g once labelled every sminfo still running as timed out)."""
+    shell = re.sub(r"'[^']*'", "''", SMINFO_AFTER_IBSTAT)  # the awk program's own variables are awk's
+    assigned = set(re.findall(r"(?:^|[;{\s])([A-Za-z_][A-Za-z0-9_]*)=", shell))
+    assigned |= set(re.findall(r"\bread\s+(?:-\w+\s+)*([A-Za-z_][A-Za-z0-9_]*)", shell))
+    assigned |= set(re.findall(r"\bfor\s+([A-Za-z_][A-Za-z0-9_]*)\s+in\b", shell)) - {"x"}  # x: see below
+    assert assigned == {"cc_gid"}, assigned
+    # its loop variable x is the collect loop's too, which only runs after every snippet is done

@@ -110,12 +110,32 @@ def test_fabric_conflicts_follow_the_inventory_of_this_run(testbed_factory, tmp_
     assert doc["fabric_conflicts"] and all("x" in line for line in doc["fabric_conflicts"])
     x = by_name(doc)["x"]
     assert any(p.startswith("fabric-conflict") for p in x["problems"])  # on the node, not only in the summary
-    assert all(h["fabric"] is None for h in x["hcas"])  # off the fabric its SM contradicts
+    assert all(h["fabric"] is None for h in x["hcas"]), x["hcas"]  # off the fabric its SM contradicts
     assert all(h["fabric"] == "ib-a" for h in by_name(doc)["a"]["hcas"] if h["state"] == "Active")
     # The inventory is fixed; only `a` is probed again. x's stored facts were probed under
     # the wrong declaration, but the cross-check uses what the inventory says now.
     code, doc, _ = discover(state, c.inventory_path, "--node", "a")
     assert code == 0 and doc["fabric_conflicts"] == []
+
+
+def test_subnet_prefixes_are_read_and_checked_against_the_declared_ones(testbed_factory, tmp_path: Path) -> None:
+    c = testbed_factory("p=hgx-h200x8:fabric=ib-a:prefix=fec0000000000001,q=hgx-h200x8:fabric=ib-a")
+    if c.mode != "netns":
+        pytest.skip("the nodes' own /sys/class needs netns mode (root)")
+    doc_inv = yaml.safe_load(c.inventory_path.read_text())
+    doc_inv["fabrics"]["ib-a"]["subnet_prefix"] = "0xfec0000000000001"
+    declared = c.inventory_path.with_name("declared.yaml")
+    declared.write_text(yaml.safe_dump(doc_inv))
+    code, doc, _ = discover(tmp_path / "s.db", declared)
+    assert code == 0
+    n = by_name(doc)
+    active = {name: [h for h in n[name]["hcas"] if h["state"] == "Active"] for name in ("p", "q")}
+    assert {h["subnet_prefix"] for h in active["p"]} == {"fec0:0000:0000:0001"}
+    assert {h["subnet_prefix"] for h in active["q"]} == {"fe80:0000:0000:0000"}  # left at the default
+    # q's ports are on another subnet than ib-a declares: reported, and q is off ib-a
+    assert any("q mlx5_0 has subnet prefix fe80:0000:0000:0000" in x for x in doc["fabric_conflicts"])
+    assert all(h["fabric"] is None for h in active["q"]) and all(h["fabric"] == "ib-a" for h in active["p"])
+    assert any(x.startswith("fabric-conflict: mlx5_0 port 1 has subnet prefix") for x in n["q"]["problems"])
 
 
 def test_faulty_gpus_are_not_free(testbed_factory, tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster_cli.facts import HcaPort, NodeFacts
+from cluster_cli.facts import DEFAULT_SUBNET_PREFIX, HcaPort, NodeFacts
 from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts
 from cluster_cli.probe.parsers.ibstat import parse_ibstat, parse_sminfo
 
@@ -150,6 +150,8 @@ def test_multi_port_label_and_natural_order() -> None:
 
 _fabrics = st.sampled_from(["ib-a", "ib-b", "ib-c", None])
 _sms = st.one_of(st.none(), st.sampled_from([SM_A, SM_B, SM_C]))
+P1, P2 = 0xFEC0_0000_0000_0001, 0xFEC0_0000_0000_0002
+_prefixes = st.sampled_from([None, DEFAULT_SUBNET_PREFIX, P1, P2])
 
 
 @st.composite
@@ -165,6 +167,7 @@ def fleets(draw: st.DrawFn) -> list[NodeFacts]:
                     sm_guid=draw(_sms),
                     sm_lid=draw(st.sampled_from([0, 1, 1024, p.sm_lid])),
                     state=draw(st.sampled_from(["Active", p.state])),
+                    subnet_prefix=draw(_prefixes),
                 )
             )
         out.append(NodeFacts(name=f"gpu-{i:02d}", hcas=tuple(hcas), reachable=draw(st.booleans())))
@@ -236,4 +239,50 @@ def test_after_distrust_every_fabric_sees_one_sm(nodes: list[NodeFacts]) -> None
                 by_fabric.setdefault(a.fabric, set()).add(a.sm_guid)
     assert all(len(sms) == 1 for sms in by_fabric.values())
     # No conflict among the declared same-fabric SM GUIDs is left for a multi-node replica to span.
-    assert not [c for c in fabric_conflicts(out) if "declared the same fabric" in c and "SM lid" not in c]
+    same = [c for c in fabric_conflicts(out) if "declared the same fabric" in c]
+    assert not [c for c in same if "SM lid" not in c and "subnet prefix" not in c]
+
+
+@FUZZ
+@given(fleets(), st.dictionaries(st.sampled_from(["ib-a", "ib-b"]), _prefixes.filter(bool), max_size=2))
+def test_after_distrust_no_port_is_off_its_fabrics_declared_prefix(nodes: list[NodeFacts], declared) -> None:
+    out = distrust_conflicting_ports(nodes, declared)
+    for n in out:
+        for h in n.hcas:
+            if n.reachable and h.is_ib_attachment and h.fabric in declared and h.subnet_prefix is not None:
+                assert h.subnet_prefix == declared[h.fabric]
+    assert not [c for c in fabric_conflicts(out, declared) if "the inventory declares" in c]
+    assert fabric_conflicts(nodes, declared) == fabric_conflicts(list(reversed(nodes)), declared)
+
+
+def test_subnet_prefixes_same_fabric_declared_and_across_fabrics() -> None:
+    def pre(n: NodeFacts, prefix: int) -> NodeFacts:
+        return replace(n, hcas=tuple(replace(h, subnet_prefix=prefix) for h in n.hcas))
+
+    a, b = pre(node("gpu-01"), P1), pre(node("gpu-02", overrides={"mlx5_3": {"sm_guid": SM_A}}), P1)
+    assert fabric_conflicts([a, b]) == []
+    b2 = replace(b, hcas=tuple(replace(h, subnet_prefix=P2) if h.ca == "mlx5_3" else h for h in b.hcas))
+    assert fabric_conflicts([a, b2]) == [
+        "fabric ib-a: gpu-01 mlx5_0 has subnet prefix fec0:0000:0000:0001 but gpu-02 mlx5_3 has "
+        "fec0:0000:0000:0002 (declared the same fabric)"
+    ]
+    lines = fabric_conflicts([a, b2], {"ib-a": P1})
+    assert lines[-1] == (
+        "fabric ib-a: gpu-02 mlx5_3 has subnet prefix fec0:0000:0000:0002 but the inventory declares fec0:0000:0000:0001"
+    )
+    out = distrust_conflicting_ports([a, b2], {"ib-a": P1})
+    assert out[0] == a and [h.ca for h in out[1].hcas if h.is_ib_attachment and h.fabric is None] == ["mlx5_3"]
+    assert out[1].problems == (
+        "fabric-conflict: mlx5_3 port 1 has subnet prefix fec0:0000:0000:0002 but fabric ib-a is declared with "
+        "fec0:0000:0000:0001; not used for multi-node replicas",
+    )
+    # across fabrics: a shared non-default prefix is a conflict, the shared default is not
+    c = pre(node("gpu-03", fabric="ib-b", sm=SM_B), P1)
+    assert fabric_conflicts([a, c])[-1].endswith(
+        "have the same subnet prefix fec0:0000:0000:0001 (declared different fabrics)"
+    )
+    d, e = (
+        pre(node("gpu-04", sm=SM_A), DEFAULT_SUBNET_PREFIX),
+        pre(node("gpu-05", fabric="ib-b", sm=SM_B), DEFAULT_SUBNET_PREFIX),
+    )
+    assert fabric_conflicts([d, e]) == []

@@ -67,6 +67,10 @@ def test_good_inventory_resolves_paths_and_defaults(tmp_path: Path) -> None:
         ("defaults: {command_timeout_s: .nan}\nnodes:\n  - {name: a, host: h}\n", "defaults.command_timeout_s"),
         ("nodes:\n  - {name: a, host: 2024-13-01}\n", "invalid YAML: month must be in 1..12"),
         ("{[1]: x}\n", "invalid YAML: a mapping key must be a plain value"),
+        (
+            "fabrics: {ib-a: {subnet_prefix: nope}}\nnodes:\n  - {name: a, host: h}\n",
+            "line 1: fabrics.ib-a.subnet_prefix",
+        ),
     ],
 )
 def test_bad_inventory_is_one_located_line(tmp_path: Path, text: str, needle: str) -> None:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_cli.facts import HcaPort
-from cluster_cli.probe.parsers.ibstat import parse_guid, parse_ibstat, parse_sminfo
+from cluster_cli.probe.parsers.ibstat import parse_gid_prefix, parse_guid, parse_ibstat, parse_sminfo
 
 FIXTURES = Path(__file__).parent / "fixtures" / "probes"
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -331,3 +331,48 @@ def test_never_raises_on_binaryish(blob: bytes) -> None:
 
 def test_non_string_input() -> None:
     assert parse_ibstat(None) == [] and parse_sminfo(None) is None  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- GID 0 -> subnet prefix
+
+
+def test_gid_prefix_from_the_sysfs_and_ibstatus_fixtures() -> None:
+    sysfs = dict(line.split(": ", 1) for line in fx("sysfs-infiniband.cx7-hdr.DERIVED.txt").splitlines())
+    assert parse_gid_prefix(sysfs["/sys/class/infiniband/mlx5_0/ports/1/gids/0"] + "\n") == 0xFE80_0000_0000_0000
+    default_gid = next(x for x in fx("ibstatus.cx7-hdr.txt").splitlines() if "default gid" in x)
+    assert parse_gid_prefix(default_gid.split("gid:", 1)[1]) == 0xFE80_0000_0000_0000  # gids/0, as ibstatus shows it
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("fec0:0000:0000:0001:58a2:e103:001b:2576\n", 0xFEC0_0000_0000_0001),
+        ("FEC0:0:0:1:58a2:e103:1b:2576", 0xFEC0_0000_0000_0001),
+        ("0000:0000:0000:0000:0000:0000:0000:0000\n", None),  # no GID yet
+        ("fe80::1", None),  # sysfs never compresses: anything else is not a GID 0 line
+        ("", None),
+        ("cat: gids/0: No such file or directory", None),
+    ],
+)
+def test_gid_prefix_cases(text: str, expected: int | None) -> None:
+    assert parse_gid_prefix(text) == expected
+
+
+_GID_TEXTS = [fx("sysfs-infiniband.cx7-hdr.DERIVED.txt"), fx("ibstatus.cx7-hdr.txt")]
+_gids = st.integers(0, 2**128 - 1).map(lambda g: ":".join(f"{(g >> s) & 0xFFFF:x}" for s in range(112, -1, -16)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=80), _gids, mutated(_GID_TEXTS)))
+def test_gid_prefix_never_raises(text: str) -> None:
+    v = parse_gid_prefix(text)
+    assert v is None or 0 <= v < 2**64
+
+
+def test_hca_port_round_trips_its_subnet_prefix() -> None:
+    h = HcaPort("mlx5_0", 1, "Active", link_layer="InfiniBand", subnet_prefix=0xFEC0_0000_0000_0001)
+    d = h.to_dict()
+    assert d["subnet_prefix"] == "fec0:0000:0000:0001" and HcaPort.from_dict(d) == h
+    assert HcaPort.from_dict({**d, "subnet_prefix": None}).subnet_prefix is None
+    with pytest.raises(ValueError, match="subnet_prefix"):
+        HcaPort.from_dict({**d, "subnet_prefix": "fe80::"})

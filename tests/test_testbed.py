@@ -548,6 +548,26 @@ def test_revive_keeps_the_address_or_fails_leaving_nothing_behind(testbed_factor
     assert c.node("r").port == port and _tcp("127.0.0.1", port) == "open"
 
 
+def _stuck(pid: int) -> str:
+    """Where a process that never got going waits, and what it started (for a failure message)."""
+    out = []
+    for q in [pid, *[k for k in all_pids() if (_ppid(k) == pid)]]:
+        try:
+            wchan = Path(f"/proc/{q}/wchan").read_text()
+            state = Path(f"/proc/{q}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            wchan = state = "?"
+        out.append(f"pid {q} ({cmdline(q)!r}) state {state} waiting in {wchan or '-'}")
+    return "; ".join(out)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 def test_kill_also_ends_what_lives_only_in_the_nodes_network(testbed_factory: ClusterFactory) -> None:
     c = testbed_factory("z=cpu-only")
     if c.mode != "netns":
@@ -562,7 +582,7 @@ def test_kill_also_ends_what_lives_only_in_the_nodes_network(testbed_factory: Cl
         while not [q for q in all_pids() if tag in cmdline(q)] and time.monotonic() < deadline:
             assert p.poll() is None, f"ip netns exec failed (rc {p.returncode}): {p.stderr.read() if p.stderr else ''}"
             time.sleep(0.05)
-        assert [q for q in all_pids() if tag in cmdline(q)]
+        assert [q for q in all_pids() if tag in cmdline(q)], _stuck(p.pid)
         c.kill("z")
         assert p.wait(timeout=5) is not None
         assert not [q for q in all_pids() if tag in cmdline(q)]

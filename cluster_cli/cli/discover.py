@@ -86,9 +86,10 @@ def discover(
         ui.fail(e)
     finally:
         store.close()
-    conflicts = fabric_conflicts([f for f in fleet if f.reachable])
-    # A port whose SM contradicts its declared fabric is shown off it, with the problem on its node.
-    shown = {f.name: f for f in distrust_conflicting_ports(fleet)}
+    prefixes = inv.declared_prefixes()
+    conflicts = fabric_conflicts([f for f in fleet if f.reachable], prefixes)
+    # A port whose subnet contradicts its declared fabric is shown off it, with the problem on its node.
+    shown = {f.name: f for f in distrust_conflicting_ports(fleet, prefixes)}
     result = [shown[n.name] for n in nodes]
 
     if output is ui.Output.table:

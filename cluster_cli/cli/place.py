@@ -74,9 +74,10 @@ def place(
     _warn_unknown_classes(catalog, cat, inv, nodes)
     from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts
 
-    for line in fabric_conflicts(nodes):
+    prefixes = inv.declared_prefixes()
+    for line in fabric_conflicts(nodes, prefixes):
         ui.warn(f"fabric conflict: {line}")
-    nodes = distrust_conflicting_ports(nodes)
+    nodes = distrust_conflicting_ports(nodes, prefixes)
     result = plan(nodes, cat, current)
     code = ExitCode.OK if result.complete else ExitCode.UNPLACED
     if output is ui.Output.table:

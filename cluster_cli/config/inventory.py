@@ -23,6 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster_cli.config.load import load_model
+from cluster_cli.facts import prefix_text, prefix_value
 
 ACCEPT_NEW = "accept-new"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -45,7 +46,29 @@ class SSHDefaults(_Strict):
 
 class Fabric(_Strict):
     description: str | None = None
+    # The subnet prefix its SM hands out (opensm's subnet_prefix): "fec0:0000:0000:0001" or
+    # "0xfec0000000000001". A port on this fabric showing another one is a conflict.
     subnet_prefix: str | None = None
+
+    @field_validator("subnet_prefix")
+    @classmethod
+    def _prefix(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        text = v.strip().lower()
+        try:
+            value = int(text, 16) if re.fullmatch(r"0x[0-9a-f]{1,16}", text) else prefix_value(text)
+        except ValueError:
+            value = None
+        if value is None:
+            raise ValueError(
+                f"expected a 64-bit subnet prefix like fec0:0000:0000:0001 or 0xfec0000000000001, got {v!r}"
+            )
+        return prefix_text(value)
+
+    @property
+    def prefix(self) -> int | None:
+        return prefix_value(self.subnet_prefix)
 
 
 class Node(_Strict):
@@ -139,6 +162,10 @@ class Inventory(_Strict):
             if product in names:
                 return cls_name
         return product.removeprefix("NVIDIA ").strip()
+
+    def declared_prefixes(self) -> dict[str, int]:
+        """Fabric name -> the subnet prefix the inventory declares for it (only those that do)."""
+        return {name: p for name, f in self.fabrics.items() if (p := f.prefix) is not None}
 
     def fabric_for(self, n: Node, ca: str) -> str | None:
         return n.hca_fabrics.get(ca, n.fabric)

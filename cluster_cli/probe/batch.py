@@ -33,9 +33,12 @@ disk costs more than running the probes).
 
 ``then`` maps a record to a sh snippet that runs in the batch's shell as soon as that
 record has finished with rc 0, while the others still run. ``$o`` is the record's
-stdout file and ``run NAME CMD [ARG...]`` starts another record. discover uses it to
+stdout file and ``run NAME CMD [ARG...]`` starts another record. A snippet's own
+variables must not reuse the batch's names (``d g n o p R K w x<N> c s i``): prefix them ``cc_``. discover uses it to
 start ``sminfo`` for every Active InfiniBand port that ``ibstat`` printed, without a
-second round trip. Names are ``[A-Za-z0-9_.:-]+``; ``run`` skips any other.
+second round trip. ``val NAME TEXT`` adds a record that needs no process (stdout TEXT,
+rc 0, or 1 when TEXT is empty): discover reads each such port's GID from sysfs with the
+shell's own ``read``. Names are ``[A-Za-z0-9_.:-]+``; ``run`` and ``val`` skip any other.
 
 Building the script and parsing its output are pure functions; nothing here does I/O.
 """
@@ -70,6 +73,12 @@ run() {
   exec "$@" >"$d/$n.o" 2>"$d/$n.e" </dev/null &
   R="$R $n:$nm:$!"; n=$((n+1))
   echo $! >>"$d/p"
+}
+val() {  # a record that is already done: stdout $2, rc 0 (1 when $2 is empty); no process
+  case $1 in ''|*[!A-Za-z0-9_.:-]*) return 1;; esac
+  printf '%s\n' "$2" >"$d/$n.o"; : >"$d/$n.e"
+  if [ -n "$2" ]; then eval "x$n=0"; else eval "x$n=1"; fi
+  R="$R $n:$1:"; n=$((n+1))
 }
 kl() {
   sig=$1; all=

@@ -16,9 +16,9 @@ from cluster_cli.config.inventory import Inventory, Node
 from cluster_cli.errors import SSHError
 from cluster_cli.facts import Gpu, HcaPort, NodeFacts
 from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
-from cluster_cli.probe.commands import PROBES, SMINFO_AFTER_IBSTAT, sminfo_command, sminfo_record
+from cluster_cli.probe.commands import PROBES, SMINFO_AFTER_IBSTAT, gid_record, sminfo_command, sminfo_record
 from cluster_cli.probe.parsers.host import parse_meminfo, parse_nproc
-from cluster_cli.probe.parsers.ibstat import parse_ibstat, parse_sminfo
+from cluster_cli.probe.parsers.ibstat import parse_gid_prefix, parse_ibstat, parse_sminfo
 from cluster_cli.probe.parsers.nvidia_smi import (
     build_gpus,
     classify_failure,
@@ -129,7 +129,9 @@ def facts_from_outputs(
         for p in parse_ibstat(ib.stdout) if ib_ports is None else ib_ports:
             fab = inv.fabric_for(node, p.ca) if p.is_ib_attachment else None
             guid = (sm_guids or {}).get((p.ca, p.port))
-            hcas.append(replace(p, fabric=fab, sm_guid=guid))
+            gid = outputs.get(gid_record(p.ca, p.port)) if p.is_ib_attachment else None
+            prefix = parse_gid_prefix(gid.stdout) if gid is not None and gid.rc == 0 else None
+            hcas.append(replace(p, fabric=fab, sm_guid=guid, subnet_prefix=prefix))
     elif ib is not None and not _missing(ib) and node.fabric:
         problems.append(
             f"ibstat: failed (rc {ib.rc}): {ib.output.strip().splitlines()[0] if ib.output.strip() else ''}"

@@ -42,23 +42,32 @@ PROBES: dict[str, str] = {
 
 # Run inside the probe batch once ``ibstat`` succeeded (see batch.py's ``then``): start
 # ``sminfo`` for every Active InfiniBand port it printed, while nvidia-smi still runs, so
-# fabric identity needs no second round trip. ``$o`` is ibstat's output; ``$cc_p`` is the batch's
-# ``command -p`` (or nothing where the system keeps its tools only on the user's PATH). Records are
-# named ``sm:<ca>:<port>`` (``sminfo_record``). This awk is only a shortcut: discover
-# checks the ports against its own parser and asks again for any that were missed.
+# fabric identity needs no second round trip, and read the port's GID 0 from sysfs (its
+# upper half is the subnet prefix) with the shell's own ``read``: no process, no root.
+# ``$o`` is ibstat's output; ``$cc_p`` is the batch's ``command -p`` (or nothing where the
+# system keeps its tools only on the user's PATH). Records are named ``sm:<ca>:<port>``
+# (``sminfo_record``) and ``gid:<ca>:<port>`` (``gid_record``). This awk is only a shortcut:
+# discover checks the ports against its own parser and asks sminfo again for any missed.
 SMINFO_AFTER_IBSTAT = (
     "for x in $($cc_p awk '"
     '/^CA /{c=$2; gsub(/[^A-Za-z0-9_.-]/, "", c)} '
     '/^[ \\t]*Port [0-9]+:/{p=$2; sub(/:.*/, "", p); s=""} '
     "/^[ \\t]*State:/{s=$2} "
     '/^[ \\t]*Link layer:/{if (s == "Active" && $3 == "InfiniBand" && c != "") print c ":" p}'
-    '\' "$o"); do run "sm:$x" sminfo -C "${x%:*}" -P "${x##*:}"; done'
+    '\' "$o"); do run "sm:$x" sminfo -C "${x%:*}" -P "${x##*:}"; '
+    'cc_gid=; { read -r cc_gid <"/sys/class/infiniband/${x%:*}/ports/${x##*:}/gids/0"; } 2>/dev/null; '
+    'val "gid:$x" "$cc_gid"; done'
 )
 
 
 def sminfo_record(ca: str, port: int) -> str:
     """The batch record name of ``sminfo`` for one port."""
     return f"sm:{ca}:{int(port)}"
+
+
+def gid_record(ca: str, port: int) -> str:
+    """The batch record name of one port's GID 0 (read from sysfs)."""
+    return f"gid:{ca}:{int(port)}"
 
 
 def sminfo_command(ca: str, port: int) -> str:

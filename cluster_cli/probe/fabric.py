@@ -2,10 +2,15 @@
 
 The evidence per Active InfiniBand port is the master SM it sees: ``sm_guid`` when
 known (strong), else ``sm_lid`` (weak: small per-subnet integers collide across
-fabrics and change on failover). So:
+fabrics and change on failover), and the subnet prefix of its GID (one per subnet,
+but the default ``fe80:0000:0000:0000`` is shared by every subnet left at it). So:
 
-* within one declared fabric, different SM GUIDs, or different SM lids, are a conflict;
-* across declared fabrics, the same SM GUID is a conflict; the same SM lid is not.
+* within one declared fabric, different SM GUIDs, or different SM lids, or different
+  subnet prefixes, are a conflict;
+* across declared fabrics, the same SM GUID is a conflict, and so is the same subnet
+  prefix unless it is the default; the same SM lid is not;
+* a port whose subnet prefix is not the one the inventory declares for its fabric
+  (``fabrics.NAME.subnet_prefix``) is a conflict.
 
 Comparison is per port (rail), never per node.
 """
@@ -14,10 +19,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from cluster_cli.facts import NodeFacts
+from cluster_cli.facts import DEFAULT_SUBNET_PREFIX, NodeFacts, prefix_text
 
 __all__ = ["distrust_conflicting_ports", "fabric_conflicts"]
 
@@ -30,6 +35,7 @@ class _Seen:
     fabric: str
     sm_guid: int | None
     sm_lid: int | None
+    prefix: int | None = None
 
     @property
     def label(self) -> str:
@@ -84,6 +90,29 @@ def _same_fabric(fabric: str, ports: list[_Seen]) -> list[str]:
                     f"fabric {fabric}: {ref.label} sees SM lid {ref.sm_lid} but {b.label} "
                     f"sees SM lid {lid} (declared the same fabric)"
                 )
+    by_prefix = _group([p for p in ports if p.prefix is not None], "prefix")
+    if len(by_prefix) > 1:
+        ref_group = _largest(by_prefix)
+        a = ref_group[0]
+        for grp in by_prefix.values():
+            if grp is not ref_group:
+                b = grp[0]
+                out.append(
+                    f"fabric {fabric}: {a.label} has subnet prefix {prefix_text(a.prefix or 0)} but {b.label} "
+                    f"has {prefix_text(b.prefix or 0)} (declared the same fabric)"
+                )
+    return out
+
+
+def _declared_prefix(ports: list[_Seen], declared: Mapping[str, int]) -> list[str]:
+    out: list[str] = []
+    for p in ports:
+        want = declared.get(p.fabric)
+        if want is not None and p.prefix is not None and p.prefix != want:
+            out.append(
+                f"fabric {p.fabric}: {p.label} has subnet prefix {prefix_text(p.prefix)} "
+                f"but the inventory declares {prefix_text(want)}"
+            )
     return out
 
 
@@ -102,15 +131,28 @@ def _cross_fabric(ports: list[_Seen]) -> list[str]:
                 f"{a.label} (fabric {a.fabric}) and {b.label} (fabric {b.fabric}) "
                 f"see the same SM {_guid(guid)} (declared different fabrics)"
             )
+    by_prefix = _group([p for p in ports if p.prefix not in (None, DEFAULT_SUBNET_PREFIX)], "prefix")
+    for prefix in sorted(by_prefix):
+        first: dict[str, _Seen] = {}
+        for p in by_prefix[prefix]:
+            first.setdefault(p.fabric, p)
+        names = sorted(first)
+        for f in names[1:]:
+            a, b = first[names[0]], first[f]
+            out.append(
+                f"{a.label} (fabric {a.fabric}) and {b.label} (fabric {b.fabric}) "
+                f"have the same subnet prefix {prefix_text(prefix)} (declared different fabrics)"
+            )
     return out
 
 
-def fabric_conflicts(nodes: Sequence[NodeFacts]) -> list[str]:
-    """One line per contradiction between declared fabrics and observed subnet managers.
+def fabric_conflicts(nodes: Sequence[NodeFacts], declared: Mapping[str, int] | None = None) -> list[str]:
+    """One line per contradiction between declared fabrics and observed subnets.
 
     Only Active InfiniBand ports of reachable nodes with a declared ``fabric`` count;
-    SM lid 0 counts as unknown. Same-fabric conflicts come first (by fabric name),
-    then cross-fabric ones (by SM GUID).
+    SM lid 0 counts as unknown. ``declared`` maps a fabric to the subnet prefix the
+    inventory gives it. Same-fabric conflicts come first (by fabric name), then ports
+    off their declared prefix, then cross-fabric ones (by SM GUID, then prefix).
     """
     seen: list[_Seen] = []
     for node in nodes:
@@ -119,7 +161,7 @@ def fabric_conflicts(nodes: Sequence[NodeFacts]) -> list[str]:
         for h in node.hcas:
             if not h.is_ib_attachment or not h.fabric:
                 continue
-            seen.append(_Seen(node.name, h.ca, h.port, h.fabric, h.sm_guid or None, h.sm_lid or None))
+            seen.append(_Seen(node.name, h.ca, h.port, h.fabric, h.sm_guid or None, h.sm_lid or None, h.subnet_prefix))
     seen.sort(key=_sort_key)
 
     out: list[str] = []
@@ -128,13 +170,17 @@ def fabric_conflicts(nodes: Sequence[NodeFacts]) -> list[str]:
         by_fabric.setdefault(s.fabric, []).append(s)
     for fabric in sorted(by_fabric):
         out.extend(_same_fabric(fabric, by_fabric[fabric]))
+    out.extend(_declared_prefix(seen, declared or {}))
     out.extend(_cross_fabric(seen))
     return out
 
 
-def distrust_conflicting_ports(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
-    """Take ports whose master SM contradicts the rest of their declared fabric off that fabric.
+def distrust_conflicting_ports(
+    nodes: Sequence[NodeFacts], declared: Mapping[str, int] | None = None
+) -> list[NodeFacts]:
+    """Take ports whose subnet contradicts their declared fabric off that fabric.
 
+    A port whose subnet prefix is not the one ``declared`` for its fabric is off it.
     Within one declared fabric, Active InfiniBand ports are grouped by the SM GUID they
     see. When they disagree, the one largest group is trusted and every other port is
     taken off the fabric (``fabric=None``) with a ``fabric-conflict`` problem on its node,
@@ -142,6 +188,7 @@ def distrust_conflicting_ports(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
     none of them can be trusted. Ports without a known SM GUID are left as declared.
     Pure; nodes come back in the same order.
     """
+    declared = declared or {}
     ports: dict[str, list[tuple[str, str, int, int]]] = {}
     for node in nodes:
         if not node.reachable:
@@ -150,6 +197,16 @@ def distrust_conflicting_ports(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
             if h.is_ib_attachment and h.fabric and h.sm_guid:
                 ports.setdefault(h.fabric, []).append((node.name, h.ca, h.port, h.sm_guid))
     bad: dict[tuple[str, str, int], str] = {}
+    for node in nodes:
+        if not node.reachable:
+            continue
+        for h in node.hcas:
+            want = declared.get(h.fabric or "")
+            if h.is_ib_attachment and want is not None and h.subnet_prefix is not None and h.subnet_prefix != want:
+                bad[(node.name, h.ca, h.port)] = (
+                    f"fabric-conflict: {h.ca} port {h.port} has subnet prefix {prefix_text(h.subnet_prefix)} but "
+                    f"fabric {h.fabric} is declared with {prefix_text(want)}; not used for multi-node replicas"
+                )
     for fabric, seen in ports.items():
         counts = Counter(guid for *_, guid in seen)
         if len(counts) < 2:
@@ -158,7 +215,7 @@ def distrust_conflicting_ports(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
         leaders = [g for g, c in counts.items() if c == top]
         trusted = leaders[0] if len(leaders) == 1 else None
         for name, ca, port, guid in seen:
-            if guid == trusted:
+            if guid == trusted or (name, ca, port) in bad:
                 continue
             why = (
                 f"most of its ports see SM {_guid(trusted)}"

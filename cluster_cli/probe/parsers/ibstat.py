@@ -10,7 +10,7 @@ import re
 
 from cluster_cli.facts import HcaPort
 
-__all__ = ["parse_guid", "parse_ibstat", "parse_sminfo"]
+__all__ = ["parse_gid_prefix", "parse_guid", "parse_ibstat", "parse_sminfo"]
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]")
 _CA = re.compile(r"CA\s+'([^']*)'")
@@ -21,6 +21,7 @@ _COLON_GUID = re.compile(r"[0-9A-Fa-f]{1,4}(?::[0-9A-Fa-f]{1,4}){3}")
 _RATE = re.compile(r"([0-9]{1,6}(?:\.[0-9]{1,6})?)(?:\s|\(|$)")  # "400", "2.5", "40 (FDR10)"
 _LID = re.compile(r"(?:0[xX]([0-9A-Fa-f]{1,8})|([0-9]{1,8}))")
 _SMINFO = re.compile(r"sm\s+lid\s+\S+\s+sm\s+guid\s+0[xX]([0-9A-Fa-f]{1,16})\b(?P<rest>.*)", re.IGNORECASE)
+_GID = re.compile(r"[0-9A-Fa-f]{1,4}(?::[0-9A-Fa-f]{1,4}){7}")
 _SM_STATE = re.compile(r"\bstate\s+[0-9]+\s+(SMINFO_[A-Z_]+)", re.IGNORECASE)
 
 
@@ -125,3 +126,20 @@ def parse_sminfo(text: str) -> int | None:
             return None
         return int(m.group(1), 16) or None
     return None
+
+
+def parse_gid_prefix(text: str) -> int | None:
+    """Subnet prefix (upper 64 bits) of a port's GID 0, as sysfs ``gids/0`` shows it
+    (``fe80:0000:0000:0000:c470:bd03:00cf:4964``); None if absent, malformed or all zero."""
+    if not isinstance(text, str):
+        return None
+    line = _plain(text).strip().split("\n", 1)[0].strip()
+    if not _GID.fullmatch(line):
+        return None
+    groups = [int(g, 16) for g in line.split(":")]
+    if not any(groups):
+        return None  # a port that has no GID yet
+    prefix = 0
+    for g in groups[:4]:
+        prefix = (prefix << 16) | g
+    return prefix
