@@ -86,7 +86,7 @@ class Gpu:
     def to_dict(self) -> dict[str, Any]:
         return {
             "index": self.index,
-            "uuid": self.uuid,
+            "uuid": self.uuid or None,  # a lost GPU has none
             "product": self.product,
             "class": self.gpu_class,
             "memory_total_mib": self.memory_total_mib,
@@ -260,6 +260,7 @@ class NodeFacts:
     cordon_reason: str | None = None
     problems: tuple[str, ...] = ()
     probed_at: float | None = None
+    last_seen_at: float | None = None  # an unreachable node: when it last answered (its facts' age)
 
     @property
     def fabrics(self) -> frozenset[str]:
@@ -278,12 +279,14 @@ class NodeFacts:
             "memory_mib": self.memory_mib,
             "fabric": self.fabric,
             "labels": dict(self.labels),
-            "gpus": [g.to_dict() for g in self.gpus],
+            # An unreachable node's GPUs are its last known ones: none of them is free now.
+            "gpus": [g.to_dict() if self.reachable else {**g.to_dict(), "free": False} for g in self.gpus],
             "nvlink_domains": None if self.nvlink_domains is None else [list(d) for d in self.nvlink_domains],
             "hcas": [h.to_dict() for h in self.hcas],
             "fabrics": sorted(self.fabrics),
             "problems": list(self.problems),
             "probed_at": self.probed_at,
+            "last_seen_at": self.probed_at if self.reachable else self.last_seen_at,
         }
 
     @classmethod
@@ -305,6 +308,7 @@ class NodeFacts:
             cordon_reason=d.get("cordon_reason"),
             problems=tuple(d.get("problems") or ()),
             probed_at=_num(d, "probed_at"),
+            last_seen_at=_num(d, "last_seen_at"),
         )
 
 

@@ -42,6 +42,8 @@ def error_lines(result) -> list[str]:
 def test_version_and_help_examples() -> None:
     r = runner.invoke(app, ["--version"])
     assert r.exit_code == 0 and r.output.startswith("clusterctl ")
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0 and "clusterctl discover -i inventory.yaml" in r.output
     for cmd in ("discover", "cordon", "uncordon"):
         r = runner.invoke(app, [cmd, "--help"])
         assert r.exit_code == 0

@@ -154,3 +154,24 @@ def test_a_process_row_without_a_readable_pid_still_makes_its_gpu_busy() -> None
     # A process row cut after its pid is a process.
     f = facts_from_outputs(INV, NODE, outputs(apps=ok("GPU-aaaa0000-0000-0000-0000-000000000001, 4411")))
     assert [g.index for g in f.gpus if any(p.startswith("foreign-process: pid 4411") for p in g.problems)] == [1]
+
+
+def test_an_hca_override_for_a_card_the_node_lacks_is_a_problem() -> None:
+    inv = Inventory(
+        fabrics={"ib-a": None, "ib-b": None},
+        nodes=[Node(name="gpu-01", host="h", fabric="ib-a", hca_fabrics={"mlx5_1": "ib-b", "mlx5_99": "ib-b"})],
+    )
+    f = facts_from_outputs(inv, inv.nodes[0], outputs())
+    assert f.problems == ("fabric: hca_fabrics names mlx5_99, which ibstat does not list on this node",)
+    failed = outputs(ibstat=CommandResult(127, "", "ibstat: command not found"))
+    assert not any("hca_fabrics" in p for p in facts_from_outputs(inv, inv.nodes[0], failed).problems)
+
+
+def test_gid_records_give_the_subnet_prefix_of_active_ib_ports() -> None:
+    gids = {
+        "gid:mlx5_0:1": CommandResult(0, "fec0:0000:0000:0001:0c42:a103:00aa:0001\n"),
+        "gid:mlx5_1:1": CommandResult(1, "\n"),  # not readable there
+        "gid:mlx5_2:1": CommandResult(0, "fe80:0000:0000:0000:0000:0000:0000:0001\n"),  # Ethernet: ignored
+    }
+    f = facts_from_outputs(INV, NODE, {**outputs(), **gids})
+    assert {h.ca: h.subnet_prefix for h in f.hcas} == {"mlx5_0": 0xFEC0_0000_0000_0001, "mlx5_1": None, "mlx5_2": None}

@@ -155,7 +155,7 @@ def test_faulty_gpus_are_not_free(testbed_factory, tmp_path: Path) -> None:
     assert "pid 4411" in gpus[2]["problems"][0] and gpus[2]["healthy"]
     assert gpus[3]["problems"][0].startswith("remap") and gpus[4]["problems"][0].startswith("retired-pages")
     lost = [g for g in n["f2"]["gpus"] if g["lost"]]
-    assert len(lost) == 1 and not lost[0]["healthy"]
+    assert len(lost) == 1 and not lost[0]["healthy"] and lost[0]["uuid"] is None  # nvidia-smi gave none
     assert sum(g["free"] for g in n["f2"]["gpus"]) == 3  # the survivors stay usable
     for name, word in (("f3", "driver"), ("f4", "mismatch"), ("f5", "unreadable")):
         assert n[name]["gpus"] == [] and n[name]["nvlink_domains"] is None
@@ -185,12 +185,18 @@ def test_dead_frozen_partitioned_nodes_never_stall_the_run(testbed_factory, tmp_
 def test_unreachable_node_keeps_its_last_facts(testbed_factory, tmp_path: Path) -> None:
     c = testbed_factory("a=a100-pcie-4x,b=cpu-only")
     state = tmp_path / "s.db"
-    assert discover(state, c.inventory_path)[0] == 0
+    code, doc, _ = discover(state, c.inventory_path)
+    assert code == 0
+    seen = by_name(doc)["a"]["probed_at"]
     c.kill("a")
     code, doc, _ = discover(state, c.inventory_path)
     assert code == 1
     a = by_name(doc)["a"]
     assert a["reachable"] is False and len(a["gpus"]) == 4  # last known hardware kept, marked unreachable
+    assert not any(g["free"] for g in a["gpus"]) and a["last_seen_at"] == seen  # none free while it is away
+    r = runner.invoke(app, ["--state", str(state), "discover", "-i", str(c.inventory_path)], env={"COLUMNS": "200"})
+    row = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["a"])
+    assert "0/4 A100" in row  # the table agrees
 
 
 def test_wrong_key_and_unknown_host_key(testbed_factory, tmp_path: Path) -> None:

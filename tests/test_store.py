@@ -32,11 +32,18 @@ def test_discovery_never_clears_a_cordon(tmp_path: Path) -> None:
 
 def test_unreachable_keeps_last_known_hardware(tmp_path: Path) -> None:
     with Store(tmp_path / "s.db") as s:
-        s.save_discovery([node("a")])
-        s.save_discovery([NodeFacts(name="a", host="198.18.0.10", reachable=False, error="connection refused")])
+        s.save_discovery([node("a", probed_at=100.0)])
+        for t in (200.0, 300.0):
+            s.save_discovery([NodeFacts(name="a", host="198.18.0.10", reachable=False, error="refused", probed_at=t)])
         (f,) = s.nodes()
-        assert not f.reachable and f.error == "connection refused"
+        assert not f.reachable and f.error == "refused"
         assert len(f.gpus) == 1 and f.cpus == 8
+        assert (f.probed_at, f.last_seen_at) == (300.0, 100.0)  # when it last answered, not the last attempt
+        d = f.to_dict()
+        assert d["last_seen_at"] == 100.0 and [g["free"] for g in d["gpus"]] == [False]  # none free while away
+        assert f.gpus[0].free  # the GPU itself was free when last seen: back when the node answers again
+        s.save_discovery([node("a", probed_at=400.0)])
+        assert s.nodes()[0].to_dict()["last_seen_at"] == 400.0 and s.nodes()[0].to_dict()["gpus"][0]["free"]
 
 
 def test_versions_and_replicas_released_whole(tmp_path: Path) -> None:

@@ -108,7 +108,7 @@ def gpu_summary(f: NodeFacts) -> str:
     if not f.gpus:
         return "-"
     total = Counter(g.gpu_class for g in f.gpus)
-    free = Counter(g.gpu_class for g in f.gpus if g.free)
+    free = Counter(g.gpu_class for g in f.gpus if g.free and f.reachable)  # away: nothing is free
     return ", ".join(f"{free[c]}/{n} {c}" for c, n in sorted(total.items()))
 
 

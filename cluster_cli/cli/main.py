@@ -19,6 +19,13 @@ DEFAULT_STATE = Path(".clusterctl/state.db")
 app = typer.Typer(
     name="clusterctl",
     help="Turn a fleet of SSH-reachable servers into an LLM serving cluster.\n\nGlobal options (--state, -v) may also follow the command.",
+    epilog=(
+        "Examples:\n\n"
+        "  clusterctl discover -i inventory.yaml\n\n"
+        '  clusterctl cordon gpu-03 --reason "ECC storm"\n\n'
+        "  clusterctl place --dry-run -c catalog.yaml\n\n"
+        "  clusterctl serve-router --config router.yaml --port 8000"
+    ),
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",

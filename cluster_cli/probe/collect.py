@@ -138,6 +138,8 @@ def facts_from_outputs(
         )
     if node.fabric and not any(h.is_ib_attachment for h in hcas):
         problems.append(f"fabric: declared on {node.fabric} but no Active InfiniBand port")
+    if ib is not None and ib.rc == 0 and (absent := sorted(set(node.hca_fabrics) - {h.ca for h in hcas})):
+        problems.append(f"fabric: hca_fabrics names {', '.join(absent)}, which ibstat does not list on this node")
 
     return NodeFacts(
         name=node.name,

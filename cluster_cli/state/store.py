@@ -253,6 +253,7 @@ class Store:
                             labels=f.labels,
                             fabric=f.fabric,
                             probed_at=f.probed_at,
+                            last_seen_at=old.probed_at if old.reachable else old.last_seen_at,
                         )
                 doc = f.to_dict()
                 doc.pop("cordoned", None)
