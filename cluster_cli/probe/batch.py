@@ -107,7 +107,7 @@ kl() {
 # running (recording their pids), KILL what is left a second later, and a second after that
 # wake the batch (USR1) so that it stops waiting for jobs that even KILL could not end.
 _WATCHDOG = (
-    '( trap \'kill $s 2>/dev/null; exit\' TERM; $cc_p sleep {t} & s=$!; : >"$d/w"; wait $s; : >"$d/t"; '
+    '( trap \'kill $s 2>/dev/null; exit\' TERM; $cc_p sleep {t} & s=$!; echo $s >"$d/w"; wait $s; : >"$d/t"; '
     "kl TERM; $cc_p sleep 1 & s=$!; wait $s; kl KILL; $cc_p sleep 1 & s=$!; wait $s; kill -USR1 $$ ) "
     ">/dev/null 2>&1 </dev/null & w=$!"
 )
@@ -124,9 +124,16 @@ _COLLECT = r"""for x in $R; do
     eval "x$i=\$r"
   fi
 done
-# Stop the watchdog only once its sleep is known ($d/w), or that sleep would outlive the batch.
-c=0; while [ ! -e "$d/w" ] && [ $c -lt 100000 ]; do c=$((c+1)); done
-kill $w 2>/dev/null
+# Stop the watchdog once its sleep is known ($d/w holds its pid), and that sleep too: were the
+# TERM to land before the watchdog had noted the pid, its trap could not end the sleep, which
+# would outlive the batch. (On a loaded box the watchdog may take a while to get that far.)
+c=0; while [ ! -s "$d/w" ] && [ $c -lt 1000000 ] && kill -0 $w 2>/dev/null; do c=$((c+1)); done
+ws=; read -r ws <"$d/w" 2>/dev/null
+if [ -n "$ws" ] && [ ! -e "$d/t" ] && [ -r "/proc/$ws/stat" ]; then
+  l=; read -r l <"/proc/$ws/stat" 2>/dev/null; set -- ${{l##*) }}
+  [ "$2" = "$w" ] || ws=  # only while it is still the watchdog's own sleep
+else ws=; fi
+kill $w $ws 2>/dev/null
 K=" "
 if [ -e "$d/t" ]; then while read -r k; do K="$K$k "; done <"$d/t"; fi
 printf '@@CC {token} RC\n'
