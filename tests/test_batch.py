@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import time
 from contextlib import asynccontextmanager
@@ -225,8 +226,20 @@ def test_discover_gets_sm_identities_in_one_exec(tmp_path: Path) -> None:
 def test_ports_the_shortcut_misses_are_asked_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(collect, "SMINFO_AFTER_IBSTAT", ":")  # the in-batch shortcut finds nothing
     inv, session = _hgx_node(tmp_path, _hgx_ibstat())
+    spec = parse_node("n1=hgx-h200x8:fabric=ib-a:prefix=fec0000000000007")
+    for rel, text in hw.sysfs_gids(spec, 0).items():  # a node's sysfs, under tmp_path
+        (tmp_path / "sys" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "sys" / rel).write_text(text)
+    real_cat = shutil.which("cat")
+    _tool(
+        tmp_path / "bin",
+        "cat",
+        f'case $1 in /sys/class/*) exec {real_cat} "{tmp_path}/sys/${{1#/sys/class/}}";; esac\nexec {real_cat} "$@"\n',
+    )
     f = asyncio.run(probe_node(inv, inv.nodes[0], LocalConnector(session)))
-    assert {h.sm_guid for h in f.hcas if h.is_ib_attachment} == {hw.fabric_sm_guid("ib-a")}
+    ports = [h for h in f.hcas if h.is_ib_attachment]
+    assert {h.sm_guid for h in ports} == {hw.fabric_sm_guid("ib-a")}
+    assert {h.subnet_prefix for h in ports} == {0xFEC0_0000_0000_0007}  # their GIDs are read in that exec too
     assert session.execs == 2
 
 

@@ -150,6 +150,18 @@ def test_without_i_the_inventory_discover_recorded_is_used(tmp_path: Path, monke
     assert nodes == {"gpu-01"}  # gpu-02 has facts but is not in the recorded inventory
 
 
+def test_facts_from_the_state_follow_the_inventory_labels_and_fabrics_alone() -> None:
+    from cluster_cli.config.inventory import Inventory
+    from cluster_cli.state.view import for_inventory
+
+    inv = Inventory.model_validate({"fabrics": {"ib-a": None}, "nodes": [{"name": "gpu-01", "host": "h"}]})
+    stored = replace(dgx("gpu-01"), labels={"zone": "a"})  # probed when the inventory said zone: a, fabric ib-a
+    (now,) = for_inventory(inv, [stored], from_state=True)
+    assert now.labels == {} and not now.fabrics  # both since removed from the inventory
+    (hand,) = for_inventory(inv, [stored])  # a hand-written facts file keeps its own
+    assert hand.labels == {"zone": "a"}
+
+
 def test_facts_file_gets_the_stores_cordons(tmp_path: Path) -> None:
     inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01"), dgx("gpu-02", cpus=8)])
     with Store(tmp_path / "state.db") as s:

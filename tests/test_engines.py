@@ -54,6 +54,8 @@ def test_llamacpp_metric_names_and_no_kv_gauge() -> None:
 def test_mapping_resolution(mapping, expected) -> None:
     m = MetricMapping.from_config(mapping)
     assert (m.running, m.waiting, m.kv_cache_usage) == expected
+    back = MetricMapping.from_config(m.to_config())
+    assert (back.running, back.waiting, back.kv_cache_usage) == expected  # to_config reads back the same
 
 
 def test_mapping_rejects_unknown_keys() -> None:

@@ -240,17 +240,22 @@ def test_after_distrust_every_fabric_sees_one_sm(nodes: list[NodeFacts]) -> None
     assert all(len(sms) == 1 for sms in by_fabric.values())
     # No conflict among the declared same-fabric SM GUIDs is left for a multi-node replica to span.
     same = [c for c in fabric_conflicts(out) if "declared the same fabric" in c]
-    assert not [c for c in same if "SM lid" not in c and "subnet prefix" not in c]
+    assert not [c for c in same if "SM lid" not in c]  # SM GUIDs and subnet prefixes agree within a fabric
 
 
 @FUZZ
 @given(fleets(), st.dictionaries(st.sampled_from(["ib-a", "ib-b"]), _prefixes.filter(bool), max_size=2))
 def test_after_distrust_no_port_is_off_its_fabrics_declared_prefix(nodes: list[NodeFacts], declared) -> None:
     out = distrust_conflicting_ports(nodes, declared)
-    for n in out:
-        for h in n.hcas:
+    for before, n in zip(nodes, out, strict=True):
+        for b, h in zip(before.hcas, n.hcas, strict=True):
             if n.reachable and h.is_ib_attachment and h.fabric in declared and h.subnet_prefix is not None:
                 assert h.subnet_prefix == declared[h.fabric]
+            if n.reachable and b.is_ib_attachment and b.fabric in declared and b.subnet_prefix is not None:
+                # a port on its declared prefix is taken off only by the SM vote among such ports
+                on_prefix = b.subnet_prefix == declared[b.fabric]
+                if on_prefix and h.fabric is None:
+                    assert any(f"{b.ca} port {b.port} sees SM" in p for p in n.problems), n.problems
     assert not [c for c in fabric_conflicts(out, declared) if "the inventory declares" in c]
     assert fabric_conflicts(nodes, declared) == fabric_conflicts(list(reversed(nodes)), declared)
 
@@ -276,6 +281,20 @@ def test_subnet_prefixes_same_fabric_declared_and_across_fabrics() -> None:
         "fabric-conflict: mlx5_3 port 1 has subnet prefix fec0:0000:0000:0002 but fabric ib-a is declared with "
         "fec0:0000:0000:0001; not used for multi-node replicas",
     )
+
+    # the wrong-prefix majority does not outvote the ports on the declared prefix (SM vote)
+    def sm(n: NodeFacts, guid: int) -> NodeFacts:
+        return replace(n, hcas=tuple(replace(h, sm_guid=guid) for h in n.hcas))
+
+    right = [sm(pre(node(f"r{i}"), P1), SM_A) for i in range(2)]
+    wrong = [sm(pre(node(f"w{i}"), P2), SM_B) for i in range(3)]
+    out = distrust_conflicting_ports(right + wrong, {"ib-a": P1})
+    assert out[:2] == right and all(h.fabric is None for n in out[2:] for h in n.hcas if h.is_ib_attachment)
+    # with no prefix declared, the prefix vote alone settles a fabric whose SMs are unknown
+    split = [pre(node(f"s{i}", sm=None), P1 if i < 3 else P2) for i in range(5)]
+    out = distrust_conflicting_ports(split)
+    assert out[:3] == split[:3] and out[3].problems[0].startswith("fabric-conflict: mlx5_0 port 1 has subnet prefix")
+    assert "most of its ports have subnet prefix fec0:0000:0000:0001" in out[3].problems[0]
     # across fabrics: a shared non-default prefix is a conflict, the shared default is not
     c = pre(node("gpu-03", fabric="ib-b", sm=SM_B), P1)
     assert fabric_conflicts([a, c])[-1].endswith(

@@ -112,3 +112,21 @@ def test_any_inventory_loads_or_is_one_located_line(tmp_path_factory: pytest.Tem
         line = re.match(rf"{re.escape(str(p))}: line ([0-9]+)", msg)
         if line:  # a line it names is in the file
             assert 1 <= int(line.group(1)) <= len(p.read_text().splitlines())
+
+
+def test_subnet_prefixes_in_every_spelling_and_fabrics_without_settings(tmp_path: Path) -> None:
+    text = (
+        "fabrics:\n  ib-a: {subnet_prefix: 0xfec0000000000001}\n  ib-b: {subnet_prefix: 1000:0:0:1}\n"
+        "  ib-c: {subnet_prefix: 'fec0:0000:0000:0003'}\n  ib-d:\n  ib-e: {}\nnodes:\n  - {name: a, host: h}\n"
+    )
+    inv = load_inventory(write(tmp_path, text))  # unquoted hex is a YAML int; 1000:0:0:1 is not base 60 here
+    assert inv.declared_prefixes() == {
+        "ib-a": 0xFEC0_0000_0000_0001,
+        "ib-b": 0x1000_0000_0000_0001,
+        "ib-c": 0xFEC0_0000_0000_0003,
+    }
+    assert inv.fabrics["ib-b"].subnet_prefix == "1000:0000:0000:0001"
+    with pytest.raises(ConfigError, match="subnet_prefix"):
+        load_inventory(
+            write(tmp_path, "fabrics: {ib-a: {subnet_prefix: 0x1fec0000000000001}}\nnodes: [{name: a, host: h}]\n")
+        )

@@ -145,6 +145,29 @@ def test_a_client_that_hangs_up_after_done_was_served():
         f.close()
 
 
+def test_only_the_done_event_itself_marks_a_stream_as_complete():
+    from cluster_cli.router.proxy import Exchange
+    from cluster_cli.router.upstream import CHUNKED
+
+    class Client:
+        keep_alive = True
+
+        def now(self) -> float:
+            return 0.0
+
+    def ex_after(*bodies: bytes) -> Exchange:
+        ex = Exchange(Client(), None, True, None)  # type: ignore[arg-type]
+        ex.on_head(200, [], b"text/event-stream", CHUNKED)
+        for b in bodies:
+            ex.on_body(b)
+        return ex
+
+    delta = b'data: {"choices":[{"delta":{"content":"[DONE]"}}]}\n\n'
+    assert not ex_after(delta).done_seen  # a model that writes "[DONE]" has not ended its stream
+    assert ex_after(delta, b"data: [DONE]\n\n").done_seen
+    assert ex_after(b"data: [DO", b"NE]\r\n\r\n").done_seen  # split across reads, CRLF events
+
+
 def test_upstream_idle_timeout_gives_504_in_openai_shape():
     f = Fleet(1, capacity=4, token_delay_s=0.001).start(
         router={"limits": {"idle_timeout_s": 0.3}, "retry": {"max_attempts": 1}}

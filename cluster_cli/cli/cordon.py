@@ -88,7 +88,9 @@ def uncordon(
 ) -> None:
     """Lift a node's cordon."""
     state: App = ctx.obj
-    _check_node(recorded_inventory(inventory, state.state_path), node, or_cordoned_in=state.state_path)
+    # A cordon can always be lifted, even with no inventory at hand (the node may be gone for good).
+    if inventory is not None or not _cordoned_in_state(state.state_path, node):
+        _check_node(recorded_inventory(inventory, state.state_path), node, or_cordoned_in=state.state_path)
     with open_store(state.state_path) as store:
         try:
             was = store.uncordon(node)

@@ -50,16 +50,20 @@ class Fabric(_Strict):
     # "0xfec0000000000001". A port on this fabric showing another one is a conflict.
     subnet_prefix: str | None = None
 
-    @field_validator("subnet_prefix")
+    @field_validator("subnet_prefix", mode="before")
     @classmethod
-    def _prefix(cls, v: str | None) -> str | None:
+    def _prefix(cls, v: object) -> str | None:
         if v is None:
             return None
-        text = v.strip().lower()
-        try:
-            value = int(text, 16) if re.fullmatch(r"0x[0-9a-f]{1,16}", text) else prefix_value(text)
-        except ValueError:
-            value = None
+        value: int | None = None
+        if isinstance(v, int) and not isinstance(v, bool):  # YAML reads an unquoted 0xfec0... as a number
+            value = v if 0 <= v < 1 << 64 else None
+        elif isinstance(v, str):
+            text = v.strip().lower()
+            try:
+                value = int(text, 16) if re.fullmatch(r"0x[0-9a-f]{1,16}", text) else prefix_value(text)
+            except ValueError:
+                value = None
         if value is None:
             raise ValueError(
                 f"expected a 64-bit subnet prefix like fec0:0000:0000:0001 or 0xfec0000000000001, got {v!r}"
@@ -165,7 +169,7 @@ class Inventory(_Strict):
 
     def declared_prefixes(self) -> dict[str, int]:
         """Fabric name -> the subnet prefix the inventory declares for it (only those that do)."""
-        return {name: p for name, f in self.fabrics.items() if (p := f.prefix) is not None}
+        return {name: p for name, f in self.fabrics.items() if f is not None and (p := f.prefix) is not None}
 
     def fabric_for(self, n: Node, ca: str) -> str | None:
         return n.hca_fabrics.get(ca, n.fabric)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TypeVar
 
@@ -29,6 +30,22 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+# YAML 1.1 reads colon-separated digits as base-60 numbers (``1000:0:0:1`` -> 216000001, a
+# subnet prefix or a MAC turned into an int); YAML 1.2 dropped that. Resolve ints and floats
+# without it, so such a value stays the string it was written as.
+_INT = re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$")
+_FLOAT = re.compile(
+    r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [
+        (tag, _INT if tag == "tag:yaml.org,2002:int" else _FLOAT if tag == "tag:yaml.org,2002:float" else rx)
+        for tag, rx in resolvers
+    ]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 
 
 def read_text(path: Path | str, data: bytes | None = None) -> str:

@@ -72,8 +72,12 @@ class MetricMapping:
             return ()
         return (primary, *self.fallbacks.get(signal, ()))
 
-    def to_config(self) -> dict[str, str]:
-        return {k: v for k in METRIC_KEYS if (v := getattr(self, k)) is not None}
+    def to_config(self) -> dict[str, str | None]:
+        """What ``from_config`` reads back as this mapping (a blank running metric stays blank)."""
+        out: dict[str, str | None] = {k: v for k in METRIC_KEYS if (v := getattr(self, k)) is not None}
+        if self.running is None:
+            out["running"] = None
+        return out
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,14 @@ from cluster_cli.config.inventory import Inventory, Node
 from cluster_cli.errors import SSHError
 from cluster_cli.facts import Gpu, HcaPort, NodeFacts
 from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
-from cluster_cli.probe.commands import PROBES, SMINFO_AFTER_IBSTAT, gid_record, sminfo_command, sminfo_record
+from cluster_cli.probe.commands import (
+    PROBES,
+    SMINFO_AFTER_IBSTAT,
+    gid_command,
+    gid_record,
+    sminfo_command,
+    sminfo_record,
+)
 from cluster_cli.probe.parsers.host import parse_meminfo, parse_nproc
 from cluster_cli.probe.parsers.ibstat import parse_gid_prefix, parse_ibstat, parse_sminfo
 from cluster_cli.probe.parsers.nvidia_smi import (
@@ -202,11 +209,14 @@ async def probe_node(
                 again = [k for k, r in got.items() if r is None]
                 if again:
                     cmds = {f"sm{i}": sminfo_command(ca, port) for i, (ca, port) in enumerate(again)}
+                    gids = [k for k in again if gid_record(*k) not in outputs]
+                    cmds.update({f"gid{i}": gid_command(ca, port) for i, (ca, port) in enumerate(gids)})
                     try:
                         res = await run_batch(session, cmds, target.command_timeout_s)
                     except SSHError:
                         res = {}  # keep the facts already gathered; SM identity stays unknown
                     got.update({k: res.get(f"sm{i}") for i, k in enumerate(again)})
+                    outputs.update({gid_record(*k): r for i, k in enumerate(gids) if (r := res.get(f"gid{i}"))})
                 sm = {k: parse_sminfo(r.stdout) if r is not None and r.rc == 0 else None for k, r in got.items()}
         return facts_from_outputs(
             inv, node, outputs, own_pids=own_pids, sm_guids=sm, probed_at=started, ib_ports=every_port

@@ -70,6 +70,13 @@ def gid_record(ca: str, port: int) -> str:
     return f"gid:{ca}:{int(port)}"
 
 
+def gid_command(ca: str, port: int) -> str:
+    """Print one port's GID 0 (for a port the in-batch shortcut missed)."""
+    import shlex
+
+    return f"cat {shlex.quote(f'/sys/class/infiniband/{ca}/ports/{int(port)}/gids/0')}"
+
+
 def sminfo_command(ca: str, port: int) -> str:
     """Ask the master SM's identity through one local port (needs umad access; may fail)."""
     import shlex

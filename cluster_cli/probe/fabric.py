@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from cluster_cli.facts import DEFAULT_SUBNET_PREFIX, NodeFacts, prefix_text
@@ -180,52 +180,59 @@ def distrust_conflicting_ports(
 ) -> list[NodeFacts]:
     """Take ports whose subnet contradicts their declared fabric off that fabric.
 
-    A port whose subnet prefix is not the one ``declared`` for its fabric is off it.
-    Within one declared fabric, Active InfiniBand ports are grouped by the SM GUID they
-    see. When they disagree, the one largest group is trusted and every other port is
-    taken off the fabric (``fabric=None``) with a ``fabric-conflict`` problem on its node,
-    so a multi-node replica never spans two physical subnets. When the largest groups tie,
-    none of them can be trusted. Ports without a known SM GUID are left as declared.
-    Pure; nodes come back in the same order.
+    First, a port whose subnet prefix is not the one ``declared`` for its fabric is off it.
+    Then, among the rest, within one declared fabric, Active InfiniBand ports are grouped
+    by the SM GUID they see, and then (for a fabric with no declared prefix) by their
+    subnet prefix. When a grouping disagrees, the one largest group is trusted and every
+    other port is taken off the fabric (``fabric=None``) with a ``fabric-conflict`` problem
+    on its node, so a multi-node replica never spans two physical subnets. When the largest
+    groups tie, none of them can be trusted. A port with neither piece of evidence is left
+    as declared. Pure; nodes come back in the same order.
     """
     declared = declared or {}
-    ports: dict[str, list[tuple[str, str, int, int]]] = {}
-    for node in nodes:
-        if not node.reachable:
-            continue
-        for h in node.hcas:
-            if h.is_ib_attachment and h.fabric and h.sm_guid:
-                ports.setdefault(h.fabric, []).append((node.name, h.ca, h.port, h.sm_guid))
     bad: dict[tuple[str, str, int], str] = {}
-    for node in nodes:
-        if not node.reachable:
-            continue
-        for h in node.hcas:
-            want = declared.get(h.fabric or "")
-            if h.is_ib_attachment and want is not None and h.subnet_prefix is not None and h.subnet_prefix != want:
-                bad[(node.name, h.ca, h.port)] = (
-                    f"fabric-conflict: {h.ca} port {h.port} has subnet prefix {prefix_text(h.subnet_prefix)} but "
-                    f"fabric {h.fabric} is declared with {prefix_text(want)}; not used for multi-node replicas"
-                )
-    for fabric, seen in ports.items():
-        counts = Counter(guid for *_, guid in seen)
-        if len(counts) < 2:
-            continue
-        top = max(counts.values())
-        leaders = [g for g, c in counts.items() if c == top]
-        trusted = leaders[0] if len(leaders) == 1 else None
-        for name, ca, port, guid in seen:
-            if guid == trusted or (name, ca, port) in bad:
+    attached = [(n, h) for n in nodes if n.reachable for h in n.hcas if h.is_ib_attachment and h.fabric]
+    for node, h in attached:
+        want = declared.get(h.fabric or "")
+        if want is not None and h.subnet_prefix is not None and h.subnet_prefix != want:
+            bad[(node.name, h.ca, h.port)] = (
+                f"fabric-conflict: {h.ca} port {h.port} has subnet prefix {prefix_text(h.subnet_prefix)} but "
+                f"fabric {h.fabric} is declared with {prefix_text(want)}; not used for multi-node replicas"
+            )
+
+    def vote(evidence: str, show: Callable[[int], str], what: str, one: str, many: str) -> None:
+        """Per fabric, group the ports not already taken off by ``evidence``; the minority goes."""
+        groups: dict[str, list[tuple[str, str, int, int]]] = {}
+        for node, h in attached:
+            value = getattr(h, evidence)
+            if (
+                value
+                and (node.name, h.ca, h.port) not in bad
+                and (evidence != "subnet_prefix" or h.fabric not in declared)
+            ):
+                groups.setdefault(h.fabric or "", []).append((node.name, h.ca, h.port, value))
+        for fabric, seen in groups.items():
+            counts = Counter(v for *_, v in seen)
+            if len(counts) < 2:
                 continue
-            why = (
-                f"most of its ports see SM {_guid(trusted)}"
-                if trusted is not None
-                else f"its ports split evenly between SMs {', '.join(_guid(g) for g in sorted(leaders))}"
-            )
-            bad[(name, ca, port)] = (
-                f"fabric-conflict: {ca} port {port} sees SM {_guid(guid)} but fabric {fabric} is declared "
-                f"and {why}; not used for multi-node replicas"
-            )
+            top = max(counts.values())
+            leaders = [v for v, c in counts.items() if c == top]
+            trusted = leaders[0] if len(leaders) == 1 else None
+            for name, ca, port, v in seen:
+                if v == trusted:
+                    continue
+                why = (
+                    f"most of its ports {many} {what} {show(trusted)}"
+                    if trusted is not None
+                    else f"its ports split evenly between {what}s {', '.join(show(x) for x in sorted(leaders))}"
+                )
+                bad[(name, ca, port)] = (
+                    f"fabric-conflict: {ca} port {port} {one} {what} {show(v)} but fabric {fabric} is declared "
+                    f"and {why}; not used for multi-node replicas"
+                )
+
+    vote("sm_guid", _guid, "SM", "sees", "see")
+    vote("subnet_prefix", prefix_text, "subnet prefix", "has", "have")
     if not bad:
         return list(nodes)
     out = []

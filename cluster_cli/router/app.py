@@ -472,7 +472,8 @@ class Router:
                 except BaseException:
                     if ex is not None:
                         ex.cancel()
-                    lease.release(True if ex is not None and ex.done_seen and not ex.stalled else None)
+                    served = ex is not None and ex.done_seen and not ex.stalled
+                    lease.release(ex.status < 500 if served else None)  # type: ignore[union-attr]
                     raise
                 finally:
                     conn.exchange = None

@@ -23,7 +23,7 @@ def for_inventory(inv: Inventory, facts: list[NodeFacts], *, from_state: bool = 
     override), whatever the facts recorded. Facts of a node it puts on no fabric keep their
     own when they were written by hand; ``from_state`` facts were recorded by discover from
     an older inventory, so there the inventory rules alone (no fabric declared: none).
-    On a label both give, the inventory wins.
+    Labels: ``from_state``, the inventory's alone; else both, the inventory winning a key both give.
 
     A node the inventory names but that has no facts is listed as unreachable, so
     explanations say so instead of leaving it out.
@@ -46,7 +46,8 @@ def for_inventory(inv: Inventory, facts: list[NodeFacts], *, from_state: bool = 
         )
         gpus = tuple(_reclass(g, inv) if g.product in listed else g for g in f.gpus)
         fabric = n.fabric if declared else f.fabric
-        out.append(replace(f, hcas=hcas, gpus=gpus, fabric=fabric, labels={**f.labels, **n.labels}))
+        labels = dict(n.labels) if from_state else {**f.labels, **n.labels}  # stored labels were the inventory's
+        out.append(replace(f, hcas=hcas, gpus=gpus, fabric=fabric, labels=labels))
     return out
 
 
