@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -30,6 +31,19 @@ def install_uvloop() -> bool:
         return False
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     return True
+
+
+def tune_gc() -> None:
+    """Call once everything that lives as long as the router is built (modules, config,
+    pydantic schemas, metric families): ``gc.freeze`` keeps the collector from walking
+    all of that again at every full collection, and a larger young generation means fewer
+    collections. Measured at 64 concurrent streams, per 7 s: GC time 124 -> about 40 ms,
+    the longest pause 27-37 -> 14-17 ms (``bench/README.md``). Request handling frees its
+    objects by reference counting; the collector only has cycles to find.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
 
 
 def _load_keys(path: Path, content: Content) -> ApiKeys:
@@ -74,6 +88,7 @@ async def serve(
                 router.reject_keys(f"{keys_path}: {type(e).__name__}: {e}")
 
     keys_task = loop.create_task(_watch_keys()) if keys_file is not None else None
+    tune_gc()
 
     def _stop() -> None:
         if not stop.done():
