@@ -35,11 +35,12 @@ def install_uvloop() -> bool:
 
 def tune_gc() -> None:
     """Call once everything that lives as long as the router is built (modules, config,
-    pydantic schemas, metric families): ``gc.freeze`` keeps the collector from walking
-    all of that again at every full collection, and a larger young generation means fewer
-    collections. Measured at 64 concurrent streams, per 7 s: GC time 124 -> about 40 ms,
-    the longest pause 27-37 -> 14-17 ms (``bench/README.md``). Request handling frees its
-    objects by reference counting; the collector only has cycles to find.
+    pydantic schemas, metric families): ``gc.freeze`` keeps the collector from walking all
+    of that again at every full collection, and a larger young generation means fewer
+    collections. Measured at 64 concurrent streams, per 7 s of load: GC time 94-124 ->
+    18-24 ms, the longest pause 18-37 ms (full collections) -> about 2 ms (bench/README.md).
+    Request handling frees its objects by reference counting; the collector only has
+    cycles to find.
     """
     gc.collect()
     gc.freeze()
