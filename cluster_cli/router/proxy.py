@@ -104,7 +104,7 @@ class Exchange:
                 data = data[:cut]
                 if not data:
                     return
-            if data.rstrip(b"\r\n").endswith(b"data: [DONE]"):  # the event that ends an OpenAI stream
+            if data[-24:].rstrip(b"\r\n").endswith(b"data: [DONE]"):  # the event that ends an OpenAI stream
                 self.done_seen = True
         if self.chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
