@@ -125,8 +125,10 @@ def test_cordon_without_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         r = run(tmp_path, *args)
         (line,) = error_lines(r)
         assert r.exit_code == 2 and "gone.yaml" in line and "is gone" in line
+    monkeypatch.setenv("CLUSTERCTL_INVENTORY", str(tmp_path / "gone-too.yaml"))
     r = run(tmp_path, "uncordon", "gpu-01")  # lifting a cordon never does, even with the inventory gone
     assert r.exit_code == 0, r.output
+    monkeypatch.delenv("CLUSTERCTL_INVENTORY")
     with Store(tmp_path / "state.db") as s:
         assert s.cordons() == {}
         s.save_discovery([], inventory=p)

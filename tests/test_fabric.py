@@ -305,3 +305,38 @@ def test_subnet_prefixes_same_fabric_declared_and_across_fabrics() -> None:
         pre(node("gpu-05", fabric="ib-b", sm=SM_B), DEFAULT_SUBNET_PREFIX),
     )
     assert fabric_conflicts([d, e]) == []
+
+
+def _port(name: str, *, sm: int | None, prefix: int | None, fabric: str = "ib") -> NodeFacts:
+    h = HcaPort("mlx5_0", 1, "Active", link_layer="InfiniBand", fabric=fabric, sm_guid=sm, subnet_prefix=prefix)
+    return NodeFacts(name=name, hcas=(h,))
+
+
+def _kept(out: list[NodeFacts]) -> list[str]:
+    return [n.name for n in out if n.hcas[0].fabric is not None]
+
+
+def test_ports_on_the_declared_prefix_decide_the_fabrics_sm() -> None:
+    ok = [_port(f"ok{i}", sm=SM_A, prefix=P1) for i in range(2)]
+    wrong = [_port(f"bad{i}", sm=SM_B, prefix=P2) for i in range(2)]
+    unknown = [_port(f"u{i}", sm=SM_B, prefix=None) for i in range(3)]
+    out = distrust_conflicting_ports(ok + wrong + unknown, {"ib": P1})
+    assert _kept(out) == ["ok0", "ok1"]  # SM_B is the wrong subnet's: its majority does not win
+    assert "which only ports off fabric ib's declared subnet prefix" in out[-1].problems[0]
+    out = distrust_conflicting_ports(ok + unknown[:2], {"ib": P1})  # 2 against 2: the declared prefix decides
+    assert _kept(out) == ["ok0", "ok1"]
+    assert "ports on its declared subnet prefix fec0:0000:0000:0001 see SM" in out[-1].problems[0]
+    nosm = _port("n", sm=None, prefix=P1)  # the declared prefix and no SM: nothing against it
+    assert _kept(distrust_conflicting_ports([*ok, *unknown, nosm], {"ib": P1}))[-1] == "n"
+
+
+def test_without_a_declared_prefix_the_sm_and_prefix_votes_are_one() -> None:
+    g1 = [_port(f"a{i}", sm=SM_A, prefix=P1) for i in range(2)]
+    g2 = [_port("c1", sm=SM_B, prefix=P2)]
+    nosm = [_port(f"n{i}", sm=None, prefix=P2) for i in range(3)]
+    out = distrust_conflicting_ports(g1 + g2 + nosm)  # P2's ports join SM_B: 4 against 2
+    assert _kept(out) == ["c1", "n0", "n1", "n2"]
+    out = distrust_conflicting_ports(g1 + g2 + nosm[:2])  # 3 against 2
+    assert _kept(out) == ["c1", "n0", "n1"]
+    zero = [_port(f"z{i}", sm=None, prefix=0) for i in range(3)]  # a prefix of 0 is evidence too
+    assert _kept(distrust_conflicting_ports(g1 + zero)) == ["z0", "z1", "z2"]

@@ -88,8 +88,9 @@ def uncordon(
 ) -> None:
     """Lift a node's cordon."""
     state: App = ctx.obj
-    # A cordon can always be lifted, even with no inventory at hand (the node may be gone for good).
-    if inventory is not None or not _cordoned_in_state(state.state_path, node):
+    # A cordon can always be lifted, whatever the inventory says or whether it can be read at all
+    # (the node may be gone for good); only a node with no cordon is checked against it.
+    if not _cordoned_in_state(state.state_path, node):
         _check_node(recorded_inventory(inventory, state.state_path), node, or_cordoned_in=state.state_path)
     with open_store(state.state_path) as store:
         try:

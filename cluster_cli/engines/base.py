@@ -74,6 +74,8 @@ class MetricMapping:
 
     def to_config(self) -> dict[str, str | None]:
         """What ``from_config`` reads back as this mapping (a blank running metric stays blank)."""
+        if self == MetricMapping.vllm():
+            return {}  # vLLM's names, fallbacks included
         out: dict[str, str | None] = {k: v for k in METRIC_KEYS if (v := getattr(self, k)) is not None}
         if self.running is None:
             out["running"] = None

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from cluster_cli.facts import DEFAULT_SUBNET_PREFIX, NodeFacts, prefix_text
+from cluster_cli.facts import DEFAULT_SUBNET_PREFIX, HcaPort, NodeFacts, prefix_text
 
 __all__ = ["distrust_conflicting_ports", "fabric_conflicts"]
 
@@ -175,64 +175,117 @@ def fabric_conflicts(nodes: Sequence[NodeFacts], declared: Mapping[str, int] | N
     return out
 
 
+_Key = tuple[str, int]  # ("sm", GUID) or ("prefix", subnet prefix): the subnet a port shows
+
+
+def _show(key: _Key) -> str:
+    return f"SM {_guid(key[1])}" if key[0] == "sm" else f"subnet prefix {prefix_text(key[1])}"
+
+
+def _verb(key: _Key, many: bool) -> str:
+    return ("see" if many else "sees") if key[0] == "sm" else ("have" if many else "has")
+
+
 def distrust_conflicting_ports(
     nodes: Sequence[NodeFacts], declared: Mapping[str, int] | None = None
 ) -> list[NodeFacts]:
     """Take ports whose subnet contradicts their declared fabric off that fabric.
 
-    First, a port whose subnet prefix is not the one ``declared`` for its fabric is off it.
-    Then, among the rest, within one declared fabric, Active InfiniBand ports are grouped
-    by the SM GUID they see, and then (for a fabric with no declared prefix) by their
-    subnet prefix. When a grouping disagrees, the one largest group is trusted and every
-    other port is taken off the fabric (``fabric=None``) with a ``fabric-conflict`` problem
-    on its node, so a multi-node replica never spans two physical subnets. When the largest
-    groups tie, none of them can be trusted. A port with neither piece of evidence is left
-    as declared. Pure; nodes come back in the same order.
+    Per declared fabric, among Active InfiniBand ports of reachable nodes; a port taken off
+    gets ``fabric=None`` and a ``fabric-conflict`` problem on its node, so a multi-node
+    replica never spans two physical subnets. Evidence is the master SM a port sees and
+    its subnet prefix; a port with neither (or, on a fabric with a declared prefix, with
+    no SM but the declared prefix) is left as declared.
+
+    With a prefix ``declared`` for the fabric: a port on another prefix is off; so is one
+    that sees an SM only such ports see. If the ports on the declared prefix see one SM,
+    that SM is the fabric's and a port seeing another is off; otherwise the largest group
+    by SM is trusted.
+
+    Without: a port with no SM joins the SM that the ports with its prefix see (when they
+    all see one); ports are grouped by SM (or prefix, for those with no SM to join), the one
+    largest group is trusted and the others are off (a tie trusts none); within the
+    trusted group, ports off its most common prefix are off too. Pure; same node order.
     """
     declared = declared or {}
     bad: dict[tuple[str, str, int], str] = {}
-    attached = [(n, h) for n in nodes if n.reachable for h in n.hcas if h.is_ib_attachment and h.fabric]
-    for node, h in attached:
-        want = declared.get(h.fabric or "")
-        if want is not None and h.subnet_prefix is not None and h.subnet_prefix != want:
-            bad[(node.name, h.ca, h.port)] = (
-                f"fabric-conflict: {h.ca} port {h.port} has subnet prefix {prefix_text(h.subnet_prefix)} but "
-                f"fabric {h.fabric} is declared with {prefix_text(want)}; not used for multi-node replicas"
-            )
+    by_fabric: dict[str, list[tuple[str, HcaPort]]] = {}
+    for n in nodes:
+        if n.reachable:
+            for h in n.hcas:
+                if h.is_ib_attachment and h.fabric:
+                    by_fabric.setdefault(h.fabric, []).append((n.name, h))
 
-    def vote(evidence: str, show: Callable[[int], str], what: str, one: str, many: str) -> None:
-        """Per fabric, group the ports not already taken off by ``evidence``; the minority goes."""
-        groups: dict[str, list[tuple[str, str, int, int]]] = {}
-        for node, h in attached:
-            value = getattr(h, evidence)
-            if (
-                value
-                and (node.name, h.ca, h.port) not in bad
-                and (evidence != "subnet_prefix" or h.fabric not in declared)
-            ):
-                groups.setdefault(h.fabric or "", []).append((node.name, h.ca, h.port, value))
-        for fabric, seen in groups.items():
-            counts = Counter(v for *_, v in seen)
-            if len(counts) < 2:
+    def off(name: str, h: HcaPort, why: str) -> None:
+        bad[(name, h.ca, h.port)] = f"fabric-conflict: {h.ca} port {h.port} {why}; not used for multi-node replicas"
+
+    def vote(fabric: str, members: list[tuple[str, HcaPort, _Key]]) -> list[tuple[str, HcaPort, _Key]]:
+        """The largest group by key stays (returned); the others go."""
+        counts = Counter(k for *_, k in members)
+        if len(counts) < 2:
+            return members
+        top = max(counts.values())
+        leaders = sorted(k for k, c in counts.items() if c == top)
+        trusted = leaders[0] if len(leaders) == 1 else None
+        for name, h, k in members:
+            if k == trusted:
                 continue
-            top = max(counts.values())
-            leaders = [v for v, c in counts.items() if c == top]
-            trusted = leaders[0] if len(leaders) == 1 else None
-            for name, ca, port, v in seen:
-                if v == trusted:
-                    continue
-                why = (
-                    f"most of its ports {many} {what} {show(trusted)}"
-                    if trusted is not None
-                    else f"its ports split evenly between {what}s {', '.join(show(x) for x in sorted(leaders))}"
-                )
-                bad[(name, ca, port)] = (
-                    f"fabric-conflict: {ca} port {port} {one} {what} {show(v)} but fabric {fabric} is declared "
-                    f"and {why}; not used for multi-node replicas"
-                )
+            why = (
+                f"most of its ports {_verb(trusted, True)} {_show(trusted)}"
+                if trusted is not None
+                else f"its ports split evenly between {', '.join(_show(x) for x in leaders)}"
+            )
+            off(name, h, f"{_verb(k, False)} {_show(k)} but fabric {fabric} is declared and {why}")
+        return [m for m in members if m[2] == trusted]
 
-    vote("sm_guid", _guid, "SM", "sees", "see")
-    vote("subnet_prefix", prefix_text, "subnet prefix", "has", "have")
+    for fabric, ports in sorted(by_fabric.items()):
+        want = declared.get(fabric)
+        if want is not None:
+            wrong_sms: set[int] = set()
+            right_sms: set[int] = set()
+            for name, h in ports:
+                if h.subnet_prefix is not None and h.subnet_prefix != want:
+                    off(name, h, f"has subnet prefix {prefix_text(h.subnet_prefix)} but fabric {fabric} is declared "
+                                 f"with {prefix_text(want)}")  # fmt: skip
+                    if h.sm_guid:
+                        wrong_sms.add(h.sm_guid)
+                elif h.subnet_prefix == want and h.sm_guid:
+                    right_sms.add(h.sm_guid)
+            wrong_sms -= right_sms
+            rest = [(name, h) for name, h in ports if (name, h.ca, h.port) not in bad and h.sm_guid]
+            for name, h in rest:
+                if h.sm_guid in wrong_sms:
+                    off(name, h, f"sees SM {_guid(h.sm_guid)}, which only ports off fabric {fabric}'s declared "
+                                 f"subnet prefix {prefix_text(want)} see")  # fmt: skip
+                elif len(right_sms) == 1 and h.sm_guid not in right_sms:
+                    (sm,) = right_sms
+                    off(name, h, f"sees SM {_guid(h.sm_guid)} but fabric {fabric}'s ports on its declared subnet "
+                                 f"prefix {prefix_text(want)} see SM {_guid(sm)}")  # fmt: skip
+            if len(right_sms) != 1:
+                keyed = [(n, h, ("sm", h.sm_guid)) for n, h in rest if (n, h.ca, h.port) not in bad]
+                vote(fabric, keyed)  # type: ignore[arg-type]
+            continue
+        # No declared prefix: the SM a prefix belongs to, where its ports agree on one.
+        sms_of: dict[int, set[int]] = {}
+        for _, h in ports:
+            if h.sm_guid and h.subnet_prefix is not None:
+                sms_of.setdefault(h.subnet_prefix, set()).add(h.sm_guid)
+        keyed: list[tuple[str, HcaPort, _Key]] = []
+        for name, h in ports:
+            if h.sm_guid:
+                keyed.append((name, h, ("sm", h.sm_guid)))
+            elif h.subnet_prefix is not None:
+                joined = sms_of.get(h.subnet_prefix, set())
+                keyed.append((name, h, ("sm", next(iter(joined))) if len(joined) == 1 else ("prefix", h.subnet_prefix)))
+        kept = vote(fabric, keyed)
+        prefixes = Counter(h.subnet_prefix for _, h, _ in kept if h.subnet_prefix is not None)
+        if len(prefixes) > 1:  # one SM, two prefixes: keep the ports on the most common one
+            top = max(prefixes.values())
+            leaders = sorted(p for p, c in prefixes.items() if c == top)
+            for name, h, k in kept:
+                if h.subnet_prefix is not None and (len(leaders) > 1 or h.subnet_prefix != leaders[0]):
+                    off(name, h, f"has subnet prefix {prefix_text(h.subnet_prefix)} but the other ports of fabric "
+                                 f"{fabric} that {_verb(k, True)} {_show(k)} do not")  # fmt: skip
     if not bad:
         return list(nodes)
     out = []

@@ -47,6 +47,12 @@ def tune_gc() -> None:
     gc.set_threshold(10_000, 10, 10)
 
 
+def untune_gc(threshold: tuple[int, int, int]) -> None:
+    """Undo ``tune_gc`` (for a process that goes on after the router stopped)."""
+    gc.unfreeze()
+    gc.set_threshold(*threshold)
+
+
 def _load_keys(path: Path, content: Content) -> ApiKeys:
     """API keys from what ``WatchedFile`` read; ConfigError when it could not be read."""
     data, why = content
@@ -89,6 +95,7 @@ async def serve(
                 router.reject_keys(f"{keys_path}: {type(e).__name__}: {e}")
 
     keys_task = loop.create_task(_watch_keys()) if keys_file is not None else None
+    gc_threshold = gc.get_threshold()
     tune_gc()
 
     def _stop() -> None:
@@ -115,3 +122,4 @@ async def serve(
         if keys_task is not None:
             keys_task.cancel()
         await router.stop(grace)
+        untune_gc(gc_threshold)
