@@ -160,6 +160,8 @@ def test_faulty_gpus_are_not_free(testbed_factory, tmp_path: Path) -> None:
     for name, word in (("f3", "driver"), ("f4", "mismatch"), ("f5", "unreadable")):
         assert n[name]["gpus"] == [] and n[name]["nvlink_domains"] is None
         assert any(p.startswith("nvidia-smi") and word in p.lower() for p in n[name]["problems"]), n[name]["problems"]
+        # -o json keeps stdout for scripts; each node problem is also one line on stderr, naming the node
+        assert any(line.startswith(f"warning: {name}: nvidia-smi") for line in err.splitlines()), err
 
 
 def test_dead_frozen_partitioned_nodes_never_stall_the_run(testbed_factory, tmp_path: Path) -> None:

@@ -98,6 +98,9 @@ def discover(
             ui.warn(c)
     else:
         ui.emit_data({"nodes": [f.to_dict() for f in result], "fabric_conflicts": conflicts}, output)
+        for f in result:  # stdout is for scripts; a person running it still sees what went wrong
+            for problem in f.problems:
+                ui.warn(f"{f.name}: {problem}")
     failed = [f for f in result if not f.reachable]
     for f in failed:
         ui.err.print(f"[red]{f.name}[/]: {escape(f.error or '')}", highlight=False)
