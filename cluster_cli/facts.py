@@ -152,7 +152,8 @@ def problem_key(problem: str) -> str:
 
 
 DEFAULT_SUBNET_PREFIX = 0xFE80_0000_0000_0000  # what every subnet has unless its SM is told otherwise
-_PREFIX_TEXT = re.compile(r"[0-9A-Fa-f]{1,4}(?::[0-9A-Fa-f]{1,4}){3}")
+_PREFIX_TEXT = re.compile(r"[0-9a-f]{1,4}(?::[0-9a-f]{1,4}){3}")
+_PREFIX_HEX = re.compile(r"0x[0-9a-f]{1,16}")
 
 
 def prefix_text(prefix: int) -> str:
@@ -161,15 +162,21 @@ def prefix_text(prefix: int) -> str:
 
 
 def prefix_value(v: object) -> int | None:
-    """``"fe80:0000:0000:0000"`` (four hex groups, as ``prefix_text`` writes) or an int -> int."""
+    """A 64-bit subnet prefix: four hex groups (``fe80:0000:0000:0000``, as ``prefix_text``
+    writes), ``0x`` and up to 16 hex digits (as opensm writes), or an int -> int."""
     if v is None:
         return None
     if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64:
         return v
-    if not isinstance(v, str) or not _PREFIX_TEXT.fullmatch(v.strip()):
-        raise ValueError(f"subnet_prefix: expected four hex groups like fe80:0000:0000:0000, got {v!r}")
+    text = v.strip().lower() if isinstance(v, str) else ""
+    if _PREFIX_HEX.fullmatch(text):
+        return int(text, 16)
+    if not _PREFIX_TEXT.fullmatch(text):
+        raise ValueError(
+            f"subnet_prefix: expected a 64-bit subnet prefix like fec0:0000:0000:0001 or 0xfec0000000000001, got {v!r}"
+        )
     out = 0
-    for part in v.strip().split(":"):
+    for part in text.split(":"):
         out = (out << 16) | int(part, 16)
     return out
 

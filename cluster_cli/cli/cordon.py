@@ -37,12 +37,9 @@ Examples:
 """
 
 
-def _check_node(inventory: Path, node: str, *, or_cordoned_in: Path | None = None) -> None:
-    """The node must be in the inventory, or (``or_cordoned_in``) still cordoned in that state:
-    a cordon outlives the node's removal from the inventory, and lifting it stays possible."""
-    if inventory_or_abort(inventory).node(node) is None and not (
-        or_cordoned_in is not None and _cordoned_in_state(or_cordoned_in, node)
-    ):
+def _check_node(inventory: Path, node: str) -> None:
+    """The node must be in the inventory."""
+    if inventory_or_abort(inventory).node(node) is None:
         ui.abort(f"{inventory}: no node named {node!r} in the inventory")
 
 
@@ -88,10 +85,10 @@ def uncordon(
 ) -> None:
     """Lift a node's cordon."""
     state: App = ctx.obj
-    # A cordon can always be lifted, whatever the inventory says or whether it can be read at all
-    # (the node may be gone for good); only a node with no cordon is checked against it.
+    # A cordon outlives the node's removal from the inventory, so it can always be lifted,
+    # whatever the inventory says or whether it can be read; only a node with no cordon is checked.
     if not _cordoned_in_state(state.state_path, node):
-        _check_node(recorded_inventory(inventory, state.state_path), node, or_cordoned_in=state.state_path)
+        _check_node(recorded_inventory(inventory, state.state_path), node)
     with open_store(state.state_path) as store:
         try:
             was = store.uncordon(node)

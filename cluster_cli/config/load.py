@@ -66,7 +66,10 @@ def read_text(path: Path | str, data: bytes | None = None) -> str:
 def read_yaml(path: Path | str, data: bytes | None = None) -> object:
     """Parse a YAML file (or ``data``, its bytes already read); any problem becomes
     ConfigError naming the file and line."""
-    text = read_text(path, data)
+    return _parse_yaml(path, read_text(path, data))
+
+
+def _parse_yaml(path: Path | str, text: str) -> object:
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
     except ConfigError as e:
@@ -142,7 +145,7 @@ def load_model(path: Path | str, model: type[M], raw: bytes | None = None) -> M:
     """Read YAML at ``path`` (or ``raw``, its bytes already read) and validate it as ``model``."""
     path = Path(path)
     text = read_text(path, raw)
-    data = read_yaml(path, text.encode("utf-8"))
+    data = _parse_yaml(path, text)
     if data is None:
         data = {}
     if not isinstance(data, dict):

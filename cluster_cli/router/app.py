@@ -234,22 +234,21 @@ class Router:
             return self.proxy(conn, req)
         t0 = time.monotonic()
         status = self._answer(conn, req)
-        if self.access.enabled:
-            self._seq += 1
-            self.access.log(
-                self._seq, conn.peer, req.method.decode("latin-1"), path.decode("latin-1"), "", "", status, 0,
-                None, time.monotonic() - t0,
-            )  # fmt: skip
+        self._log_direct(conn, req, status, time.monotonic() - t0)
         return None
 
     def refused(self, conn: ClientConn, req: Request | None, status: int, code: str) -> None:
         """A request refused while it was being read (head too large, malformed, body over the limit)."""
         self.metrics.request("", "", status, None, 0.0)
+        self._log_direct(conn, req, status, 0.0, code)
+
+    def _log_direct(self, conn: ClientConn, req: Request | None, status: int, took: float, note: str = "") -> None:
+        """The access-log line of a request the router answered itself (``req`` None: its head was unreadable)."""
         if self.access.enabled:
             self._seq += 1
             method = req.method.decode("latin-1") if req is not None else ""
             path = req.path.decode("latin-1") if req is not None else ""
-            self.access.log(self._seq, conn.peer, method, path, "", "", status, 0, None, 0.0, code)
+            self.access.log(self._seq, conn.peer, method, path, "", "", status, 0, None, took, note)
 
     def _answer(self, conn: ClientConn, req: Request) -> int:
         """Answer a request that is not proxied; returns its HTTP status."""
