@@ -52,8 +52,10 @@ def test_breaker_half_open_probe_closes_after_recovery():
     f.lt.call(lambda: setattr(bad, "fail_status", 503))
     try:
         c = client(f)
-        for _ in range(10):
-            c.chat.completions.create(model="sim", messages=MSG)
+        for _ in range(20):  # it opens within a few requests; checked after each, since under
+            c.chat.completions.create(model="sim", messages=MSG)  # load 0.2 s can pass in between
+            if f.lt.call(lambda: w.breaker.state) is State.OPEN:
+                break
         assert f.lt.call(lambda: w.breaker.state) is State.OPEN
         f.lt.call(lambda: setattr(bad, "fail_status", None))
         for _ in range(400):  # bounded: each call is a real request

@@ -88,6 +88,8 @@ class Router:
         self.connect_timeout = lim.connect_timeout_s
         self.idle_timeout = lim.idle_timeout_s
         self.client_idle_timeout = lim.client_idle_timeout_s
+        self.request_read_timeout = lim.request_read_timeout_s
+        self.max_connections = lim.max_connections
         r = cfg.router.retry
         self.retry_policy = RetryPolicy(
             r.max_attempts, r.budget_ratio, r.min_retry_concurrency, r.backoff_base_s, r.backoff_max_s
@@ -221,8 +223,12 @@ class Router:
         if now - last_rates >= 1.0:
             for w in list(t.workers.values()) + t.retired:
                 w.update_rates(now)
-        for c in [c for c in self.conns if not c.busy and mono - c.last_io > self.client_idle_timeout]:
-            c.close()
+        read_limit = self.request_read_timeout
+        for c in [c for c in self.conns if not c.busy]:
+            if c.reading_since and mono - c.reading_since > read_limit:
+                c.read_timed_out(read_limit)
+            elif mono - c.last_io > self.client_idle_timeout:
+                c.close()
         self.balancer.kick()
         self.access.flush()
 
@@ -236,6 +242,15 @@ class Router:
         status = self._answer(conn, req)
         self._log_direct(conn, req, status, time.monotonic() - t0)
         return None
+
+    def check_head(self, req: Request) -> tuple[int, str, str, bytes] | None:
+        """A proxied request without a valid API key is refused on its head: its body is never read."""
+        keys = self.api_keys
+        if keys is None or req.method != b"POST" or req.path not in PROXY_PATHS:
+            return None
+        if keys.check(req.header(b"authorization")):
+            return None
+        return 401, _KEY_MESSAGE, "invalid_api_key", _KEY_CHALLENGE
 
     def refused(self, conn: ClientConn, req: Request | None, status: int, code: str) -> None:
         """A request refused while it was being read (head too large, malformed, body over the limit)."""
@@ -318,13 +333,7 @@ class Router:
         if keys is None or keys.check(req.header(b"authorization")):
             return True
         (write or conn.write)(
-            error_response(
-                401,
-                "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
-                "invalid_api_key",
-                keep_alive=conn.keep_alive,
-                extra=b'WWW-Authenticate: Bearer realm="clusterctl"\r\n',
-            )
+            error_response(401, _KEY_MESSAGE, "invalid_api_key", keep_alive=conn.keep_alive, extra=_KEY_CHALLENGE)
         )
         return False
 
@@ -522,6 +531,10 @@ class Router:
 
 
 _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})
+
+
+_KEY_MESSAGE = "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'."
+_KEY_CHALLENGE = b'WWW-Authenticate: Bearer realm="clusterctl"\r\n'
 
 
 def _head_only(response_bytes: bytes) -> bytes:

@@ -116,6 +116,10 @@ class LimitsSpec(_Strict):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     idle_timeout_s: float = Field(default=300.0, gt=0)
     client_idle_timeout_s: float = Field(default=75.0, gt=0)
+    # A request's head and body must arrive whole within this, however they trickle in
+    # (the idle timeout alone restarts on every byte: a slow sender could hold a connection).
+    request_read_timeout_s: float = Field(default=60.0, gt=0)
+    max_connections: int = Field(default=10000, ge=1)
 
 
 class RouterSpec(_Strict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 REASONS = {
     100: b"Continue",
@@ -58,6 +59,46 @@ ERROR_TYPES = {
     503: "service_unavailable",
     504: "upstream_timeout",
 }
+
+
+# RFC 9110 5.6.2: a field name (and a method) is a token.
+_TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# Control characters a head may not carry once its CRLF line ends are gone: NUL, a bare CR
+# or LF (which some upstream parsers take as a line end: request smuggling), and the other
+# CTLs except HTAB. Found with ``translate`` (C speed) rather than a regex.
+_NOT_CTL = bytes(b for b in range(256) if not (b < 0x20 and b != 0x09) and b != 0x7F)
+# A request target is visible ASCII only (RFC 9112 3.2): no spaces, no controls, no 8-bit bytes.
+_TARGET = re.compile(rb"[\x21-\x7e]+")
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+MAX_LENGTH_DIGITS = 15  # a Content-Length beyond this is no body anyone sends (and int() of a huge one is slow)
+
+
+def is_token(name: bytes) -> bool:
+    return bool(name) and not name.translate(None, _TOKEN_CHARS)
+
+
+def head_has_ctl(head: bytes) -> bool:
+    """True if ``head`` (lines joined by CRLF) carries a control character other than its line ends and HTAB."""
+    return bool(head.replace(b"\r\n", b"\t").translate(None, _NOT_CTL))
+
+
+def parse_length(value: bytes) -> int:
+    """A Content-Length value: ASCII digits only (no sign, space, underscore or 0x). Raises ValueError."""
+    if not value.isdigit() or len(value) > MAX_LENGTH_DIGITS:
+        raise ValueError("bad Content-Length")
+    return int(value)
+
+
+def parse_chunk_size(line: bytes) -> int:
+    """A chunk-size line's size (extensions ignored): 1-16 hex digits. Raises ValueError.
+
+    ``int(x, 16)`` alone would take "-6", "+6", "0x6", "6_0" and spaces: a negative size
+    would send the decoder backwards for ever.
+    """
+    size = line.split(b";", 1)[0].rstrip(b" \t")
+    if not _HEX.fullmatch(size):
+        raise ValueError("bad chunk size")
+    return int(size, 16)
 
 
 class BadRequest(Exception):
@@ -139,14 +180,24 @@ class Request:
 
 
 def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
-    """Parse a request head (without the blank line). Returns (request, content_length, chunked)."""
+    """Parse a request head (without the blank line). Returns (request, content_length, chunked).
+
+    Strict where a lenient parse would let a request mean one thing here and another to the
+    engine behind (smuggling): bare CR/LF, NUL and other controls, header names that are not
+    tokens (which covers obs-fold continuation lines and "Name :"), targets with spaces or
+    controls, signed or padded lengths.
+    """
+    if head_has_ctl(head):
+        raise BadRequest(400, "control character in request head", "bad_request")
     lines = head.split(b"\r\n")
     try:
         method, target, version = lines[0].split(b" ")
     except ValueError:
         raise BadRequest(400, "malformed request line", "bad_request") from None
-    if not version.startswith(b"HTTP/1."):
+    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
         raise BadRequest(400, "unsupported HTTP version", "bad_request")
+    if not is_token(method) or not _TARGET.fullmatch(target):
+        raise BadRequest(400, "malformed request line", "bad_request")
     headers: list[tuple[bytes, bytes]] = []
     forward: list[bytes] = []
     clen: int | None = None
@@ -155,18 +206,24 @@ def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
     expect = False
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
-        if not sep or not name or name[-1:] in (b" ", b"\t"):
+        if not sep or not is_token(name):
             raise BadRequest(400, "malformed header line", "bad_request")
         name = name.lower()
-        value = value.strip()
+        value = value.strip(b" \t")
         if name == b"content-length":
-            if not value.isdigit() or (clen is not None and int(value) != clen):
+            try:
+                n = parse_length(value)
+            except ValueError:
+                raise BadRequest(400, "bad Content-Length", "bad_request") from None
+            if clen is not None and n != clen:
                 raise BadRequest(400, "bad Content-Length", "bad_request")
-            clen = int(value)
+            clen = n
         elif name == b"transfer-encoding":
-            chunked = value.lower().endswith(b"chunked")
-            if not chunked:
+            if chunked:  # chunked twice is not a body anyone can agree on
+                raise BadRequest(400, "repeated Transfer-Encoding", "bad_request")
+            if value.lower() != b"chunked":
                 raise BadRequest(501, "unsupported Transfer-Encoding", "bad_request")
+            chunked = True
         elif name == b"connection":
             conn = value.lower()
         elif name == b"expect":
@@ -229,7 +286,7 @@ class ChunkedDecoder:
                     if n - pos > 1024:
                         raise ValueError("chunk size line too long")
                     break
-                size = int(buf[pos:eol].split(b";", 1)[0].strip(), 16)
+                size = parse_chunk_size(buf[pos:eol])
                 pos = eol + 2
                 if size == 0:
                     st = self.TRAILER
@@ -272,7 +329,7 @@ async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int 
                 k, _, v = line.partition(b":")
                 k = k.strip().lower()
                 if k == b"content-length":
-                    clen = int(v.strip())
+                    clen = parse_length(v.strip())
                 elif k == b"transfer-encoding" and v.strip().lower().endswith(b"chunked"):
                     chunked = True
             if clen is not None:

@@ -29,9 +29,13 @@ _monotonic = time.monotonic
 class Handler(Protocol):
     max_header_bytes: int
     max_body_bytes: int
+    max_connections: int
     conns: set[ClientConn]
 
     def handle(self, conn: ClientConn, req: Request) -> Awaitable[None] | None: ...
+
+    def check_head(self, req: Request) -> tuple[int, str, str, bytes] | None:
+        """Refuse a request on its head alone, before its body is read: (status, message, code, extra head lines)."""
 
     def refused(self, conn: ClientConn, req: Request | None, status: int, code: str) -> None:
         """A request answered with an error while it was still being read (its log line and metrics)."""
@@ -39,11 +43,13 @@ class Handler(Protocol):
 
 class ClientConn(asyncio.Protocol):
     __slots__ = (
+        "_body_len",
         "_body_parts",
         "_buf",
         "_clen",
         "_dec",
         "_req",
+        "_scan",
         "busy",
         "closed",
         "exchange",
@@ -53,6 +59,7 @@ class ClientConn(asyncio.Protocol):
         "paused",
         "peer",
         "reading_paused",
+        "reading_since",
         "task",
         "tr",
     )
@@ -60,11 +67,16 @@ class ClientConn(asyncio.Protocol):
     def __init__(self, handler: Handler) -> None:
         self.h = handler
         self.tr: asyncio.Transport | None = None
-        self._buf = b""
+        # Unparsed bytes: the read itself when one read holds them all (the common case), else a
+        # bytearray that grows in place (a body in many small reads costs O(n), not O(n^2)).
+        self._buf: bytes | bytearray = b""
+        self._scan = 0  # where the search for the head's end resumes in a head still arriving
         self._req: Request | None = None
         self._clen = 0
         self._dec: ChunkedDecoder | None = None
         self._body_parts: list[bytes] = []
+        self._body_len = 0
+        self.reading_since = 0.0  # when the request being read began to arrive (0: none is)
         self.busy = False
         self.closed = False
         self.paused = False
@@ -86,6 +98,11 @@ class ClientConn(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""
+        if len(self.h.conns) >= self.h.max_connections:
+            # Over the limit: answered and closed at once, so a flood of idle connections cannot
+            # take the file descriptors that the serving ones need.
+            self._reject(None, 503, "too many connections to the router", "too_many_connections")
+            return
         self.h.conns.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -105,7 +122,13 @@ class ClientConn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_io = _monotonic()
-        self._buf = self._buf + data if self._buf else data
+        buf = self._buf
+        if not buf:
+            self._buf = data
+        elif type(buf) is bytes:
+            self._buf = bytearray(buf) + data
+        else:
+            buf += data
         if not self.busy:
             self._parse()
         elif len(self._buf) > self.h.max_header_bytes and not self.reading_paused:
@@ -121,14 +144,19 @@ class ClientConn(asyncio.Protocol):
             req = self._req
             if req is None:
                 if not buf:
+                    self.reading_since = 0.0
                     return
-                idx = buf.find(b"\r\n\r\n")
+                idx = buf.find(b"\r\n\r\n", self._scan)
                 if idx < 0 or idx > h.max_header_bytes:
                     if idx > h.max_header_bytes or len(buf) > h.max_header_bytes:
                         self._reject(None, 431, "request head too large", "request_header_too_large")
+                        return
+                    self._scan = max(0, len(buf) - 3)
+                    self._reading()
                     return
+                self._scan = 0
                 try:
-                    req, clen, chunked = parse_request_head(buf[:idx])
+                    req, clen, chunked = parse_request_head(bytes(buf[:idx]))
                 except BadRequest as e:
                     self._reject(None, e.status, e.message, e.code)
                     return
@@ -137,6 +165,7 @@ class ClientConn(asyncio.Protocol):
                 if chunked:
                     self._dec = ChunkedDecoder()
                     self._body_parts = []
+                    self._body_len = 0
                     self._clen = -1
                 else:
                     clen = clen or 0
@@ -145,41 +174,63 @@ class ClientConn(asyncio.Protocol):
                         self._reject(req, 413, msg, "request_too_large")
                         return
                     self._clen = clen
+                if chunked or len(buf) < clen:
+                    # Refused on its head (no API key, ...): the body is never read, nor buffered.
+                    refusal = h.check_head(req)
+                    if refusal is not None:
+                        self._reject(req, *refusal)
+                        return
                 self._req = req
                 if req.expect_continue and (chunked or len(buf) < self._clen):
                     self.tr.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
             if self._clen >= 0:
                 if len(buf) < self._clen:
+                    self._reading()
                     return
-                req.body = buf[: self._clen]
-                self._buf = buf[self._clen :]
+                body = buf[: self._clen]
+                rest = buf[self._clen :]
+                req.body = bytes(body) if type(body) is bytearray else body
+                self._buf = bytes(rest) if type(rest) is bytearray else rest
             else:
                 dec = self._dec
                 try:
-                    payload, rest = dec.feed(buf)  # type: ignore[union-attr]
+                    payload, rest = dec.feed(bytes(buf) if type(buf) is bytearray else buf)  # type: ignore[union-attr]
                 except ValueError:
                     self._reject(req, 400, "malformed chunked request body", "bad_request")
                     return
                 self._buf = b""
                 if payload:
                     self._body_parts.append(payload)
-                    if sum(len(p) for p in self._body_parts) > h.max_body_bytes:
+                    self._body_len += len(payload)
+                    if self._body_len > h.max_body_bytes:
                         msg = f"request body is over the limit of {h.max_body_bytes} bytes"
                         self._reject(req, 413, msg, "request_too_large")
                         return
                 if not dec.done:  # type: ignore[union-attr]
+                    self._reading()
                     return
                 req.body = b"".join(self._body_parts)
                 self._body_parts = []
                 self._buf = rest
             self._req = None
+            self.reading_since = 0.0
             self.busy = True
             self.task = asyncio.get_running_loop().create_task(self._run(req))
 
-    def _reject(self, req: Request | None, status: int, message: str, code: str) -> None:
+    def _reading(self) -> None:
+        """A request is arriving but incomplete: its read deadline runs from its first byte."""
+        if not self.reading_since:
+            self.reading_since = _monotonic()
+
+    def read_timed_out(self, timeout: float) -> None:
+        """The request being read did not arrive whole in time (a slow or stalled sender)."""
+        self._reject(self._req, 408, f"the request did not arrive within {timeout:g} s", "request_timeout")
+
+    def _reject(self, req: Request | None, status: int, message: str, code: str, extra: bytes = b"") -> None:
         """Answer an error before the request was read whole (``req``: its head, when parsed), and close."""
         self.keep_alive = False
-        self.write(error_response(status, message, code, keep_alive=False))
+        self.reading_since = 0.0
+        self.write(error_response(status, message, code, keep_alive=False, extra=extra))
         self.close()
         try:
             self.h.refused(self, req, status, code)

@@ -17,7 +17,7 @@ import socket
 import time
 from typing import Protocol
 
-from cluster_cli.router.http import RESPONSE_DROP, ChunkedDecoder
+from cluster_cli.router.http import RESPONSE_DROP, ChunkedDecoder, head_has_ctl, is_token, parse_length
 
 _monotonic = time.monotonic
 
@@ -138,13 +138,24 @@ class UpstreamConn(asyncio.Protocol):
                 self._buf = buf
                 return b""
             head, buf = buf[:idx], buf[idx + 4 :]
+            # Relayed header lines are checked as strictly as a client's: a bare LF or CR in
+            # them would split the response the client sees (response splitting).
+            if head_has_ctl(head):
+                self._fail("protocol", "control character in upstream response head")
+                return b""
             lines = head.split(b"\r\n")
-            try:
-                version, code, *_ = lines[0].split(b" ", 2)
-                status = int(code)
-            except ValueError:
+            version, _, rest = lines[0].partition(b" ")
+            code = rest[:3]
+            if (
+                version not in (b"HTTP/1.1", b"HTTP/1.0")
+                or not code.isdigit()
+                or rest[3:4] not in (b"", b" ")
+                or code < b"100"
+                or code > b"599"
+            ):
                 self._fail("protocol", "malformed upstream status line")
                 return b""
+            status = int(code)
             if 100 <= status < 200:  # interim response: skip, the real one follows
                 continue
             break
@@ -155,15 +166,21 @@ class UpstreamConn(asyncio.Protocol):
         ctype = b""
         kept: list[bytes] = []
         for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            lname = name.strip().lower()
+            name, sep, value = line.partition(b":")
+            if not sep or not is_token(name):
+                self._fail("protocol", "malformed upstream header line")
+                return b""
+            lname = name.lower()
             if lname in RESPONSE_DROP:
                 if lname == b"content-length":
                     try:
-                        clen = int(value.strip())
+                        n = parse_length(value.strip(b" \t"))
                     except ValueError:
+                        n = -2
+                    if n < 0 or (clen >= 0 and n != clen):
                         self._fail("protocol", "bad upstream Content-Length")
                         return b""
+                    clen = n
                 elif lname == b"transfer-encoding":
                     chunked = value.strip().lower().endswith(b"chunked")
                 elif lname == b"connection":
