@@ -225,3 +225,53 @@ def test_async_openai_client(fleet):
     assert outs == ["lorem ipsum "] * 12
     served = [e.served for e in fleet.engines]
     assert sum(served) == 12 and min(served) > 0  # both endpoints were used
+
+
+def test_models_retrieve_answers_one_model_or_openai_404():
+    f = Fleet(1, model="org/tiny-1.5b", capacity=4, token_delay_s=0.001, tokens=2).start()
+    try:
+        c = client(f)
+        m = c.models.retrieve("org/tiny-1.5b")  # a name with "/" (Hugging Face style) works too
+        assert (m.id, m.object, m.owned_by) == ("org/tiny-1.5b", "model", "clusterctl")
+        assert httpx.get(f.base + "/models/org%2Ftiny-1.5b").json()["id"] == "org/tiny-1.5b"
+        with pytest.raises(openai.NotFoundError) as ei:
+            c.models.retrieve("nope")
+        assert ei.value.body["code"] == "model_not_found"
+    finally:
+        f.close()
+
+
+def test_models_retrieve_needs_the_api_key():
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=2).start(api_keys=ApiKeys({digest("sk-1")}))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            client(f, api_key="wrong").models.retrieve("sim")
+        assert client(f, api_key="sk-1").models.retrieve("sim").id == "sim"
+    finally:
+        f.close()
+
+
+def test_a_model_that_is_not_a_string_is_named_as_such(fleet):
+    r = httpx.post(fleet.base + "/chat/completions", json={"model": 123, "messages": MSG})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_model"
+    assert "must be a string, not int" in r.json()["error"]["message"]
+
+
+def test_every_endpoint_down_is_503_with_retry_after():
+    """Once failures have opened every breaker, the model is unavailable (503), and
+    Retry-After says when the first endpoint will be probed again."""
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(
+        router={"breaker": {"failure_threshold": 1, "open_for_s": 7}, "health_interval_s": 60}
+    )
+    try:
+        for e in f.engines:
+            f.lt.run(e.refuse())
+        r = httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG}, timeout=10)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "no_endpoint"
+        assert "2 circuit open" in r.json()["error"]["message"]
+        assert 1 <= int(r.headers["Retry-After"]) <= 7
+        r = httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG}, timeout=10)
+        assert r.status_code == 503 and 1 <= int(r.headers["Retry-After"]) <= 7  # refused up front, same answer
+    finally:
+        f.close()

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from urllib.parse import unquote
 
 from cluster_cli.router.accesslog import AccessLog
 from cluster_cli.router.admission import Rejected
@@ -29,7 +30,7 @@ from cluster_cli.router.keys import ApiKeys
 from cluster_cli.router.metrics import RouterMetrics
 from cluster_cli.router.policy import make_policy
 from cluster_cli.router.proxy import FAIL_AFTER, FAIL_BEFORE, OK, RETRY_5XX, Exchange
-from cluster_cli.router.registry import Table, build_table
+from cluster_cli.router.registry import Table, build_table, model_json
 from cluster_cli.router.retry import RetryBudget, RetryPolicy
 from cluster_cli.router.scrape import scrape_loop
 from cluster_cli.router.server import ClientConn
@@ -298,6 +299,16 @@ class Router:
                 return 401
             write(response(200, self.table.models_json, keep_alive=conn.keep_alive))
             return 200
+        if path.startswith(b"/v1/models/"):  # OpenAI's models.retrieve; a model name may hold "/"
+            if not self._authorized(conn, req, write):
+                return 401
+            name = unquote(path[len(b"/v1/models/") :].decode("latin-1"))
+            if name not in self.table.models:
+                msg = f"The model `{name}` does not exist or is not served by this router."
+                write(error_response(404, msg, "model_not_found", keep_alive=conn.keep_alive))
+                return 404
+            write(response(200, model_json(name), keep_alive=conn.keep_alive))
+            return 200
         write(error_response(404, f"no route for {path.decode('latin-1')}", "not_found", keep_alive=conn.keep_alive))
         return 404
 
@@ -421,8 +432,9 @@ class Router:
             return self._fail(conn, 400, "request body is nested too deeply", "invalid_json")
         model = obj.get("model") if isinstance(obj, dict) else None
         if not isinstance(model, str) or not model:
-            msg = "you must provide a model parameter"
-            return self._fail(conn, 400, msg, "missing_model")
+            if model is None or model == "":
+                return self._fail(conn, 400, "you must provide a model parameter", "missing_model")
+            return self._fail(conn, 400, f"model must be a string, not {type(model).__name__}", "invalid_model")
         trace.asked = model[:LOGGED_MODEL_CHARS]
         entry = self.table.models.get(model)
         if entry is None:
@@ -454,11 +466,16 @@ class Router:
                 try:
                     lease: Lease = self.balancer.try_acquire(entry, tried) or await self.balancer.acquire(entry, tried)
                 except Rejected as r:
+                    extra = b"Retry-After: %d\r\n" % int(r.retry_after + 0.999) if r.retry_after else b""
                     if r.reason != "no_endpoint" or not last_error:
                         self.metrics.rejection(model, r.reason)
-                        extra = b"Retry-After: %d\r\n" % int(r.retry_after + 0.999) if r.retry_after else b""
                         return self._fail(conn, r.status, r.message, r.reason, model, endpoint, attempts, extra)
                     msg = f"{last_error} ({r.message})"
+                    if not self.balancer.any_eligible(entry):
+                        # The failures took the whole model down (breakers open): unavailable,
+                        # and Retry-After says when the first endpoint is probed again.
+                        self.metrics.rejection(model, r.reason)
+                        return self._fail(conn, 503, msg, "no_endpoint", model, endpoint, attempts, extra)
                     return self._fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts)
                 w = lease.worker
                 endpoint = trace.endpoint = w.view.replica

@@ -51,6 +51,14 @@ class Lease:
         self._balancer.on_release(w)
 
 
+def no_endpoint(workers: Collection[Worker]) -> Rejected:
+    """503 for a model none of whose endpoints may take a request now. ``Retry-After`` is the
+    time until the first open breaker lets a probe through (at least 1 s); none when every
+    endpoint is draining or removed, since nothing says when that ends."""
+    waits = [t for w in workers if (t := w.breaker.reopens_in()) is not None]
+    return Rejected(503, "no_endpoint", fit_message(workers), max(1.0, min(waits)) if waits else None)
+
+
 def fit_message(workers: Collection[Worker]) -> str:
     counts = Counter(r for w in workers if (r := w.unavailable_reason()) is not None)
     parts = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()))
@@ -106,7 +114,7 @@ class Balancer:
         else:
             self.dispatch(entry)
         if not self.any_eligible(entry):
-            raise Rejected(503, "no_endpoint", fit_message(entry.workers))
+            raise no_endpoint(entry.workers)
         if not q.has_room():
             q.rejected_full += 1
             raise Rejected(
@@ -186,9 +194,9 @@ class Balancer:
                     )
                 )
             if q.waiters and not self.any_eligible(entry):
-                msg = fit_message(entry.workers)
+                rejected = no_endpoint(entry.workers)
                 while (waiter := q.pop_live()) is not None:
-                    waiter.fut.set_exception(Rejected(503, "no_endpoint", msg))
+                    waiter.fut.set_exception(Rejected(503, "no_endpoint", rejected.message, rejected.retry_after))
 
     def swap(self, table: Table, dropped_queues: Collection[tuple[str, ModelQueue]] = ()) -> None:
         self.table = table

@@ -86,6 +86,12 @@ class Breaker:
     def open_for(self) -> float:
         return min(self.cfg.max_open_for_s, self.cfg.open_for_s * max(1, self.openings))
 
+    def reopens_in(self) -> float | None:
+        """Seconds until an open breaker lets a probe through (0 when that is due); None when not open."""
+        if self.state is not State.OPEN:
+            return None
+        return max(0.0, self.opened_at + self.open_for() - self._clock())
+
     def _tick(self) -> None:
         if self.state is State.OPEN and self._clock() - self.opened_at >= self.open_for():
             self._set(State.HALF_OPEN)

@@ -48,9 +48,18 @@ def breaker_config(cfg: RouterConfig) -> BreakerConfig:
     )
 
 
+def _model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "clusterctl"}
+
+
 def models_json(names: list[str]) -> bytes:
-    data = [{"id": n, "object": "model", "created": 0, "owned_by": "clusterctl"} for n in names]
+    data = [_model_object(n) for n in names]
     return json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode()
+
+
+def model_json(name: str) -> bytes:
+    """One model, as ``GET /v1/models/{id}`` answers it."""
+    return json.dumps(_model_object(name), separators=(",", ":")).encode()
 
 
 def build_table(
