@@ -70,6 +70,7 @@ def test_discover_healthy_cluster(testbed, tmp_path: Path) -> None:
 def test_cordon_survives_rediscovery(testbed, tmp_path: Path) -> None:
     state = tmp_path / "s.db"
     inv = str(testbed.inventory_path)
+    # Cordoned before the first discover: the state is created, and discover keeps the cordon.
     assert runner.invoke(app, ["--state", str(state), "cordon", "gpu-02", "-i", inv, "--reason", "PSU"]).exit_code == 0
     for _ in range(2):
         code, doc, _ = discover(state, testbed.inventory_path)
@@ -211,16 +212,21 @@ def test_wrong_key_and_unknown_host_key(testbed_factory, tmp_path: Path) -> None
     code, doc, _ = discover(tmp_path / "a.db", wrong)
     assert code == 1 and "authentication failed" in by_name(doc)["n1"]["error"]
 
-    (c.inventory_path.parent / "empty_known_hosts").write_text("")
+    empty = c.inventory_path.parent / "empty_known_hosts"
+    empty.write_text("")
     unknown = derived_inventory(c.inventory_path, "inv-unknownhost.yaml", known_hosts="empty_known_hosts")
     code, doc, _ = discover(tmp_path / "b.db", unknown)
-    assert code == 1 and "host key not verifiable" in by_name(doc)["n1"]["error"]
+    error = by_name(doc)["n1"]["error"]
+    # Unknown, not "unknown or changed": where it looked, and the two ways out.
+    assert code == 1 and error.startswith(f"host key not verifiable in {empty}: no key for "), error
+    assert error.endswith(f" >> {empty}) or use known_hosts: accept-new"), error
 
 
 def test_accept_new_pins_then_refuses_a_changed_key(testbed_factory, tmp_path: Path) -> None:
     c = testbed_factory("n1=cpu-only")
     inv = derived_inventory(c.inventory_path, "inv-tofu.yaml", known_hosts="accept-new")
     state = tmp_path / "st" / "s.db"
+    state.parent.mkdir()  # discover creates only the default state folder
     assert discover(state, inv)[0] == 0
     pinned = state.with_suffix(".known_hosts")  # beside the state, named after it
     line = pinned.read_text().strip()
@@ -231,7 +237,12 @@ def test_accept_new_pins_then_refuses_a_changed_key(testbed_factory, tmp_path: P
     fake = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode().strip()
     pinned.write_text(line.split(" ", 1)[0] + " " + fake + "\n")
     code, doc, _ = discover(state, inv)
-    assert code == 1 and "host key not verifiable" in by_name(doc)["n1"]["error"]
+    n = c.nodes["n1"]
+    assert code == 1
+    assert by_name(doc)["n1"]["error"] == (  # changed, not "unknown or changed"; where the pin is, and the remedy
+        f"host key not verifiable: changed since it was pinned in {pinned} ({n.host}:{n.port}); "
+        "if the node was reinstalled, delete its line there (n1 ...) and run again"
+    )
 
 
 def test_node_dying_mid_probe_is_reported_not_fatal(testbed_factory, tmp_path: Path) -> None:
@@ -305,9 +316,100 @@ def test_ssh_config_supplies_user_key_and_accept_new_pins_by_name(testbed_factor
     inv = d / "inv-cfg.yaml"
     inv.write_text(yaml.safe_dump(data))
     state = tmp_path / "st" / "s.db"
+    state.parent.mkdir()  # discover creates only the default state folder
     for _ in range(2):  # first contact pins, the second run verifies against the pin
         code, doc, err = discover(state, inv)
         assert code == 0, err
         assert by_name(doc)["n1"]["reachable"] is True
     assert state.with_suffix(".known_hosts").read_text().count("\n") == 1
     assert not (state.parent / "known_hosts").exists()  # never an OpenSSH-named file
+
+
+def test_a_node_flooding_its_output_is_cut_and_the_others_are_unaffected(testbed_factory, tmp_path: Path) -> None:
+    import shutil
+
+    c = testbed_factory("flood=cpu-only,fine=cpu-only")
+    nproc = c.nodes["flood"].bin_dir / "nproc"  # the probe `nproc --all` prints 12 MB
+    nproc.write_text(f"#!/bin/sh\nexec {shutil.which('head')} -c 12000000 /dev/zero\n")
+    t0 = time.monotonic()
+    code, doc, err = discover(tmp_path / "s.db", c.inventory_path)
+    assert time.monotonic() - t0 < 20
+    n = by_name(doc)
+    assert code == 1 and n["fine"]["reachable"] is True and n["fine"]["cpus"]
+    assert n["flood"]["reachable"] is False
+    assert n["flood"]["error"] == "command output over 8 MiB on stdout, cut", n["flood"]["error"]
+    assert "flood: command output over 8 MiB on stdout, cut" in err
+
+
+def _stderr_until(p: subprocess.Popen[str], wanted: str, timeout: float) -> str:
+    """What ``p`` wrote to stderr up to the first line containing ``wanted``."""
+    import selectors
+
+    seen = ""
+    sel = selectors.DefaultSelector()
+    assert p.stderr is not None
+    sel.register(p.stderr, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while wanted not in seen and time.monotonic() < deadline and sel.select(deadline - time.monotonic()):
+        line = p.stderr.readline()
+        if not line:
+            break
+        seen += line
+    return seen
+
+
+def test_ctrl_c_saves_nothing_and_says_so(testbed_factory, tmp_path: Path) -> None:
+    import signal
+
+    c = testbed_factory("slow=cpu-only:slow=20,fine=cpu-only")
+    state = tmp_path / "s.db"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "cluster_cli", "--state", str(state), "discover", "-i", str(c.inventory_path), "-v"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        # fine is done and slow is probing: Ctrl-C now
+        before = _stderr_until(p, "slow: connected", 30) + _stderr_until(p, "fine: ok", 30)
+        assert "slow: connected" in before and "fine: ok" in before, before
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert err.splitlines()[-1:] == ["interrupted: nothing saved"], err
+    assert out == ""
+    with Store(state, readonly=True) as s:  # not even the node that had answered
+        assert s.nodes() == [] and s.inventory() is None
+
+
+def test_verbose_tells_each_node_s_steps_on_stderr_and_keeps_stdout_clean(testbed_factory, tmp_path: Path) -> None:
+    from cluster_cli.cli.main import hoist_global_options
+
+    c = testbed_factory("g=hgx-h200x8:fabric=ib-a,dead=cpu-only")
+    c.kill("dead")
+    args = ["--state", str(tmp_path / "s.db"), "discover", "-i", str(c.inventory_path), "-o", "json", "-v"]
+    r = runner.invoke(app, hoist_global_options(args))
+    assert r.exit_code == 1
+    assert set(by_name(json.loads(r.stdout))) == {"g", "dead"}  # stdout is the JSON alone
+    lines = r.stderr.splitlines()
+
+    def line(prefix: str) -> str:
+        return next((x for x in lines if x.startswith(prefix)), f"no line {prefix!r} in {lines}")
+
+    assert line("g: connected to ").endswith("s"), lines
+    ran = line("g: ran 'sh -s' in ")  # the probe batch: its time, and each probe it ran with its exit code
+    for probe in (
+        "gpus rc 0",
+        "apps rc 0",
+        "topo rc 0",
+        "ibstat rc 0",
+        "cpus rc 0",
+        "meminfo rc 0",
+        "sm:mlx5_0:1 rc 0",
+    ):
+        assert probe in ran, ran
+    assert line("g: ok after ").endswith("; no problems"), lines
+    assert "(connect " in line("g: ok after ") and ", probe " in line("g: ok after ")
+    assert "connection refused" in line("dead: unreachable after "), lines
+    plain = runner.invoke(app, args[:-1])
+    assert not any(x.startswith(("g: connected", "g: ran", "g: ok")) for x in plain.stderr.splitlines())

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import re
+import time
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
@@ -11,8 +16,14 @@ from rich.markup import escape
 from cluster_cli.cli import ui
 from cluster_cli.cli.common import INVENTORY_ENV, INVENTORY_HELP, inventory_or_abort, open_store, pinned_hosts_path
 from cluster_cli.cli.main import App, app
-from cluster_cli.errors import ClusterctlError, ExitCode
+from cluster_cli.errors import ClusterctlError, ExitCode, SSHError
 from cluster_cli.facts import NodeFacts
+
+if TYPE_CHECKING:  # asyncssh and asyncio load only when discover runs
+    from cluster_cli.config.inventory import SSHTarget
+    from cluster_cli.probe.runner import CommandResult, Connector, Session
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
 EXAMPLE = """
 Examples:
@@ -44,7 +55,7 @@ def discover(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from cluster_cli.probe.collect import discover as run_discover
-    from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts
+    from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts, fabric_warnings
     from cluster_cli.probe.runner import AsyncsshConnector
     from cluster_cli.state.view import for_inventory
 
@@ -57,25 +68,35 @@ def discover(
             ui.abort(f"{inventory}: no node named {', '.join(map(repr, unknown))} in the inventory")
         nodes = [n for n in inv.nodes if n.name in set(node)]
     store = open_store(state.state_path)
-    connector = AsyncsshConnector(pinned_known_hosts=pinned_hosts_path(state.state_path))
+    connector: Connector = AsyncsshConnector(pinned_known_hosts=pinned_hosts_path(state.state_path))
+    trace = Trace(connector) if state.verbose else None
 
-    with Progress(
-        TextColumn("[bold]discover"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[last]}"),
-        TimeElapsedColumn(),
-        console=ui.err,
-        transient=True,
-        disable=output is not ui.Output.table or not ui.err.is_terminal,
-    ) as progress:
-        task = progress.add_task("discover", total=len(nodes), last="")
+    try:
+        with Progress(
+            TextColumn("[bold]discover"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[last]}"),
+            TimeElapsedColumn(),
+            console=ui.err,
+            transient=True,
+            disable=output is not ui.Output.table or not ui.err.is_terminal,
+        ) as progress:
+            task = progress.add_task("discover", total=len(nodes), last="")
 
-        def done(f: NodeFacts) -> None:
-            progress.update(task, advance=1, last=f"{f.name} {'ok' if f.reachable else 'unreachable'}")
+            def done(f: NodeFacts) -> None:
+                progress.update(task, advance=1, last=f"{f.name} {'ok' if f.reachable else 'unreachable'}")
+                if trace is not None:
+                    trace.done(f)
 
-        facts = asyncio.run(run_discover(inv, nodes, connector=connector, parallel=parallel,
-                                         node_timeout_s=timeout, on_done=done))  # fmt: skip
+            facts = asyncio.run(run_discover(inv, nodes, connector=trace or connector, parallel=parallel,
+                                             node_timeout_s=timeout, on_done=done))  # fmt: skip
+    except KeyboardInterrupt:
+        # Ctrl-C while probing: facts are saved only after every node is done, in one
+        # transaction, so none were. (Host keys pinned on first contact stay pinned.)
+        store.close()
+        ui.info("interrupted: nothing saved")
+        raise typer.Exit(INTERRUPTED) from None
 
     try:
         store.save_discovery(facts, inventory=inventory.resolve())
@@ -94,7 +115,7 @@ def discover(
 
     if output is ui.Output.table:
         render(result)
-        for c in conflicts:
+        for c in fabric_warnings([f for f in fleet if f.reachable], prefixes):  # one line per fabric
             ui.warn(c)
     else:
         ui.emit_data({"nodes": [f.to_dict() for f in result], "fabric_conflicts": conflicts}, output)
@@ -159,3 +180,92 @@ def render(facts: list[NodeFacts]) -> None:
             ui.out.print(f"[yellow]{f.name}[/] cordoned: {escape(f.cordon_reason or '')}", highlight=False)
         for p in node_problems(f):
             ui.out.print(f"[bold]{f.name}[/] {escape(p)}", highlight=False)
+
+
+# The record table that starts a probe batch's output (see probe/batch.py).
+_BATCH_TOKEN = re.compile(rb"@@CC ([0-9a-f]+) RC\n")
+
+
+class Trace:
+    """``discover -v``: lines on stderr, per node, for an operator finding the slow or failing
+    nodes of a fleet: how long connecting took, each remote command (the probes a batch ran,
+    with their exit codes) and how long it took, then the outcome and any problem. Wraps
+    the connector; stdout is left alone (``-o json`` stays clean)."""
+
+    def __init__(self, inner: Connector, say: Callable[[str], None] = ui.info) -> None:
+        self._inner = inner
+        self._say = say
+        self._started: dict[str, float] = {}
+        self._connect: dict[str, float] = {}
+        self._probe: dict[str, float] = {}
+
+    @asynccontextmanager
+    async def session(self, target: SSHTarget) -> AsyncIterator[Session]:
+        name = target.name
+        t0 = self._started[name] = time.monotonic()  # after the --parallel wait: its own time only
+        # A failed connect is told by ``done``: the node's whole time was spent on it.
+        async with self._inner.session(target) as s:
+            took = self._connect[name] = time.monotonic() - t0
+            self._say(f"{name}: connected to {target.host} in {took:.2f}s")
+            yield _TracedSession(s, name, self)
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._inner, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    def ran(self, name: str, command: str, took: float, outcome: str) -> None:
+        self._probe[name] = self._probe.get(name, 0.0) + took
+        self._say(f"{name}: ran {command!r} in {took:.2f}s: {outcome}")
+
+    def done(self, f: NodeFacts) -> None:
+        t0 = self._started.get(f.name)
+        total = f" after {time.monotonic() - t0:.2f}s" if t0 is not None else ""
+        if not f.reachable:
+            self._say(f"{f.name}: unreachable{total}: {f.error}")
+            return
+        steps = f"connect {self._connect.get(f.name, 0.0):.2f}s, probe {self._probe.get(f.name, 0.0):.2f}s"
+        problems = node_problems(f)
+        found = f"; {len(problems)} problem(s): {'; '.join(problems)}" if problems else "; no problems"
+        self._say(f"{f.name}: ok{total} ({steps}){found}")
+
+
+class _TracedSession:
+    def __init__(self, inner: Session, name: str, trace: Trace) -> None:
+        self._inner = inner
+        self._name = name
+        self._trace = trace
+
+    async def run(self, command: str, *, timeout: float) -> CommandResult:
+        from cluster_cli.probe.runner import CommandResult
+
+        rc, out, err = await self.run_raw(command, timeout=timeout)
+        return CommandResult(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
+    async def run_raw(
+        self, command: str, *, timeout: float, input: bytes | None = None
+    ) -> tuple[int | None, bytes, bytes]:
+        t0 = time.monotonic()
+        try:
+            rc, out, err = await self._inner.run_raw(command, timeout=timeout, input=input)
+        except SSHError as e:
+            self._trace.ran(self._name, command, time.monotonic() - t0, f"failed: {_own(e.message, self._name)}")
+            raise
+        self._trace.ran(self._name, command, time.monotonic() - t0, f"rc {rc}, {len(out)} bytes{_records(out)}")
+        return rc, out, err
+
+
+def _records(out: bytes) -> str:
+    """The probes a batch ran and their exit codes, from its output (none if it is not one)."""
+    from cluster_cli.probe.batch import TIMED_OUT, parse_records
+
+    m = _BATCH_TOKEN.search(out)
+    if m is None:
+        return ""
+    rcs = {n: r.rc for n, r in parse_records({}, out, m.group(1).decode()).items()}
+    shown = ("no result" if rc is None else "timed out" if rc == TIMED_OUT else f"rc {rc}" for rc in rcs.values())
+    return "; " + ", ".join(f"{n} {how}" for n, how in zip(rcs, shown, strict=True)) if rcs else ""
+
+
+def _own(message: str, name: str) -> str:
+    return message.removeprefix(f"{name}: ")

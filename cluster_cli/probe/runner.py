@@ -15,11 +15,11 @@ import getpass
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from cluster_cli.config.inventory import ACCEPT_NEW, SSHTarget
 from cluster_cli.errors import SSHError
@@ -53,10 +53,25 @@ class Connector(Protocol):
     def session(self, target: SSHTarget) -> AsyncIterator[Session]: ...
 
 
+# A command's output is read up to this many bytes per stream. The probes print a few hundred
+# KiB at most, even on the biggest nodes (nvidia-smi, ibstat); a node that sends more (broken,
+# or hostile) is cut off, not buffered until the client runs out of memory.
+MAX_OUTPUT_BYTES = 8 << 20
+
+
+class _OutputCut(Exception):
+    """A stream of a remote command went over ``MAX_OUTPUT_BYTES``."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.stream = stream
+
+
 class AsyncsshSession:
     def __init__(self, conn: asyncssh.SSHClientConnection, name: str) -> None:
         self._conn = conn
         self._name = name
+        self.max_output = MAX_OUTPUT_BYTES
 
     async def run(self, command: str, *, timeout: float) -> CommandResult:
         rc, out, err = await self.run_raw(command, timeout=timeout)
@@ -66,20 +81,71 @@ class AsyncsshSession:
         self, command: str, *, timeout: float, input: bytes | None = None
     ) -> tuple[int | None, bytes, bytes]:
         try:
-            r = await self._conn.run(command, check=False, timeout=timeout, encoding=None, input=input)
-        except asyncssh.TimeoutError as e:
-            raise SSHError(f"{self._name}: command timed out after {timeout:g}s") from e
+            async with asyncio.timeout(timeout):
+                proc = await self._conn.create_process(command, encoding=None, input=input)
+                done = False
+                try:
+                    out, err = await _read_both(proc, self.max_output)
+                    await proc.wait_closed()  # the exit status comes after the output
+                    done = True
+                finally:
+                    if not done:
+                        _stop(proc)
+        except TimeoutError:  # before OSError: TimeoutError is one
+            raise SSHError(f"{self._name}: command timed out after {timeout:g}s") from None
+        except _OutputCut as e:
+            cap = f"{self.max_output / (1 << 20):g} MiB"
+            raise SSHError(f"{self._name}: command output over {cap} on {e.stream}, cut") from None
         except (asyncssh.Error, OSError) as e:
             raise SSHError(f"{self._name}: {ssh_error_message(e)}") from e
-        if r.exit_status is None and r.exit_signal is None:
+        status, sig = proc.exit_status, proc.exit_signal
+        if status is None and sig is None:
             # asyncssh reports a connection that died mid-command this way, not as an exception.
             raise SSHError(f"{self._name}: connection lost while running a command")
-        if r.exit_signal is not None:  # asyncssh then reports exit_status -1: use the shell's 128+N
-            num = getattr(signal, f"SIG{r.exit_signal[0]}", None)
+        if sig is not None:  # asyncssh then reports exit_status -1: use the shell's 128+N
+            num = getattr(signal, f"SIG{sig[0]}", None)
             rc = 128 + int(num) if num is not None else 128 + 9
         else:
-            rc = r.exit_status if r.exit_status is not None else 128 + 9
-        return rc, bytes(r.stdout or b""), bytes(r.stderr or b"")
+            rc = status if status is not None else 128 + 9
+        return rc, out, err
+
+
+async def _read_both(proc: asyncssh.SSHClientProcess, cap: int) -> tuple[bytes, bytes]:
+    """stdout and stderr of ``proc``, read together (a full one must not stall the other);
+    raises _OutputCut as soon as either goes over ``cap``."""
+    readers = [
+        asyncio.ensure_future(_read_capped(s, cap, n)) for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
+    ]
+    for r in readers:  # a reader cancelled after failing too must not log "exception never retrieved"
+        r.add_done_callback(lambda t: t.cancelled() or t.exception())
+    try:
+        out, err = await asyncio.gather(*readers)
+    finally:
+        for r in readers:
+            r.cancel()
+    return out, err
+
+
+async def _read_capped(stream: asyncssh.SSHReader, cap: int, name: str) -> bytes:
+    buf = bytearray()
+    while True:
+        try:
+            chunk = await stream.read(cap + 1 - len(buf))  # whatever has arrived, up to one byte over
+        except (asyncssh.Error, OSError):
+            return bytes(buf)  # the connection died: run_raw reports it from the missing exit status
+        if not chunk:
+            return bytes(buf)
+        buf += chunk
+        if len(buf) > cap:
+            raise _OutputCut(name)
+
+
+def _stop(proc: asyncssh.SSHClientProcess) -> None:
+    """End a command that we gave up on: TERM lets the probe batch remove its scratch files
+    (its TERM trap), and closing the channel ends whatever ignores it at its next write."""
+    with suppress(OSError, asyncssh.Error):
+        proc.terminate()
+    proc.close()
 
 
 _CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com", "aes128-ctr")
@@ -112,6 +178,7 @@ class AsyncsshConnector:
         # Parsed known_hosts files by path, re-read when the file changes: asyncssh given a
         # path parses every key in it on every connect, which is quadratic in the fleet size.
         self._parsed: dict[str, tuple[tuple[int, int, int], asyncssh.SSHKnownHosts]] = {}
+        self._pins: tuple[tuple[int, int, int], dict[str, list[asyncssh.SSHKey]]] | None = None
         # Jump-host connections (ssh_config ProxyJump), one per route prefix and trust
         # settings, shared by every node behind it until ``aclose``.
         self._hops: dict[tuple[object, ...], asyncio.Future[asyncssh.SSHClientConnection]] = {}
@@ -190,8 +257,9 @@ class AsyncsshConnector:
         it is behind a jump host. Errors start with ``dest.label``: the node's name, or for a
         jump host (shared by many nodes) the jump host alone."""
         where = dest.label
-        known_hosts = self._parse(await self._known_hosts(target, dest, paths, via, via_label))
+        file = await self._known_hosts(target, dest, paths, via, via_label)
         pinned = target.known_hosts == ACCEPT_NEW
+        trust = self._trust(dest.alias, where) if pinned else _Lookup.of(self._parse(file), file)
         key = target.identity_file
         keys: object = [key] if key else ()
         if dest.jump:
@@ -209,9 +277,7 @@ class AsyncsshConnector:
                     client_keys=keys,
                     agent_path=None if key and not dest.jump else (),
                     ignore_encrypted=True if dest.jump and keys != () else (),
-                    known_hosts=known_hosts,
-                    # Pins are kept per node name, whatever host/port ssh_config resolves to.
-                    host_key_alias=dest.alias if pinned else (),
+                    known_hosts=trust,
                     config=paths or (),
                     tunnel=_tunnel(dest, via),
                     # AES-GCM is hardware-accelerated almost everywhere; chacha20 costs ~25% of
@@ -226,8 +292,28 @@ class AsyncsshConnector:
             )
         except TimeoutError:
             raise SSHError(f"{where}connect timed out after {target.connect_timeout_s:g}s") from None
+        except asyncssh.HostKeyNotVerifiable as e:
+            raise SSHError(f"{where}{_host_key_error(e, trust, file, dest)}") from e
         except (asyncssh.Error, OSError, ValueError) as e:
             raise SSHError(f"{where}{_connect_error(e, shown, via_label, dest)}") from e
+
+    def _trust(self, alias: str, where: str) -> tuple[list[asyncssh.SSHKey], list[object], list[object]]:
+        """The keys pinned for exactly ``alias``, as asyncssh's explicit trust lists. Not the
+        pin file itself: asyncssh also matches a file's entries against the peer's address,
+        and a node named like another node's address would lend its pinned key to it."""
+        return (list(self._pinned(where).get(alias, [])), [], [])
+
+    def _pinned(self, where: str) -> dict[str, list[asyncssh.SSHKey]]:
+        """The pin file by name, parsed once per change of the file, not per node."""
+        assert self.pinned is not None
+        try:
+            st = os.stat(self.pinned)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if self._pins is None or self._pins[0] != stamp:
+                self._pins = (stamp, _pin_table(self.pinned.read_text(errors="replace")))
+        except OSError as e:
+            raise SSHError(f"{where}cannot read the pin file {self.pinned}: {e.strerror or e}") from None
+        return self._pins[1]
 
     def _parse(self, path: str) -> asyncssh.SSHKnownHosts | str:
         try:
@@ -266,8 +352,7 @@ class AsyncsshConnector:
                     self.pinned.touch(exist_ok=True)
                 except OSError as e:
                     raise SSHError(f"{where}cannot create the pin file {self.pinned}: {e.strerror or e}") from None
-            pins = self._parse(str(self.pinned))  # parsed once per change of the file, not per node
-            if isinstance(pins, asyncssh.SSHKnownHosts) and pins.match(dest.alias, "", None)[0]:
+            if dest.alias in self._pinned(where):
                 return str(self.pinned)
         # First contact: learn the key, pin it, then connect verifying against the pin.
         try:
@@ -293,11 +378,85 @@ class AsyncsshConnector:
                 with self.pinned.open("a+") as f:
                     fcntl.flock(f, fcntl.LOCK_EX)
                     f.seek(0)
-                    if not any(line.split(" ", 1)[0] == dest.alias for line in f.read().splitlines()):
+                    if not any(dest.alias in names for names, _ in _pin_lines(f.read())):
                         f.write(f"{dest.alias} {key.export_public_key('openssh').decode().strip()}\n")
             except OSError as e:
                 raise SSHError(f"{where}cannot pin its host key in {self.pinned}: {e.strerror or e}") from None
         return str(self.pinned)
+
+
+class _Lookup(asyncssh.SSHKnownHosts):
+    """A parsed known_hosts file, matched as asyncssh (and OpenSSH) match it, host name and
+    address, that notes what it was asked and whether it had a key: a refused key is then
+    told apart as unknown or changed."""
+
+    def __init__(self, parsed: asyncssh.SSHKnownHosts) -> None:
+        super().__init__()
+        self._inner = parsed
+        self.asked: tuple[str, str, int | None] | None = None
+        self.found = False
+
+    @classmethod
+    def of(cls, parsed: asyncssh.SSHKnownHosts | str, file: str) -> object:
+        """asyncssh's ``known_hosts`` for ``file`` (a path it will read, and report on, itself
+        when it could not be parsed here)."""
+        return cls(parsed) if isinstance(parsed, asyncssh.SSHKnownHosts) else file
+
+    def match(self, host: str, addr: str, port: int | None) -> Any:
+        found = self._inner.match(host, addr, port)
+        self.asked = (host, addr, port)
+        self.found = bool(found[0] or found[1])  # host keys, or CA keys for certificates
+        return found
+
+
+def _pin_lines(text: str) -> Iterator[tuple[list[str], str]]:
+    """(names, key text) of each pin: clusterctl writes plain ``NAME KEY`` lines."""
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", "@")):
+            names, _, key = line.partition(" ")
+            yield names.split(","), key.strip()
+
+
+def _pin_table(text: str) -> dict[str, list[asyncssh.SSHKey]]:
+    """The pinned keys by exact name; a name whose key cannot be read has none (and is refused)."""
+    table: dict[str, list[asyncssh.SSHKey]] = {}
+    for names, text_key in _pin_lines(text):
+        try:
+            key: asyncssh.SSHKey | None = asyncssh.import_public_key(text_key)
+        except (asyncssh.KeyImportError, ValueError):
+            key = None
+        for name in names:
+            table.setdefault(name, []).extend([key] if key else [])
+    return table
+
+
+def _host_key_error(e: asyncssh.HostKeyNotVerifiable, trust: object, file: str, dest: _Dest) -> str:
+    """A refused host key, unknown or changed, with where its key is kept and what to do."""
+    what = "jump host" if dest.jump else "node"
+    addr = f"{dest.real[0]}:{dest.real[1]}"
+    if isinstance(trust, tuple):  # the keys pinned for it (accept-new), as ``_trust`` gives them
+        if trust[0]:
+            return (
+                f"host key not verifiable: changed since it was pinned in {file} ({addr}); "
+                f"if the {what} was reinstalled, delete its line there ({dest.alias} ...) and run again"
+            )
+        pin = f"no usable key pinned for {dest.alias} in {file}"
+        return f"host key not verifiable: {pin}; delete its line there and run again"
+    if isinstance(trust, _Lookup) and trust.asked is not None:
+        host, peer, port = trust.asked
+        name = host if port in (None, 22) else f"[{host}]:{port}"
+        seen = f" ({peer})" if peer and peer != host else ""
+        if trust.found:
+            return (
+                f"host key not verifiable in {file}: it does not match the key there for {name}{seen}; "
+                f"if the {what} was reinstalled, remove that key (ssh-keygen -R '{name}' -f {file}) and run again"
+            )
+        return (
+            f"host key not verifiable in {file}: no key for {name}{seen} there; "
+            f"add it (ssh-keyscan -p {dest.real[1]} {dest.real[0]} >> {file}) or use known_hosts: accept-new"
+        )
+    return f"host key not verifiable in {file}: {e.reason}"
 
 
 def _tunnel(dest: _Dest, via: asyncssh.SSHClientConnection | None) -> object:
