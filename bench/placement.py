@@ -107,6 +107,7 @@ def catalog(n: int) -> Catalog:
                         "gpus": g,
                         "nodes": k,
                         "priority": pr,
+                        "model": f"/models/{name}",
                     }
                     for c, g, k, pr in profiles
                 ],
@@ -118,7 +119,9 @@ def catalog(n: int) -> Catalog:
         {
             "name": "tiny",
             "replicas": r(0.02),
-            "profiles": [{"name": "cpu", "engine": "llamacpp", "cpus": 8, "memory_gib": 16}],
+            "profiles": [
+                {"name": "cpu", "engine": "llamacpp", "cpus": 8, "memory_gib": 16, "model": "/models/tiny.gguf"}
+            ],
         }
     )
     return Catalog.model_validate(doc)

@@ -32,7 +32,10 @@ def write(tmp_path: Path, body: str) -> Path:
     return p
 
 
-def one_model(profiles: str, replicas: str = "1", name: str = "m") -> str:
+def one_model(profiles: str, replicas: str = "1", name: str = "m", model: bool = True) -> str:
+    """One model; each profile written as ``- {...}`` is given ``model: /m`` unless ``model`` is False."""
+    if model:
+        profiles = profiles.replace("- {name:", "- {model: /m, name:")
     return f"models:\n  - name: {name}\n    replicas: {replicas}\n    profiles:\n{profiles}"
 
 
@@ -162,3 +165,22 @@ def test_bad_catalog_is_one_located_line(tmp_path: Path, body: str, where: str, 
     # file, then the line (and the list item's name) where the YAML has them, then the field
     assert re.match(rf"{re.escape(str(path))}: (line [0-9]+( \([^)]*\))?: )?{re.escape(where)}", msg), msg
     assert needle in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("profile", "needle"),
+    [
+        ("{name: a, engine: vllm, gpu_class: H100}",
+         "line 5 (a): models.0.profiles.0.model: missing: the path or hub id vllm loads is required"),
+        ("{name: a, engine: llamacpp, cpus: 4}",
+         "line 5 (a): models.0.profiles.0.model: missing: the path or hub id llamacpp loads is required "
+         "(e.g. /models/llama-70b.Q4_K_M.gguf)"),
+        ("\n        name: a\n        engine: vllm\n        gpu_class: H100\n        model: ' '",
+         "line 9 (a): models.0.profiles.0.model: empty: the path or hub id vllm loads is required"),
+    ],
+)  # fmt: skip
+def test_a_profile_must_say_what_its_engine_loads(tmp_path: Path, profile: str, needle: str) -> None:
+    path = write(tmp_path, one_model(f"      - {profile}\n", model=False))
+    with pytest.raises(ConfigError) as e:
+        load_catalog(path)
+    assert str(e.value).startswith(f"{path}: {needle}"), str(e.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,11 +69,26 @@ def test_discover_bad_inventory_exits_2(tmp_path: Path, body: str, needle: str) 
 
 def test_discover_missing_identity_file_names_node(tmp_path: Path) -> None:
     (tmp_path / "kh").write_text("")
-    body = "defaults: {identity_file: nokey, known_hosts: kh}\nnodes:\n  - {name: gpu-07, host: 198.18.0.77}\n"
+    body = "defaults: {known_hosts: kh}\nnodes:\n  - {name: gpu-07, host: 198.18.0.77, identity_file: nokey}\n"
     r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)))
     assert r.exit_code == 2
     (line,) = error_lines(r)
-    assert "gpu-07" in line and "identity file not found" in line and "nokey" in line
+    assert "inventory.yaml: line 3 (gpu-07): nodes.0.identity_file: identity file not found" in line
+    assert line.endswith(str(tmp_path / "nokey"))
+
+
+def test_a_mistake_under_defaults_names_the_defaults_line(tmp_path: Path) -> None:
+    (tmp_path / "kh").write_text("")
+    body = "fabrics: {}\ndefaults:\n  known_hosts: kh\n  identity_file: id_rsa\nnodes:\n  - {name: h1, host: 198.18.0.77}\n"
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)))
+    assert r.exit_code == 2
+    (line,) = error_lines(r)
+    assert "inventory.yaml: line 4: defaults.identity_file: identity file not found" in line and "nodes.0" not in line
+    write_key(tmp_path / "id_rsa")
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body.replace("known_hosts: kh", "known_hosts: nofile"))))
+    (line,) = error_lines(r)
+    assert r.exit_code == 2 and "inventory.yaml: line 3: defaults.known_hosts: known_hosts file not found" in line
+    assert not (tmp_path / "state.db").exists()
 
 
 def test_discover_missing_known_hosts(tmp_path: Path) -> None:
@@ -94,9 +110,9 @@ def test_discover_unknown_node_flag(tmp_path: Path) -> None:
 
 def test_cordon_roundtrip_and_unknown_node(tmp_path: Path) -> None:
     p = inv(tmp_path, "nodes:\n  - {name: gpu-01, host: h}\n")
+    Store(tmp_path / "state.db").close()  # as the first discover leaves it
     r = run(tmp_path, "cordon", "nope", "-i", str(p), "--reason", "x")
     assert r.exit_code == 2 and "no node named 'nope'" in r.output
-    assert not (tmp_path / "state.db").exists()
     r = run(tmp_path, "cordon", "gpu-01", "-i", str(p), "--reason", "fan failure")
     assert r.exit_code == 0, r.output
     with Store(tmp_path / "state.db") as s:
@@ -113,6 +129,10 @@ def test_cordon_without_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     (line,) = error_lines(r)
     assert r.exit_code == 2 and "no inventory given" in line and "discover" in line
     assert not (tmp_path / "state.db").exists()
+    Store(tmp_path / "state.db").close()  # a state with no inventory recorded in it
+    r = run(tmp_path, "cordon", "gpu-01", "--reason", "x")
+    (line,) = error_lines(r)
+    assert r.exit_code == 2 and "no inventory given" in line and "discover" in line
     p = inv(tmp_path, "nodes:\n  - {name: gpu-01, host: h}\n")
     monkeypatch.setenv("CLUSTERCTL_INVENTORY", str(p))
     assert run(tmp_path, "cordon", "gpu-01", "--reason", "x").exit_code == 0
@@ -171,7 +191,7 @@ def test_local_ssh_mistakes_are_config_errors_and_save_nothing(tmp_path: Path, s
     r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)))
     assert r.exit_code == 2
     (line,) = error_lines(r)
-    assert needle in line and "nodes.0 (a)" in line and "inventory.yaml" in line
+    assert needle in line and "inventory.yaml: line 1: defaults.identity_file: " in line
     assert not (tmp_path / "state.db").exists()
 
 
@@ -217,6 +237,7 @@ def test_global_options_may_follow_the_command(tmp_path: Path) -> None:
     # End to end through the console entry point: the state goes where --state says.
     p = inv(tmp_path, "nodes:\n  - {name: gpu-01, host: h}\n")
     state = tmp_path / "elsewhere.db"
+    Store(state).close()
     r = subprocess.run(
         [sys.executable, "-m", "cluster_cli", "cordon", "gpu-01", "-i", str(p), "--reason", "rma", "--state", str(state)],
         capture_output=True, text=True, cwd=tmp_path, timeout=60,
@@ -246,6 +267,7 @@ def test_text_from_nodes_and_files_is_printed_literally(capsys) -> None:
 
 def test_a_cordon_on_a_node_since_removed_from_the_inventory_can_be_lifted(tmp_path: Path) -> None:
     p = inv(tmp_path, "nodes:\n  - {name: gpu-01, host: h}\n  - {name: gpu-02, host: g}\n")
+    Store(tmp_path / "state.db").close()
     assert run(tmp_path, "cordon", "gpu-02", "-i", str(p), "--reason", "RMA").exit_code == 0
     p = inv(tmp_path, "nodes:\n  - {name: gpu-01, host: h}\n")  # gpu-02 went back to the vendor
     r = run(tmp_path, "uncordon", "gpu-02", "-i", str(p))
@@ -309,3 +331,63 @@ def test_ssh_config_checks_name_asyncssh_errors_and_skip_match_exec(tmp_path: Pa
     assert not marker.exists()  # asyncssh runs it when it connects; the up-front check must not
     (tmp_path / "cfg").write_text(f"Match host gpu1\n  Port 2222\nHost other\n  ProxyCommand touch {marker}\n")
     check_ssh_files(load_inventory(p), p)  # a valid config passes
+
+
+def test_a_state_in_a_folder_that_does_not_exist_is_a_typo_not_a_new_state(tmp_path: Path) -> None:
+    p = inv(tmp_path, "nodes:\n  - {name: h1, host: h}\n")
+    state = tmp_path / "nonexist" / "x" / "state.db"
+    r = runner.invoke(app, ["--state", str(state), "cordon", "h1", "-r", "x", "-i", str(p)])
+    (line,) = error_lines(r)
+    assert r.exit_code == 2 and f"{state}: cannot create the state: folder {state.parent} does not exist" in line
+    r = runner.invoke(app, ["--state", str(state), "uncordon", "h1", "-i", str(p)])  # nothing to lift there
+    (line,) = error_lines(r)
+    assert r.exit_code == 2 and line == f"error: {state}: no state database (run 'clusterctl discover' first, " \
+        "or check --state / CLUSTERCTL_STATE)", line  # fmt: skip
+    assert not (tmp_path / "nonexist").exists()
+    r = run(tmp_path, "cordon", "h1", "-r", "x", "-i", str(p))  # a new state in a folder that exists: fine
+    assert r.exit_code == 0, r.output
+    with Store(tmp_path / "state.db") as s:
+        assert s.cordons()["h1"]["reason"] == "x"
+
+
+def test_discover_creates_only_the_default_state_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster_cli.cli.common import open_store
+
+    write_key(tmp_path / "id")
+    (tmp_path / "kh").write_text("")
+    p = inv(tmp_path, "defaults: {identity_file: id, known_hosts: kh}\nnodes:\n  - {name: a, host: 198.18.0.77}\n")
+    state = tmp_path / "nonexist" / "x" / "state.db"
+    r = runner.invoke(app, ["--state", str(state), "discover", "-i", str(p), "--timeout", "1"])
+    (line,) = error_lines(r)
+    assert r.exit_code == 2 and f"{state}: cannot create the state: folder {state.parent} does not exist" in line
+    assert not (tmp_path / "nonexist").exists()
+    monkeypatch.chdir(tmp_path)
+    open_store(Path(".clusterctl/state.db")).close()  # the default folder is made on first use
+    assert (tmp_path / ".clusterctl" / "state.db").is_file()
+
+
+def test_cordoning_a_cordoned_node_says_what_it_replaced(tmp_path: Path) -> None:
+    p = inv(tmp_path, "nodes:\n  - {name: h1, host: h}\n")
+    Store(tmp_path / "state.db").close()
+    r = run(tmp_path, "cordon", "h1", "-i", str(p), "-r", "old reason")
+    assert r.exit_code == 0 and r.output.strip() == "h1 cordoned: old reason"
+    with Store(tmp_path / "state.db") as s:
+        since = s.cordons()["h1"]["created_at"]
+    r = run(tmp_path, "cordon", "h1", "-i", str(p), "-r", "new")
+    assert r.exit_code == 0, r.output
+    (line,) = error_lines(r)
+    assert re.fullmatch(r'h1 was already cordoned \(since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC: "old reason"\); '
+                        r'reason now "new"', line), line  # fmt: skip
+    with Store(tmp_path / "state.db") as s:
+        assert s.cordons()["h1"] == {"reason": "new", "created_at": since}  # still cordoned, since then
+
+
+def test_help_shows_no_value_for_flags_and_a_name_for_repeatable_options() -> None:
+    for args in ([], ["discover"], ["place"], ["cordon"], ["uncordon"]):
+        r = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0 and "--help" in r.output
+        assert "<bool>" not in r.output and "list[" not in r.output, r.output
+    r = runner.invoke(app, ["discover", "--help"], env={"COLUMNS": "200"})
+    assert re.search(r"--node\s+-n\s+NODE\s+Probe only this node", r.output), r.output
+    r = runner.invoke(app, ["place", "--help"], env={"COLUMNS": "200"})
+    assert re.search(r"--dry-run\s+Compute and print the plan", r.output), r.output

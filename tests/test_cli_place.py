@@ -170,7 +170,7 @@ def test_facts_file_gets_the_stores_cordons(tmp_path: Path) -> None:
     assert r.exit_code == 3 and "detail: cordoned (RMA)" in r.stdout
 
 
-GPU_ONLY = "models:\n  - {{name: m, replicas: {replicas}, profiles: [{{name: tp8, engine: vllm, gpu_class: H100, gpus: 8}}]}}\n"
+GPU_ONLY = "models:\n  - {{name: m, replicas: {replicas}, profiles: [{{name: tp8, engine: vllm, gpu_class: H100, gpus: 8, model: /m}}]}}\n"
 
 
 def test_with_a_store_cordons_come_from_the_store_only(tmp_path: Path) -> None:
@@ -211,8 +211,12 @@ def test_hand_written_gpu_faults_count_without_a_problems_list(tmp_path: Path) -
         (lambda p: (p / "facts.json").write_text('{"nodes": 3}'), "facts.json: nodes: expected a list"),
         (lambda p: (p / "facts.json").unlink(), "facts.json: file not found"),
         (lambda p: (p / "inventory.yaml").write_text("nodes: [{name: a}]\n"), "inventory.yaml: line 1 (a): nodes.0.host"),
-        (lambda p: (p / "facts.json").write_text("[]"), "facts.json: has facts for none of the inventory's 1 nodes"),
-        (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "zz"}]}'), "none of the inventory's 1 nodes (zz)"),
+        (lambda p: (p / "facts.json").write_text("[]"),
+         "facts.json: has facts for none of the inventory's 1 node (gpu-01); it has no nodes at all"),
+        (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "zz"}]}'),
+         "facts.json: has facts for none of the inventory's 1 node (gpu-01); it has zz"),
+        (lambda p: (p / "facts.json").write_text(json.dumps([{"name": f"x{i}"} for i in range(7)])),
+         "none of the inventory's 1 node (gpu-01); it has x0, x1, x2, x3, x4 and 2 more"),
         (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "gpu-01", "cpus": "many"}]}'),
          "facts.json: nodes.0 (gpu-01): invalid facts: cpus: expected a number, got 'many'"),
         (lambda p: (p / "facts.json").write_text('{"nodes": [{"name": "gpu-01"}, {"name": "gpu-01", "cpus": 1}]}'),
@@ -345,3 +349,67 @@ def test_a_fabric_whose_ports_see_two_sms_hosts_no_multi_node_replica(tmp_path: 
     assert {s["node"] for s in placed["shards"]} == {"gpu-01", "gpu-02"}  # the two that agree
     reasons = {x["node"]: x["detail"] for x in doc["unplaced"][0]["reasons"]}
     assert "mlx5_0 port 1 sees SM 0x00000000000000b2 but fabric ib-a is declared" in reasons["gpu-03"]
+
+
+def test_one_machine_under_two_names_in_the_facts_is_placed_once_and_explained(tmp_path: Path) -> None:
+    h1 = dgx("h1")
+    h2 = replace(dgx("h2"), gpus=h1.gpus)  # one box, discovered under two inventory names
+    inv, cat, facts = write_inputs(tmp_path, [h1, h2], catalog=GPU_ONLY.format(replicas=2))
+    inv.write_text("nodes:\n  - {name: h2, host: 10.0.0.2}\n  - {name: h1, host: 10.0.0.1}\n")
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts))
+    assert r.exit_code == 3, r.output
+    assert "+ replica 0: tp8 (vllm) h2 GPU 0-7" in r.stdout  # h2 comes first in the inventory
+    assert "h1: 8 GPUs (GPU-h1-0, GPU-h1-1, GPU-h1-2 and 5 more) are also node h2's" in r.stdout
+    assert "1 node filtered: duplicate 1" in r.stdout
+
+
+def test_a_wrong_subnet_prefix_in_the_inventory_is_one_warning(tmp_path: Path) -> None:
+    nodes = [replace(n, hcas=tuple(replace(h, subnet_prefix=0xFEC0_0000_0000_0001) for h in n.hcas))
+             for n in (dgx("gpu-01"), dgx("gpu-02"))]  # fmt: skip
+    inv, cat, facts = write_inputs(tmp_path, nodes, catalog=MULTI_NODE_CATALOG)
+    inv.write_text(
+        "fabrics: {ib-a: {subnet_prefix: 'fec0:0000:0000:0002'}}\n"
+        "nodes:\n  - {name: gpu-01, host: 10.0.0.1, fabric: ib-a}\n  - {name: gpu-02, host: 10.0.0.2, fabric: ib-a}\n"
+    )
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    (line,) = [x for x in r.stderr.splitlines() if "fabric conflict" in x]
+    assert "fabric ib-a: 16 ports on 2 nodes (gpu-01, gpu-02) have subnet prefix fec0:0000:0000:0001" in line
+
+
+def test_verbose_explains_every_candidate_on_stderr(tmp_path: Path) -> None:
+    nodes = [dgx("gpu-01", cpus=8), dgx("gpu-02", cordoned=True), cpu_node("cpu-01", cpus=8)]
+    inv, cat, facts = write_inputs(tmp_path, nodes)
+    args = ["--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts)]
+    quiet = place(tmp_path, *args)
+    r = runner.invoke(app, ["-v", "--state", str(tmp_path / "state.db"), "place", *args])
+    assert r.exit_code == quiet.exit_code == 3
+    assert r.stdout == quiet.stdout  # the plan itself is unchanged
+    err = [x for x in r.stderr.splitlines() if not x.startswith("warning:")]
+    assert err[0] == "model 'llama-70b':"
+    at = err.index("  replica 0, profile h100-tp8 (8x H100): placed on gpu-01 (1 of 3 nodes fit)")
+    assert err[at + 1 : at + 4] == [
+        "    cpu-01: rejected by gpu-class: no GPU, profile needs H100",
+        "    gpu-01: chosen (8 H100 free); scores binpack 1, nvlink 1, final 1",
+        "    gpu-02: rejected by cordon: cordoned (maintenance)",
+    ]
+    assert "  replica 1, profile h100-tp8 (8x H100): not placed (0 of 3 nodes fit on their own)" in err
+    assert "    gpu-01: rejected by capacity: 0 of 8 H100 free (8 allocated), profile needs 8" in err
+    assert "    cpu-01: rejected by capacity: 8 of 8 CPUs unreserved, profile needs 32" in err
+    assert "model 'llama-70b':" not in quiet.stderr
+
+
+def test_a_gpu_classes_alias_that_matches_nothing_is_flagged_once(tmp_path: Path) -> None:
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01"), dgx("gpu-02")], catalog=GPU_ONLY.format(replicas=1))
+    product = dgx("gpu-01").gpus[0].product
+    inv.write_text(
+        f"gpu_classes:\n  H100: ['{product}']\n  B200: ['NVIDIA B200 HMB3']\n"
+        "nodes:\n  - {name: gpu-01, host: 10.0.0.1}\n  - {name: gpu-02, host: 10.0.0.2}\n"
+    )
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert r.exit_code == 0, r.output
+    (line,) = [x for x in r.stderr.splitlines() if "gpu_classes" in x]
+    assert line == (
+        f"warning: {inv}: line 3: gpu_classes.B200: no GPU in the facts is 'NVIDIA B200 HMB3' "
+        f"(products seen: {product!r})"
+    )
+    json.loads(r.stdout)

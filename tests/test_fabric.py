@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_cli.facts import DEFAULT_SUBNET_PREFIX, HcaPort, NodeFacts
-from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts
+from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts, fabric_warnings
 from cluster_cli.probe.parsers.ibstat import parse_ibstat, parse_sminfo
 
 FIXTURES = Path(__file__).parent / "fixtures" / "probes"
@@ -340,3 +340,21 @@ def test_without_a_declared_prefix_the_sm_and_prefix_votes_are_one() -> None:
     assert _kept(out) == ["c1", "n0", "n1"]
     zero = [_port(f"z{i}", sm=None, prefix=0) for i in range(3)]  # a prefix of 0 is evidence too
     assert _kept(distrust_conflicting_ports(g1 + zero)) == ["z0", "z1", "z2"]
+
+
+def test_a_wrong_declared_prefix_is_one_warning_per_fabric() -> None:
+    def pre(n: NodeFacts, prefix: int) -> NodeFacts:
+        return replace(n, hcas=tuple(replace(h, subnet_prefix=prefix) for h in n.hcas))
+
+    nodes = [pre(node("gpu-01"), P1), pre(node("gpu-02"), P1)]  # the inventory's subnet_prefix is a typo
+    ports = len(IB_CAS)
+    assert len(fabric_conflicts(nodes, {"ib-a": P2})) == 2 * ports  # scripts still get every port
+    assert fabric_warnings(nodes, {"ib-a": P2}) == [
+        f"fabric ib-a: {2 * ports} ports on 2 nodes (gpu-01, gpu-02) have subnet prefix fec0:0000:0000:0001 "
+        "but the inventory declares fec0:0000:0000:0002 (fabrics.ib-a.subnet_prefix)"
+    ]
+    one = [
+        replace(nodes[0], hcas=tuple(replace(h, subnet_prefix=P1 if h.ca == "mlx5_0" else P2) for h in nodes[0].hcas))
+    ]
+    assert fabric_warnings(one, {"ib-a": P2}) == fabric_conflicts(one, {"ib-a": P2})  # a single port: as before
+    assert fabric_warnings(nodes) == fabric_conflicts(nodes)

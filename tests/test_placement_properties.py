@@ -103,7 +103,7 @@ def catalog_st(draw: Any, common: str = "H100") -> Catalog:
                     "gpus": draw(st.sampled_from([2, 1, 2, 3, 4, 8])),
                     "nodes": draw(st.sampled_from([1, 2, 1, 2, 3])),
                 }
-            profiles.append({"name": f"p{p}", "priority": draw(st.integers(0, 3)), **prof})
+            profiles.append({"name": f"p{p}", "model": "/m", "priority": draw(st.integers(0, 3)), **prof})
         models.append({"name": f"m{m}", "replicas": draw(st.integers(1, 4)), "profiles": profiles})
     return Catalog.model_validate({"models": models})
 
@@ -271,9 +271,9 @@ def dgx_fleet_st(draw: Any) -> tuple[list[NodeFacts], Catalog, list[Replica]]:
         nodes.append(NodeFacts(f"d{i}", cpus=224, memory_mib=2 << 20, gpus=gpus, nvlink_domains=(tuple(range(8)),),
                                hcas=rails, cordoned=draw(st.integers(0, 9)) == 0))  # fmt: skip
     profiles = [
-        {"name": "multi", "engine": "vllm", "gpu_class": "H100", "gpus": draw(st.sampled_from([2, 4, 8])),
+        {"name": "multi", "engine": "vllm", "model": "/m", "gpu_class": "H100", "gpus": draw(st.sampled_from([2, 4, 8])),
          "nodes": draw(st.integers(2, 3)), "priority": 10},
-        {"name": "single", "engine": "vllm", "gpu_class": "H100", "gpus": draw(st.sampled_from([4, 8])), "priority": 1},
+        {"name": "single", "engine": "vllm", "model": "/m", "gpu_class": "H100", "gpus": draw(st.sampled_from([4, 8])), "priority": 1},
     ]  # fmt: skip
     cat = Catalog.model_validate(
         {"models": [{"name": "big", "replicas": draw(st.integers(1, 4)), "profiles": profiles}]}
@@ -295,7 +295,7 @@ def test_invariants_hold_on_dgx_fleets_with_multi_node_replicas(
 def test_one_tp_group_is_split_only_when_no_node_has_a_whole_domain(nodes: list[NodeFacts], cls: str, k: int) -> None:
     from cluster_cli.placement.constraints.nvlink import fits_one_domain
 
-    cat = Catalog.model_validate({"models": [{"name": "m", "profiles": [{"name": "tp", "engine": "vllm",
+    cat = Catalog.model_validate({"models": [{"name": "m", "profiles": [{"name": "tp", "engine": "vllm", "model": "/m",
                                                                             "gpu_class": cls, "gpus": k}]}]})  # fmt: skip
     p = plan(nodes, cat)
     if not p.placements:

@@ -354,3 +354,29 @@ def test_a_tp_group_goes_to_a_node_with_a_whole_nvlink_domain_before_splitting()
     # With no whole pair anywhere, best fit still places it (split, lowest free indices).
     p = plan([frag], catalog(("m", 1, [profile("tp2", gpu_class="A100", gpus=2)])))
     assert where(p)[("m", 0)][1] == [("a-1", (1, 2))]
+
+
+def test_a_gpu_uuid_on_two_nodes_is_planned_once() -> None:
+    from dataclasses import replace
+
+    from cluster_cli.placement.constraints import mark_duplicate_gpus
+
+    h1 = dgx("h1", cpus=64)
+    h2 = replace(dgx("h2", cpus=64), gpus=h1.gpus)  # the same box under a second name
+    cat = catalog(("m", 2, [profile("tp8", gpu_class="H100", gpus=8)]))
+    result = plan([h2, h1], cat)
+    assert [(p.replica.shards[0].node, p.replica.replica) for p in result.starts] == [("h1", 0)]
+    (u,) = result.unplaced
+    (why,) = [r for r in u.reasons if r.node == "h2"]
+    assert why.constraint == "duplicate" and "8 GPUs (GPU-h1-0, GPU-h1-1, GPU-h1-2 and 5 more)" in why.detail
+    assert "also node h1's" in why.detail and "not a placement candidate" in why.detail
+    assert u.attempts[0].metrics.filtered_by == {"duplicate": 1}
+    # CPU work is not doubled either; and the inventory's order (view) decides who keeps the box.
+    cpu = catalog(("c", 2, [profile("cpu", engine="llamacpp", cpus=40)]))
+    assert {p.replica.shards[0].node for p in plan([h1, h2], cpu).starts} == {"h1"}
+    first, second = mark_duplicate_gpus([h2, h1])
+    assert not first.problems and second.problems[0].startswith("duplicate-gpu: 8 GPUs")
+    assert {p.replica.shards[0].node for p in plan([first, second], cpu).starts} == {"h2"}
+    # An unreachable node's last known GPUs claim nothing.
+    away = replace(h1, reachable=False, error="timeout")
+    assert [f.problems for f in mark_duplicate_gpus([away, h2])] == [(), ()]

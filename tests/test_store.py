@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -189,3 +191,74 @@ def test_an_unreadable_row_is_a_located_error_and_a_new_discover_replaces_it(tmp
         s.save_discovery([NodeFacts(name="a", host="h", reachable=False, error="timeout", probed_at=2.0)])
         (a, _b) = s.nodes()
         assert (a.reachable, a.error, a.cpus, a.gpus) == (False, "timeout", None, ())
+
+
+def test_cordon_returns_the_cordon_it_replaced(tmp_path: Path) -> None:
+    with Store(tmp_path / "s.db") as s:
+        assert s.cordon("a", "fan") is None
+        first = s.cordons()["a"]
+        assert s.cordon("a", "psu") == first == {"reason": "fan", "created_at": first["created_at"]}
+        assert s.cordons()["a"] == {"reason": "psu", "created_at": first["created_at"]}
+        assert s.events(1)[0]["message"] == "psu (was: fan)"
+
+
+def _exclusive_writer(path: Path) -> sqlite3.Connection:
+    """A connection that committed a cordon into the WAL and keeps the database to itself
+    (locking_mode=EXCLUSIVE: no -shm, no checkpoint until it closes)."""
+    w = sqlite3.connect(path, isolation_level=None)
+    w.execute("PRAGMA locking_mode=EXCLUSIVE")
+    w.execute("INSERT INTO cordons VALUES ('a', 'fan', 1)")
+    return w
+
+
+def test_a_locked_state_is_an_error_not_a_snapshot_that_misses_commits(tmp_path: Path) -> None:
+    Store(tmp_path / "s.db").close()
+    w = _exclusive_writer(tmp_path / "s.db")
+    try:
+        assert (tmp_path / "s.db-wal").stat().st_size > 0  # the cordon is committed, in the WAL only
+        with pytest.raises(StateError, match=r"s\.db: cannot read the state: database is locked"):
+            Store(tmp_path / "s.db", readonly=True, timeout_s=0.1)
+    finally:
+        w.close()
+    with Store(tmp_path / "s.db", readonly=True) as s:
+        assert "a" in s.cordons()
+
+
+def _unwritable_folder(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    """As if the state's folder were not ours to write: SQLite cannot make the -shm file there."""
+    real = sqlite3.connect
+
+    def connect(database: str, *a: object, **kw: object) -> sqlite3.Connection:
+        if "mode=ro" in str(database) and "immutable=1" not in str(database):
+            e = sqlite3.OperationalError("unable to open database file")
+            e.sqlite_errorcode = code  # type: ignore[attr-defined]
+            raise e
+        return real(database, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    monkeypatch.setattr(os, "access", lambda p, mode: False)
+
+
+def test_an_unwritable_folder_is_read_as_a_snapshot_only_when_the_wal_is_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with Store(tmp_path / "s.db") as s:
+        s.cordon("b", "psu")
+    assert not (tmp_path / "s.db-wal").exists()  # the last close folded the WAL in
+    leftover = tmp_path / "crashed"
+    leftover.mkdir()
+    Store(leftover / "s.db").close()
+    w = _exclusive_writer(leftover / "s.db")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("s.db", "s.db-wal"):  # what a writer that died leaves behind
+        (copy / name).write_bytes((leftover / name).read_bytes())
+    w.close()
+    _unwritable_folder(monkeypatch, 1544)  # SQLITE_READONLY_DIRECTORY
+    with Store(tmp_path / "s.db", readonly=True) as s:
+        assert set(s.cordons()) == {"b"}
+    with pytest.raises(StateError, match=r"copy/s\.db-wal holds changes not yet in the database"):
+        Store(copy / "s.db", readonly=True)
+    _unwritable_folder(monkeypatch, 5)  # SQLITE_BUSY: never a snapshot
+    with pytest.raises(StateError, match="cannot read the state"):
+        Store(tmp_path / "s.db", readonly=True)

@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 
 from cluster_cli.cli import ui
-from cluster_cli.config.inventory import ACCEPT_NEW, Inventory, load_inventory
+from cluster_cli.config.inventory import ACCEPT_NEW, Inventory, Node, SSHDefaults, load_inventory
+from cluster_cli.config.load import value_line
 from cluster_cli.errors import ClusterctlError, ConfigError
 from cluster_cli.state.store import Store
 
@@ -63,16 +64,16 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
     if inv.ssh_config:
         cfg = inv.resolve_path(inv.ssh_config)
         if not os.path.isfile(cfg):
-            raise ConfigError(f"{path}: ssh_config: not a readable file: {cfg}")
+            raise ConfigError(f"{_where(path, ('ssh_config',))}: not a readable file: {cfg}")
         _check_ssh_config(inv, path, cfg)
     keys_ok: set[str] = set()
     hosts_ok: set[str] = set()
     accept_new = False
     for i, n in enumerate(inv.nodes):
         t = inv.ssh_target(n)
-        where = f"{path}: nodes.{i} ({n.name})"
         key = t.identity_file
         if key and key not in keys_ok:
+            where = _setting(path, i, n, "identity_file")  # read only here: it parses the file again
             if not os.path.exists(key):
                 raise ConfigError(f"{where}: identity file not found: {key}")
             if not os.path.isfile(key):
@@ -90,6 +91,7 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
         if t.known_hosts == ACCEPT_NEW:
             accept_new = True
         elif t.known_hosts not in hosts_ok:
+            where = _setting(path, i, n, "known_hosts")
             if not os.path.isfile(t.known_hosts):
                 raise ConfigError(
                     f"{where}: known_hosts file not found: {t.known_hosts} "
@@ -99,6 +101,26 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
             hosts_ok.add(t.known_hosts)
     if pinned is not None and accept_new:
         _check_pin_file(pinned)
+
+
+def _where(path: Path, loc: tuple[str | int, ...], name: str | None = None) -> str:
+    """``inv.yaml: line 3 (gpu-01): nodes.0.identity_file``: the file, the line that gives the
+    setting (when it is written), the node, and the setting's path."""
+    line = value_line(path, loc)
+    at = " ".join(x for x in (f"line {line}" if line else "", f"({name})" if name else "") if x)
+    return f"{path}: {at + ': ' if at else ''}{'.'.join(map(str, loc))}"
+
+
+def _setting(path: Path, i: int, n: Node, field: str) -> str:
+    """Where node ``n``'s ``field`` comes from: the node's own line, else ``defaults``
+    (noting SSHDefaults' value when the file leaves it unset)."""
+    if getattr(n, field) is not None:
+        return _where(path, ("nodes", i, field), n.name)
+    where = _where(path, ("defaults", field))
+    if value_line(path, ("defaults", field)) is None:
+        default = SSHDefaults.model_fields[field].default
+        where += f" (not set: {default})" if default is not None else " (not set)"
+    return where
 
 
 def _read_known_hosts(file: str | Path, where: str) -> None:
@@ -122,7 +144,7 @@ def _check_ssh_config(inv: Inventory, path: Path, cfg: str) -> None:
     try:
         text = Path(cfg).read_text(errors="replace")
     except OSError as e:
-        raise ConfigError(f"{path}: ssh_config: {cfg}: {e.strerror or e}") from None
+        raise ConfigError(f"{_where(path, ('ssh_config',))}: {cfg}: {e.strerror or e}") from None
     if re.search(r"(?im)^\s*match\b.*\bexec\b", text):
         return  # `Match exec` runs a command per host: leave it to connect time, not N times up front
     for host in sorted({n.host for n in inv.nodes}):
@@ -131,7 +153,7 @@ def _check_ssh_config(inv: Inventory, path: Path, cfg: str) -> None:
         except TypeError:  # pragma: no cover - another asyncssh signature: leave it to connect time
             return
         except (ValueError, OSError, asyncssh.Error) as e:
-            raise ConfigError(f"{path}: ssh_config: {_printable(e)}") from None
+            raise ConfigError(f"{_where(path, ('ssh_config',))}: {_printable(e)}") from None
 
 
 def _check_pin_file(pinned: Path) -> None:
@@ -153,8 +175,25 @@ def pinned_hosts_path(state_path: Path) -> Path:
     return pinned if pinned != state_path else state_path.with_name(state_path.name + ".pins")
 
 
+def require_state(path: Path) -> None:
+    """Commands that change the state need one: a missing file is a typo in --state (or
+    CLUSTERCTL_STATE), or no discover yet; either way, say so and create nothing."""
+    if not path.exists():
+        ui.abort(f"{path}: no state database (run 'clusterctl discover' first, or check --state / CLUSTERCTL_STATE)")
+
+
 def open_store(path: Path, *, create: bool = True) -> Store:
+    """Open the state database. ``create`` (discover) makes a missing one, and the default
+    ``.clusterctl/`` folder, but no other missing folder: that is a typo in --state."""
+    if create and not path.exists() and not path.parent.is_dir() and not _is_default_folder(path.parent):
+        ui.abort(f"{path}: cannot create the state: folder {path.parent} does not exist (create it, or check --state)")
     try:
         return Store(path, create=create)
     except ClusterctlError as e:
         ui.fail(e)
+
+
+def _is_default_folder(folder: Path) -> bool:
+    from cluster_cli.cli.main import DEFAULT_STATE
+
+    return folder.resolve() == DEFAULT_STATE.parent.resolve()

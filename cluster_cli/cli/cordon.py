@@ -5,7 +5,10 @@ Cordons live in their own table, so a later ``discover`` never clears them.
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -16,6 +19,7 @@ from cluster_cli.cli.common import (
     inventory_or_abort,
     open_store,
     recorded_inventory,
+    require_state,
 )
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError
@@ -28,6 +32,7 @@ Examples:
   clusterctl cordon gpu-03 -i inventory.yaml --reason "before the first discover"
 
 Without -i the node is checked against the inventory the last discover used.
+A missing state is created, in .clusterctl/ or in a folder that exists (--state).
 """
 UNCORDON_EXAMPLE = """
 Examples:
@@ -66,13 +71,24 @@ def cordon(
     if not reason.strip():
         ui.abort("--reason must not be empty")
     state: App = ctx.obj
+    # A cordon may come before the first discover (keep a node out from the start), so a
+    # missing state is created, but only where open_store allows: a typo in --state is refused.
     _check_node(recorded_inventory(inventory, state.state_path), node)
     with open_store(state.state_path) as store:
         try:
-            store.cordon(node, reason.strip())
+            was = store.cordon(node, reason.strip())
         except ClusterctlError as e:
             ui.fail(e)
-    ui.info(f"{node} cordoned: {reason.strip()}")
+    ui.info(cordon_message(node, reason.strip(), was))
+
+
+def cordon_message(node: str, reason: str, was: dict[str, Any] | None) -> str:
+    """``h1 cordoned: why``, or for a node already cordoned, since when and its old reason."""
+    if was is None:
+        return f"{node} cordoned: {reason}"
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(was["created_at"]))
+    now = "unchanged" if was["reason"] == reason else f"now {json.dumps(reason, ensure_ascii=False)}"
+    return f"{node} was already cordoned (since {since}: {json.dumps(was['reason'], ensure_ascii=False)}); reason {now}"
 
 
 @app.command(epilog=UNCORDON_EXAMPLE)
@@ -85,11 +101,12 @@ def uncordon(
 ) -> None:
     """Lift a node's cordon."""
     state: App = ctx.obj
+    require_state(state.state_path)
     # A cordon outlives the node's removal from the inventory, so it can always be lifted,
     # whatever the inventory says or whether it can be read; only a node with no cordon is checked.
     if not _cordoned_in_state(state.state_path, node):
         _check_node(recorded_inventory(inventory, state.state_path), node)
-    with open_store(state.state_path) as store:
+    with open_store(state.state_path, create=False) as store:
         try:
             was = store.uncordon(node)
         except ClusterctlError as e:

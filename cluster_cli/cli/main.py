@@ -9,14 +9,45 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import typer
+from typer.core import TyperGroup
 
 from cluster_cli import __version__
 
 DEFAULT_STATE = Path(".clusterctl/state.db")
 
+
+def tidy_metavars(cmd: Any, ctx: Any) -> None:
+    """Help shows what an option takes: nothing for a flag (Typer's rich help would print
+    ``<bool>``), and the value's name for a repeatable one (``NODE``, not ``<list[str]>``).
+    Typer carries its own copy of click, so options are told by their attributes."""
+    for p in cmd.get_params(ctx):
+        if getattr(p, "param_type_name", None) != "option" or p.metavar is not None:
+            continue
+        if getattr(p, "is_flag", False) or getattr(p, "count", False):
+            p.metavar = ""
+        elif getattr(p, "multiple", False) and p.name:
+            p.metavar = p.name.upper()
+
+
+class _Group(TyperGroup):
+    """The root command: its own help and every subcommand's get tidy metavars."""
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        cmd = super().get_command(ctx, cmd_name)
+        if cmd is not None:
+            tidy_metavars(cmd, ctx)
+        return cmd
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        tidy_metavars(self, ctx)
+        super().format_help(ctx, formatter)
+
+
 app = typer.Typer(
+    cls=_Group,
     name="clusterctl",
     help="Turn a fleet of SSH-reachable servers into an LLM serving cluster.\n\nGlobal options (--state, -v) may also follow the command.",
     epilog=(

@@ -72,14 +72,20 @@ def place(
     except ClusterctlError as e:
         ui.fail(e)
     _warn_unknown_classes(catalog, cat, inv, nodes)
-    from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts
+    _warn_unmatched_aliases(inventory, inv, nodes)
+    from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_warnings
 
     prefixes = inv.declared_prefixes()
-    for line in fabric_conflicts(nodes, prefixes):
+    for line in fabric_warnings(nodes, prefixes):
         ui.warn(f"fabric conflict: {line}")
     nodes = distrust_conflicting_ports(nodes, prefixes)
-    result = plan(nodes, cat, current)
+    result = plan(nodes, cat, current, trace=state.verbose)
     code = ExitCode.OK if result.complete else ExitCode.UNPLACED
+    if state.verbose:  # stderr: stdout stays the plan (and clean JSON)
+        from cluster_cli.placement import render_trace
+
+        for line in render_trace(result):
+            ui.info(line)
     if output is ui.Output.table:
         _render(result, version=version, source=source, nodes=len(nodes))
     else:
@@ -102,6 +108,22 @@ def _warn_unknown_classes(path: Path, cat: Any, inv: Inventory, nodes: list[Node
                 )
 
 
+def _warn_unmatched_aliases(path: Path, inv: Inventory, nodes: list[NodeFacts]) -> None:
+    """A ``gpu_classes`` alias none of whose products any node has is most likely a
+    misspelt product name (the GPUs then keep their own class): one warning per alias."""
+    from cluster_cli.config.load import value_line
+
+    products = sorted({g.product for n in nodes for g in n.gpus if g.product})
+    for alias, names in inv.gpu_classes.items():
+        if names and not set(names) & set(products):
+            line = value_line(path, ("gpu_classes", alias))
+            seen = ", ".join(map(repr, products[:5])) + (" ..." if len(products) > 5 else "") if products else "none"
+            ui.warn(
+                f"{path}: {f'line {line}: ' if line else ''}gpu_classes.{alias}: no GPU in the facts is "
+                f"{' or '.join(map(repr, names))} (products seen: {seen})"
+            )
+
+
 def _inputs(
     inv: Inventory, state_path: Path, facts_path: Path | None
 ) -> tuple[list[NodeFacts], list[Replica], int | None, str]:
@@ -116,13 +138,21 @@ def _inputs(
     if facts_path is not None:
         named = {f.name for f in raw}
         if not named & {n.name for n in inv.nodes}:
+            count = f"{len(inv.nodes)} node{'s' if len(inv.nodes) != 1 else ''}"
+            theirs = f"it has {_some(sorted(named))}" if named else "it has no nodes at all"
             raise ConfigError(
-                f"{facts_path}: has facts for none of the inventory's {len(inv.nodes)} nodes "
-                f"({', '.join(sorted(named)[:5]) or 'no nodes at all'})"
+                f"{facts_path}: has facts for none of the inventory's {count} "
+                f"({_some([n.name for n in inv.nodes])}); {theirs}"
             )
         if extra := sorted(named - {n.name for n in inv.nodes}):
             ui.warn(f"{facts_path}: ignoring facts of nodes not in the inventory: {', '.join(extra)}")
     return for_inventory(inv, raw, from_state=facts_path is None), current, version, source
+
+
+def _some(names: list[str], most: int = 5) -> str:
+    """``a, b, c`` or ``a, b, c, d, e and 7 more``."""
+    more = len(names) - most
+    return ", ".join(names[:most]) + (f" and {more} more" if more > 0 else "")
 
 
 def _read(

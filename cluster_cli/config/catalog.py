@@ -13,7 +13,8 @@ models:
       - {name: cpu, engine: llamacpp, cpus: 32, memory_gib: 64, priority: 1, model: /models/llama-70b.Q4_K_M.gguf}
 ```
 
-``gpus`` is GPUs per node (default 1 when ``gpu_class`` is set); ``nodes`` (default 1)
+``model`` (required) is what the engine loads: a path on the nodes or a hub id
+(``vllm serve MODEL``, ``llama-server -m FILE``). ``gpus`` is GPUs per node (default 1 when ``gpu_class`` is set); ``nodes`` (default 1)
 is the number of nodes of one multi-node replica. A profile without ``gpu_class``
 runs on the CPU; only engines that can serve without a card accept that, so a
 vLLM profile that forgot its class is an error here rather than a replica on a
@@ -62,7 +63,7 @@ class Profile(_Strict):
     cpus: int | None = Field(default=None, gt=0)
     memory_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     priority: int = 0
-    model: str | None = None  # path or hub id the engine loads (default: the model's name)
+    model: str | None = None  # path or hub id the engine loads: required (the catalog checks it)
     args: list[str] = Field(default_factory=list)
 
     @field_validator("name")
@@ -165,6 +166,14 @@ class Catalog(_Strict):
                     raise ValueError(f"{where}{_field_of(problem, p)}: {problem}")
                 if p.gpus is not None and not p.gpu_class:
                     raise ValueError(f"{where}.gpus: a profile that asks for GPUs must name its gpu_class")
+                if not (p.model or "").strip():
+                    # What the engine loads: vllm serve MODEL, llama-server -m FILE. A catalog name
+                    # (no '/') is neither a GGUF file nor a hub id with its organisation.
+                    example = "/models/llama-70b.Q4_K_M.gguf" if p.engine == "llamacpp" else "/models/llama-70b"
+                    state = "missing" if p.model is None else "empty"
+                    raise ValueError(
+                        f"{where}.model: {state}: the path or hub id {p.engine} loads is required (e.g. {example})"
+                    )
         return self
 
     def model(self, name: str) -> Model | None:

@@ -104,10 +104,18 @@ class Inventory(_Strict):
     @model_validator(mode="after")
     def _check(self) -> Inventory:
         seen: dict[str, int] = {}
+        addresses: dict[tuple[str, int | None], str] = {}
         for i, n in enumerate(self.nodes):
             if n.name in seen:
                 raise ValueError(f"nodes.{i}.name: duplicate node name {n.name!r} (also nodes.{seen[n.name]})")
             seen[n.name] = i
+            # The same machine under two names would have its GPUs planned twice. Compared as
+            # written (an ssh_config alias is not resolved): a port left unset is 22 unless
+            # ssh_config may set it, and then it only matches another node's unset port.
+            address = self.address(n)
+            if address in addresses:
+                raise ValueError(f"nodes.{i}.host: {_show_address(address)} is also node {addresses[address]}'s")
+            addresses[address] = n.name
             declared = [("fabric", n.fabric)] + [(f"hca_fabrics.{k}", v) for k, v in n.hca_fabrics.items()]
             for field, fab in declared:
                 if fab is not None and self.fabrics and fab not in self.fabrics:
@@ -125,6 +133,13 @@ class Inventory(_Strict):
         return self
 
     # ---- resolved views -------------------------------------------------
+    def address(self, n: Node) -> tuple[str, int | None]:
+        """(host, port) of ``n`` as the inventory writes them: the host in lower case (names
+        are case-insensitive), the port from the node, else ``defaults``, else 22 (None when
+        ``ssh_config`` may still set it)."""
+        port = n.port or self.defaults.port or (None if self.ssh_config else 22)
+        return n.host.lower(), port
+
     def node(self, name: str) -> Node | None:
         return next((n for n in self.nodes if n.name == name), None)
 
@@ -164,6 +179,13 @@ class Inventory(_Strict):
 
     def fabric_for(self, n: Node, ca: str) -> str | None:
         return n.hca_fabrics.get(ca, n.fabric)
+
+
+def _show_address(address: tuple[str, int | None]) -> str:
+    host, port = address
+    if port is None:
+        return host
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class SSHTarget(BaseModel):

@@ -113,6 +113,26 @@ def _locate(root: yaml.Node | None, loc: tuple[object, ...], at_key: bool) -> tu
     return line, name
 
 
+def value_line(path: Path | str, loc: tuple[str | int, ...]) -> int | None:
+    """The 1-based line where the YAML file at ``path`` gives the value at ``loc`` (e.g.
+    ``("defaults", "identity_file")``), or None when it does not give it (or cannot be read)."""
+    try:
+        root = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError, TypeError):
+        return None
+    node = root
+    for part in loc:  # only a path the file has all the way down has a line
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == str(part)), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            node = node.value[part]
+        else:
+            node = None
+        if node is None:
+            return None
+    return None if node is None else node.start_mark.line + 1
+
+
 def format_validation_error(path: Path | str, err: ValidationError, most: int = 3, text: str | None = None) -> str:
     """Pydantic errors as ``file: line N (item name): field.path: message`` on one line (up to
     ``most``, then a count). The line (and a list item's name) needs ``text``, the YAML read."""

@@ -7,19 +7,28 @@ Public API::
     result.starts, result.keeps, result.stops   # Placement(replica, action, note, attempts)
     result.unplaced                             # Unplaced(model, replica, attempts, reasons)
     render_plan(result)                         # nomad-job-plan-like text lines
+    render_trace(plan(..., trace=True))         # place -v: every node's verdict per attempt
     result.to_dict()                            # the JSON of 'place --dry-run -o json'
 """
 
 from __future__ import annotations
 
 from cluster_cli.placement.constraints import CHAIN, Constraint, NodeState, Request
-from cluster_cli.placement.explain import explain_request, filter_lines, fit_message, render_plan
-from cluster_cli.placement.placer import Attempt, Placement, Plan, Unplaced, plan
+from cluster_cli.placement.explain import (
+    explain_request,
+    filter_lines,
+    fit_message,
+    node_verdicts,
+    render_plan,
+    render_trace,
+)
+from cluster_cli.placement.placer import Attempt, Considered, Placement, Plan, Unplaced, plan
 from cluster_cli.placement.verdict import Kind, PlacementMetrics, Reason, Verdict
 
 __all__ = [
     "CHAIN",
     "Attempt",
+    "Considered",
     "Constraint",
     "Kind",
     "NodeState",
@@ -33,6 +42,8 @@ __all__ = [
     "explain_request",
     "filter_lines",
     "fit_message",
+    "node_verdicts",
     "plan",
     "render_plan",
+    "render_trace",
 ]

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from cluster_cli.placement.constraints import CHAIN, first_failure
 from cluster_cli.placement.constraints.base import NodeState, Request
-from cluster_cli.placement.verdict import Kind, PlacementMetrics, Reason
+from cluster_cli.placement.verdict import Kind, PlacementMetrics, Reason, Verdict
 
 if TYPE_CHECKING:
-    from cluster_cli.placement.placer import Placement, Plan, Unplaced
+    from cluster_cli.placement.placer import Considered, Placement, Plan, Unplaced
 
 # --------------------------------------------------------------------------- explain
 
@@ -71,6 +71,16 @@ def explain_request(states: Sequence[NodeState], req: Request) -> tuple[Placemen
                 )
             )
     return m, tuple(reasons)
+
+
+def node_verdicts(states: Sequence[NodeState], req: Request) -> list[tuple[str, Verdict]]:
+    """Per node, the first constraint that rejects it for ``req``, or (it fits) the capacity
+    check's pass, which says what is free. O(N); for ``place -v``."""
+    out: list[tuple[str, Verdict]] = []
+    for node in states:
+        v = first_failure(node, req, CHAIN)
+        out.append((node.name, v if v is not None else CHAIN[-1].check(node, req)))
+    return out
 
 
 # --------------------------------------------------------------------------- summaries
@@ -215,4 +225,54 @@ def render_plan(plan: Plan, *, header: str = "", max_nodes: int = 10) -> list[st
                 lines.append(f"      {r.node or '(fleet)'}: {r.detail}")
             if len(reasons) > max_nodes:
                 lines.append(f"      ... and {len(reasons) - max_nodes} more nodes (-o json lists every one)")
+    return lines
+
+
+# --------------------------------------------------------------------------- place -v
+
+
+def _scores(scores: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in scores.items())
+
+
+def render_trace(plan: Plan) -> list[str]:
+    """``place -v``: per model, every replica's profiles in the order tried, and for each the
+    verdict on every node: chosen (with its scores), fits but not chosen (and how the placer
+    picks), or the constraint that rejected it and why. Needs ``plan(..., trace=True)``."""
+    lines: list[str] = []
+    by_model: dict[str, list[Considered]] = defaultdict(list)
+    for c in plan.trace:
+        by_model[c.model].append(c)
+    held: dict[str, list[Placement]] = defaultdict(list)
+    for p in plan.placements:
+        if p.action != "start":
+            held[p.replica.model].append(p)
+    for model in dict.fromkeys([*held, *by_model]):
+        lines.append(f"model {model!r}:")
+        for p in held.get(model, []):
+            verb = "kept" if p.action == "keep" else "stopped"
+            lines.append(f"  replica {p.replica.replica}: {verb}, {p.replica.profile} on {where(p)}"
+                         + (f" ({p.note})" if p.note else ""))  # fmt: skip
+        for c in by_model.get(model, []):
+            head = f"  replica {c.replica}, profile {c.profile} ({c.describe}): "
+            if c.skipped:
+                lines.append(head + f"skipped: {c.skipped}")
+                continue
+            fit = [n for n, v in c.verdicts if v.ok]
+            if c.placed:
+                lines.append(head + f"placed on {', '.join(c.chosen)} ({len(fit)} of {len(c.verdicts)} nodes fit)")
+            else:
+                lines.append(head + f"not placed ({len(fit)} of {len(c.verdicts)} nodes fit on their own)")
+            chosen = set(c.chosen)
+            for node, v in c.verdicts:
+                if node in chosen:
+                    score = _scores(c.scores.get(node, {}))
+                    lines.append(f"    {node}: chosen" + (f" ({v.detail})" if v.detail else "")
+                                 + (f"; scores {score}" if score else ""))  # fmt: skip
+                elif v.ok:
+                    also = f" ({v.detail})" if v.detail else ""
+                    why = c.strategy if c.placed else "no room for the whole replica together"
+                    lines.append(f"    {node}: fits{also}, not chosen: {why}")
+                else:
+                    lines.append(f"    {node}: rejected by {v.constraint}: {v.detail}")
     return lines

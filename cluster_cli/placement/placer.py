@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any
 
 from cluster_cli.facts import NodeFacts, Replica, Shard, problem_key
 from cluster_cli.placement import scoring
-from cluster_cli.placement.constraints import STATIC, choose_gpus
+from cluster_cli.placement.constraints import STATIC, choose_gpus, mark_duplicate_gpus
 from cluster_cli.placement.constraints.base import NodeState, Request
 from cluster_cli.placement.constraints.nvlink import fits_one_domain
-from cluster_cli.placement.explain import explain_request
-from cluster_cli.placement.verdict import PlacementMetrics, Reason
+from cluster_cli.placement.explain import explain_request, node_verdicts
+from cluster_cli.placement.verdict import PlacementMetrics, Reason, Verdict
 
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog, Model, Profile
@@ -125,10 +125,29 @@ class Unplaced:
 
 
 @dataclass(frozen=True)
+class Considered:
+    """One profile tried for one replica (``plan(..., trace=True)``): the verdict on every
+    node just before the placer chose, and the nodes it chose. ``skipped`` says why a profile
+    was not tried at all. For ``place -v``; never part of the plan's JSON."""
+
+    model: str
+    replica: int
+    profile: str
+    describe: str
+    placed: bool = False
+    chosen: tuple[str, ...] = ()
+    verdicts: tuple[tuple[str, Verdict], ...] = ()  # node -> first failing verdict, or capacity's pass
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    strategy: str = ""
+    skipped: str = ""
+
+
+@dataclass(frozen=True)
 class Plan:
     placements: tuple[Placement, ...]
     unplaced: tuple[Unplaced, ...]
     nodes: int = 0
+    trace: tuple[Considered, ...] = ()  # only with plan(..., trace=True)
 
     @property
     def complete(self) -> bool:
@@ -277,7 +296,9 @@ class _Planner:
         uniq: dict[str, NodeFacts] = {}
         for f in nodes:
             uniq.setdefault(f.name, f)
-        self.states = [NodeState.build(f, i) for i, f in enumerate(sorted(uniq.values(), key=lambda f: f.name))]
+        # A GPU UUID on two nodes is one machine under two names: the later name is left out.
+        facts = mark_duplicate_gpus(sorted(uniq.values(), key=lambda f: f.name))
+        self.states = [NodeState.build(f, i) for i, f in enumerate(facts)]
         self.by_name = {s.name: s for s in self.states}
         self.placements: list[Placement] = []
         self.kept: set[tuple[str, int]] = set()
@@ -356,18 +377,18 @@ class _Planner:
     # ---- 2. index -----------------------------------------------------------
     def index(self) -> None:
         self.ok: list[bool] = []
-        self.cordoned = self.unreachable = 0
+        self.node_filtered: dict[str, tuple[str, int]] = {}  # constraint -> (reason, nodes)
         self.has_class: dict[str, int] = {}
         self.has_class_attached: dict[str, int] = {}
         members: dict[tuple[str, str | None], list[NodeState]] = {}
         probe = Request("")
+        node_level = STATIC[:3]  # cordon, reachable, duplicate: the same for every request
         for s in self.states:
-            v = STATIC[0].check(s, probe)  # cordon
-            if not v.ok:
-                self.cordoned += 1
-            elif not STATIC[1].check(s, probe).ok:  # reachable
-                self.unreachable += 1
-            ok = v.ok and s.facts.reachable
+            v = next((v for c in node_level if not (v := c.check(s, probe)).ok), None)
+            if v is not None:
+                reason, n = self.node_filtered.get(v.constraint, (v.reason, 0))
+                self.node_filtered[v.constraint] = (reason, n + 1)
+            ok = v is None
             self.ok.append(ok)
             if not ok:
                 continue
@@ -410,10 +431,20 @@ class _Planner:
                 for p, req in zip(profiles, reqs, strict=True):
                     if _sig(req) in dead:  # did not fit earlier; allocations only grew since
                         tried.append((p, req, None))
+                        if self.tracing:
+                            why = "did not fit an earlier replica, and allocations only grew since"
+                            self.trace.append(Considered(model.name, r, p.name, p.describe(), skipped=why))
                         continue
                     metrics = self.quick_metrics(req)
+                    verdicts = node_verdicts(self.states, req) if self.tracing else ()
                     placed = self._try(model, r, p, req, metrics)
                     tried.append((p, req, metrics))
+                    if self.tracing:
+                        chosen = tuple(sh.node for sh in placed.shards) if placed is not None else ()
+                        self.trace.append(
+                            Considered(model.name, r, p.name, p.describe(), placed is not None, chosen,
+                                       tuple(verdicts), dict(metrics.scores), _strategy(req))
+                        )  # fmt: skip
                     if placed is not None:
                         break
                     dead.add(_sig(req))
@@ -449,8 +480,8 @@ class _Planner:
     def _static_metrics(self, req: Request) -> PlacementMetrics:
         """What the static constraints filter for this request (the same for every replica)."""
         m = PlacementMetrics(evaluated=len(self.states), partial=not req.gpu_class)
-        m.add("filtered", "cordon", "cordoned", self.cordoned)
-        m.add("filtered", "reachable", "unreachable", self.unreachable)
+        for constraint, (reason, n) in self.node_filtered.items():
+            m.add("filtered", constraint, reason, n)
         if req.gpu_class:
             cls = req.gpu_class
             m.add("filtered", "gpu-class", f"no {cls} gpu", self.n_ok - self.has_class.get(cls, 0))
@@ -584,7 +615,9 @@ class _Planner:
         return None
 
     # ---- 4. explain and assemble -------------------------------------------
-    def run(self, current: Sequence[Replica]) -> Plan:
+    def run(self, current: Sequence[Replica], *, trace: bool = False) -> Plan:
+        self.tracing = trace
+        self.trace: list[Considered] = []
         self.tried: dict[tuple[str, int], list[tuple[Profile, Request, PlacementMetrics | None]]] = {}
         self.dead_profiles: dict[tuple[Any, ...], Request] = {}
         self.apply_current(current)
@@ -631,20 +664,31 @@ class _Planner:
             [*self.placements, *started],
             key=lambda p: (order.get(p.replica.model, len(order)), p.replica.model, p.replica.replica, rank[p.action]),
         )
-        return Plan(tuple(placements), tuple(unplaced), len(self.states))
+        return Plan(tuple(placements), tuple(unplaced), len(self.states), tuple(self.trace))
 
 
-def plan(nodes: Sequence[NodeFacts], catalog: Catalog, current: Sequence[Replica] = ()) -> Plan:
+def _strategy(req: Request) -> str:
+    """How the placer picks among the nodes that fit ``req``."""
+    if not req.gpu_class:
+        return "CPU replicas spread: GPU-less nodes first, then the fewest replicas, then name"
+    if req.multi_node:
+        return "multi-node replicas take the emptiest nodes of one fabric"
+    return "single-node replicas take the best fit: the node left with the fewest free GPUs, then name"
+
+
+def plan(nodes: Sequence[NodeFacts], catalog: Catalog, current: Sequence[Replica] = (), *, trace: bool = False) -> Plan:
     """Where every replica of every model goes, given the nodes' facts and what runs now.
 
-    Pure and deterministic: the same inputs (in any order) give the same plan.
+    Pure and deterministic: the same inputs (in any order) give the same plan. ``trace``
+    also records, per profile tried, the verdict on every node (``Plan.trace``; O(N) per
+    attempt, for ``place -v``).
     The cyclic garbage collector is paused meanwhile: the plan allocates many small,
     acyclic objects, and collections over a large fleet's facts would dominate.
     """
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _Planner(nodes, catalog).run(current)
+        return _Planner(nodes, catalog).run(current, trace=trace)
     finally:
         if was_enabled:
             gc.enable()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from cluster_cli.facts import DEFAULT_SUBNET_PREFIX, HcaPort, NodeFacts, prefix_text
 
-__all__ = ["distrust_conflicting_ports", "fabric_conflicts"]
+__all__ = ["distrust_conflicting_ports", "fabric_conflicts", "fabric_warnings"]
 
 
 @dataclass(frozen=True)
@@ -104,15 +104,45 @@ def _same_fabric(fabric: str, ports: list[_Seen]) -> list[str]:
     return out
 
 
+def _off_declared(ports: list[_Seen], declared: Mapping[str, int]) -> list[_Seen]:
+    """Ports whose subnet prefix is not the one the inventory declares for their fabric."""
+    return [
+        p for p in ports if (want := declared.get(p.fabric)) is not None and p.prefix is not None and p.prefix != want
+    ]
+
+
 def _declared_prefix(ports: list[_Seen], declared: Mapping[str, int]) -> list[str]:
+    return [
+        f"fabric {p.fabric}: {p.label} has subnet prefix {prefix_text(p.prefix or 0)} "
+        f"but the inventory declares {prefix_text(declared[p.fabric])}"
+        for p in _off_declared(ports, declared)
+    ]
+
+
+def _declared_prefix_summary(ports: list[_Seen], declared: Mapping[str, int], most: int = 5) -> list[str]:
+    """``_declared_prefix`` with one line per fabric: a wrong ``subnet_prefix`` in the
+    inventory puts every port of the fabric off it, and that is one mistake, not 16."""
+    by_fabric: dict[str, list[_Seen]] = {}
+    for p in _off_declared(ports, declared):
+        by_fabric.setdefault(p.fabric, []).append(p)
     out: list[str] = []
-    for p in ports:
-        want = declared.get(p.fabric)
-        if want is not None and p.prefix is not None and p.prefix != want:
-            out.append(
-                f"fabric {p.fabric}: {p.label} has subnet prefix {prefix_text(p.prefix)} "
-                f"but the inventory declares {prefix_text(want)}"
-            )
+    for fabric, off in by_fabric.items():
+        if len(off) == 1:
+            out.extend(_declared_prefix(off, declared))
+            continue
+        nodes = list(dict.fromkeys(p.node for p in off))
+        shown = ", ".join(nodes[:most]) + (f" and {len(nodes) - most} more" if len(nodes) > most else "")
+        seen = Counter(p.prefix or 0 for p in off)
+        have = (
+            prefix_text(next(iter(seen)))
+            if len(seen) == 1
+            else ", ".join(f"{prefix_text(x)} ({n})" for x, n in sorted(seen.items()))
+        )
+        out.append(
+            f"fabric {fabric}: {len(off)} ports on {len(nodes)} node{'s' if len(nodes) > 1 else ''} ({shown}) "
+            f"have subnet prefix {have} but the inventory declares {prefix_text(declared[fabric])} "
+            f"(fabrics.{fabric}.subnet_prefix)"
+        )
     return out
 
 
@@ -154,6 +184,17 @@ def fabric_conflicts(nodes: Sequence[NodeFacts], declared: Mapping[str, int] | N
     inventory gives it. Same-fabric conflicts come first (by fabric name), then ports
     off their declared prefix, then cross-fabric ones (by SM GUID, then prefix).
     """
+    return _conflicts(nodes, declared or {}, summary=False)
+
+
+def fabric_warnings(nodes: Sequence[NodeFacts], declared: Mapping[str, int] | None = None) -> list[str]:
+    """``fabric_conflicts`` for a person to read: the same lines, except that ports off
+    their fabric's declared subnet prefix are one line per fabric, with the ports and
+    nodes counted (``fabric_conflicts`` still lists every port, for scripts)."""
+    return _conflicts(nodes, declared or {}, summary=True)
+
+
+def _conflicts(nodes: Sequence[NodeFacts], declared: Mapping[str, int], *, summary: bool) -> list[str]:
     seen: list[_Seen] = []
     for node in nodes:
         if not node.reachable:
@@ -170,7 +211,7 @@ def fabric_conflicts(nodes: Sequence[NodeFacts], declared: Mapping[str, int] | N
         by_fabric.setdefault(s.fabric, []).append(s)
     for fabric in sorted(by_fabric):
         out.extend(_same_fabric(fabric, by_fabric[fabric]))
-    out.extend(_declared_prefix(seen, declared or {}))
+    out.extend((_declared_prefix_summary if summary else _declared_prefix)(seen, declared))
     out.extend(_cross_fabric(seen))
     return out
 

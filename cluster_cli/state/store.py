@@ -31,6 +31,10 @@ from cluster_cli.facts import NodeFacts, Replica
 
 SCHEMA_VERSION = 1
 
+# SQLite result codes (sqlite3.Error.sqlite_errorcode): extended codes keep the primary in the low byte.
+_SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_CANTOPEN = 5, 6, 14
+_SQLITE_READONLY_DIRECTORY = 8 | (6 << 8)  # 1544: the -shm file cannot be created in the folder
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS nodes (
@@ -107,23 +111,65 @@ class Store:
 
     def _open_readonly(self, timeout_s: float) -> sqlite3.Connection:
         uri = f"file:{quote(str(self.path.resolve()))}?mode=ro"
-        # A WAL database in a folder we cannot write to (no -shm to create) is read as a
-        # snapshot on the second try: nobody can be writing it through this folder anyway.
-        for extra in ("", "&immutable=1"):
-            db = None
+        try:
+            db, row = self._connect(uri, timeout_s)
+        except sqlite3.OperationalError as e:
+            if not self._snapshot_only(e):
+                raise StateError(self._read_error(e)) from None
+            # A WAL database in a folder we cannot write (no -shm to create), with nothing in its
+            # WAL: the database file alone is the whole state, and can be read as a snapshot.
             try:
-                db = sqlite3.connect(uri + extra, uri=True, timeout=timeout_s, isolation_level=None)
-                row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-                break
-            except sqlite3.DatabaseError as e:
-                if db is not None:
-                    db.close()
-                if extra or not isinstance(e, sqlite3.OperationalError):
-                    raise StateError(f"{self.path}: not a usable state database: {e}") from None
+                db, row = self._connect(uri + "&immutable=1", timeout_s)
+            except sqlite3.DatabaseError as e2:
+                raise StateError(f"{self.path}: not a usable state database: {e2}") from None
+        except sqlite3.DatabaseError as e:
+            raise StateError(f"{self.path}: not a usable state database: {e}") from None
         if row is None:
+            db.close()
             raise StateError(f"{self.path}: not a clusterctl state database (no schema version)")
         self._check_schema(row[0])
         return db
+
+    @staticmethod
+    def _connect(uri: str, timeout_s: float) -> tuple[sqlite3.Connection, Any]:
+        db = sqlite3.connect(uri, uri=True, timeout=timeout_s, isolation_level=None)
+        try:
+            return db, db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except BaseException:
+            db.close()
+            raise
+
+    def _snapshot_only(self, e: sqlite3.OperationalError) -> bool:
+        """Whether a read-only open failed only because this folder is not ours to write (SQLite
+        needs the -shm file to read a WAL database) and the -wal file holds nothing: then the
+        database file is the state and ``immutable=1`` reads all of it. Any other failure (a
+        lock, a damaged file) must not be papered over with a snapshot that may miss commits."""
+        if getattr(e, "sqlite_errorcode", None) not in (_SQLITE_CANTOPEN, _SQLITE_READONLY_DIRECTORY):
+            return False
+        folder = self.path.resolve().parent
+        if os.access(folder, os.W_OK | os.X_OK):
+            return False
+        wal = folder / (self.path.name + "-wal")
+        try:
+            return wal.stat().st_size == 0
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
+    def _read_error(self, e: sqlite3.OperationalError) -> str:
+        code = getattr(e, "sqlite_errorcode", 0)
+        if code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED):
+            return f"{self.path}: cannot read the state: {e} (another process holds it; try again)"
+        folder = self.path.resolve().parent
+        wal = folder / (self.path.name + "-wal")
+        no_shm = code in (_SQLITE_CANTOPEN, _SQLITE_READONLY_DIRECTORY)
+        if no_shm and not os.access(folder, os.W_OK | os.X_OK) and wal.exists():
+            return (
+                f"{self.path}: cannot read the state: {wal} holds changes not yet in the database and "
+                f"{folder} is not writable here; open it once where that folder is writable (e.g. as its owner)"
+            )
+        return f"{self.path}: not a usable state database: {e}"
 
     def _check_schema(self, version: str) -> None:
         if int(version) > SCHEMA_VERSION:
@@ -286,14 +332,18 @@ class Store:
         return out
 
     # ---- cordons ----------------------------------------------------------
-    def cordon(self, node: str, reason: str) -> None:
+    def cordon(self, node: str, reason: str) -> dict[str, Any] | None:
+        """Cordon ``node`` with ``reason``; a cordon already there keeps its start time and
+        takes the new reason. Returns the cordon it found (``reason``, ``created_at``), if any."""
         with self.write() as db:
+            row = db.execute("SELECT reason, created_at FROM cordons WHERE node=?", (node,)).fetchone()
             db.execute(
                 "INSERT INTO cordons(node, reason, created_at) VALUES (?,?,?) "
                 "ON CONFLICT(node) DO UPDATE SET reason=excluded.reason",
                 (node, reason, time.time()),
             )
-            self._event(db, "cordon", node, reason)
+            self._event(db, "cordon", node, reason if row is None else f"{reason} (was: {row[0]})")
+        return None if row is None else {"reason": row[0], "created_at": row[1]}
 
     def uncordon(self, node: str) -> bool:
         with self.write() as db:

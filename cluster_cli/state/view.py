@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from cluster_cli.config.inventory import Inventory
 from cluster_cli.facts import Gpu, NodeFacts
+from cluster_cli.placement.constraints.duplicate import mark_duplicate_gpus
 
 __all__ = ["for_inventory"]
 
@@ -26,7 +27,9 @@ def for_inventory(inv: Inventory, facts: list[NodeFacts], *, from_state: bool = 
     Labels: ``from_state``, the inventory's alone; else both, the inventory winning a key both give.
 
     A node the inventory names but that has no facts is listed as unreachable, so
-    explanations say so instead of leaving it out.
+    explanations say so instead of leaving it out. A node showing a GPU UUID that a node
+    earlier in the inventory shows is the same machine under a second name: it gets a
+    ``duplicate-gpu`` problem, and placement leaves it out.
     """
     by_name = {f.name: f for f in facts}
     listed = {p for names in inv.gpu_classes.values() for p in names}
@@ -48,7 +51,7 @@ def for_inventory(inv: Inventory, facts: list[NodeFacts], *, from_state: bool = 
         fabric = n.fabric if declared else f.fabric
         labels = dict(n.labels) if from_state else {**f.labels, **n.labels}  # stored labels were the inventory's
         out.append(replace(f, hcas=hcas, gpus=gpus, fabric=fabric, labels=labels))
-    return out
+    return mark_duplicate_gpus(out)
 
 
 def _reclass(g: Gpu, inv: Inventory) -> Gpu:

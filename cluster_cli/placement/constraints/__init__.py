@@ -10,13 +10,14 @@ from __future__ import annotations
 from cluster_cli.placement.constraints.base import Constraint, NodeState, Request
 from cluster_cli.placement.constraints.capacity import Capacity, gpu_breakdown
 from cluster_cli.placement.constraints.cordon import Cordon
+from cluster_cli.placement.constraints.duplicate import DistinctGpus, mark_duplicate_gpus
 from cluster_cli.placement.constraints.fabric import Fabric
 from cluster_cli.placement.constraints.gpu_class import GpuClass
 from cluster_cli.placement.constraints.nvlink import NvlinkDomain, choose_gpus, fits_one_domain
 from cluster_cli.placement.constraints.reachable import Reachable
 from cluster_cli.placement.verdict import Verdict
 
-STATIC: tuple[Constraint, ...] = (Cordon(), Reachable(), GpuClass(), Fabric())
+STATIC: tuple[Constraint, ...] = (Cordon(), Reachable(), DistinctGpus(), GpuClass(), Fabric())
 CHAIN: tuple[Constraint, ...] = (*STATIC, Capacity())
 
 
@@ -35,6 +36,7 @@ __all__ = [
     "Capacity",
     "Constraint",
     "Cordon",
+    "DistinctGpus",
     "Fabric",
     "GpuClass",
     "NodeState",
@@ -45,4 +47,5 @@ __all__ = [
     "first_failure",
     "fits_one_domain",
     "gpu_breakdown",
+    "mark_duplicate_gpus",
 ]

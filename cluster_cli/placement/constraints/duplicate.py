@@ -1,0 +1,63 @@
+"""One machine, one candidate: a node whose GPUs another node also reports is left out.
+
+Two inventory names for one machine (two addresses, or an alias) would have its GPUs
+planned twice. The inventory refuses two nodes with the same host and port; this is the
+second guard, from the facts: a GPU UUID is unique to one physical GPU, so the same UUID
+on two reachable nodes means one machine seen twice. The first node (in the order given:
+the inventory's, or names in the placer) keeps it; each later one gets a ``duplicate-gpu``
+problem and is no placement candidate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from cluster_cli.facts import NodeFacts, problem_key
+from cluster_cli.placement.constraints.base import NodeState, Request
+from cluster_cli.placement.verdict import Verdict
+
+KEY = "duplicate-gpu"
+_SHOWN = 3  # UUIDs named in a problem; the rest are counted
+
+
+def is_duplicate(f: NodeFacts) -> bool:
+    return any(problem_key(p) == KEY for p in f.problems)
+
+
+def mark_duplicate_gpus(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
+    """``nodes`` in the same order, each later node that shows a GPU UUID an earlier
+    reachable node showed given a ``duplicate-gpu`` problem. Pure.
+
+    Unreachable nodes neither claim nor lose UUIDs (their GPUs are last known, not seen
+    now), nor do nodes already marked; lost GPUs have no UUID and are skipped."""
+    owner: dict[str, str] = {}
+    out: list[NodeFacts] = []
+    for f in nodes:
+        if not f.reachable or is_duplicate(f):
+            out.append(f)
+            continue
+        uuids = list(dict.fromkeys(g.uuid for g in f.gpus if g.uuid))
+        taken = [u for u in uuids if u in owner]
+        if not taken:
+            for u in uuids:
+                owner[u] = f.name
+            out.append(f)
+            continue
+        others = ", ".join(f"{o}'s" for o in dict.fromkeys(owner[u] for u in taken))
+        shown = ", ".join(taken[:_SHOWN]) + (f" and {len(taken) - _SHOWN} more" if len(taken) > _SHOWN else "")
+        what = f"GPU {shown} is" if len(taken) == 1 else f"{len(taken)} GPUs ({shown}) are"
+        problem = f"{KEY}: {what} also node {others} (the same machine under two names?); not a placement candidate"
+        out.append(replace(f, problems=(*f.problems, problem)))
+    return out
+
+
+class DistinctGpus:
+    name = "duplicate"
+
+    def check(self, node: NodeState, req: Request) -> Verdict:
+        f = node.facts
+        problem = next((p for p in f.problems if problem_key(p) == KEY), None)
+        if problem is None:
+            return Verdict.passed(self.name)
+        return Verdict.reject(self.name, "duplicate machine", problem.removeprefix(f"{KEY}: "))
