@@ -172,8 +172,20 @@ def test_cpu_replicas_spread_and_respect_cpus_and_memory() -> None:
 
 
 def test_cpu_replicas_prefer_nodes_without_gpus() -> None:
-    p = plan([dgx("gpu-01"), cpu_node("cpu-1", cpus=64)], catalog(("m", 2, [CPU32])), [])
-    assert [n for (_, shards) in where(p).values() for n, _ in shards] == ["cpu-1", "cpu-1"]
+    p = plan([dgx("gpu-01"), cpu_node("cpu-1", cpus=64), cpu_node("cpu-2", cpus=64)], catalog(("m", 2, [CPU32])), [])
+    assert [n for (_, shards) in where(p).values() for n, _ in shards] == ["cpu-1", "cpu-2"]
+    p = plan([dgx("gpu-01"), cpu_node("cpu-1", cpus=64)], catalog(("m", 1, [CPU32]), ("n", 1, [CPU32])), [])
+    assert [n for (_, shards) in where(p).values() for n, _ in shards] == ["cpu-1", "cpu-1"]  # other models share
+
+
+def test_a_models_cpu_replicas_take_different_nodes_before_doubling_up() -> None:
+    """A second replica on the same node adds no availability: it goes to another node that
+    fits, even one with GPUs, and doubles up only when every node that fits has one."""
+    p = plan([dgx("gpu-01"), cpu_node("cpu-1", cpus=128)], catalog(("m", 3, [CPU32])), [])
+    assert [n for (_, shards) in where(p).values() for n, _ in shards] == ["cpu-1", "gpu-01", "cpu-1"]
+    running = [p.placements[0].replica]  # replica 0 runs on cpu-1 already
+    p = plan([dgx("gpu-01"), cpu_node("cpu-1", cpus=128)], catalog(("m", 2, [CPU32])), running)
+    assert [(pl.action, pl.replica.shards[0].node) for pl in p.placements] == [("keep", "cpu-1"), ("start", "gpu-01")]
 
 
 def test_cpu_profile_without_resources_fits_any_node_and_unknown_cpus_is_explained() -> None:

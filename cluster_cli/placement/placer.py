@@ -321,6 +321,7 @@ class _Planner:
                 for g in s.gpus:
                     node.allocated[g] = key
                 node.replicas += 1
+                node.models[rep.model] = node.models.get(rep.model, 0) + 1
                 if not rep.gpu_class:
                     node.reserved_cpus += rep.cpus or 0
                     node.reserved_mib += rep.memory_mib or 0
@@ -505,6 +506,8 @@ class _Planner:
         for i in gpus:
             node.allocated[i] = key
         node.replicas += 1
+        model = key.rpartition("/")[0]
+        node.models[model] = node.models.get(model, 0) + 1
         left = len(node.free[cls])
         for b in self.node_groups.get((node.order, cls), ()):
             b.move(node.order, left)
@@ -588,6 +591,12 @@ class _Planner:
             )
             heapq.heapify(h.heap)
         heap = h.heap
+        # Nodes that fit but already run a replica of this model are held aside: a second
+        # replica on the same node adds capacity but no availability, so it goes there only
+        # when every node that fits has one. (The heap is shared by every model with the same
+        # request; at most this model's replica count of entries is held.)
+        held: list[tuple[tuple[int, int, int], int]] = []
+        chosen: int | None = None
         while heap:
             key, i = heap[0]
             node = self.states[i]
@@ -599,20 +608,29 @@ class _Planner:
                 heapq.heappop(heap)
                 h.dropped += 1
                 continue
-            before = node.replicas
-            node.reserved_cpus += req.cpus or 0
-            node.reserved_mib += req.memory_mib or 0
-            node.cpu_replicas += 1
-            node.replicas += 1
-            heapq.heapreplace(heap, (scoring.spread_key(node), i))
-            m.scores[node.name] = scoring.normalise({"spread": scoring.spread(before)})
-            if h.dropped:
-                m.exhausted_by["cpus/memory"] = h.dropped
-                m.reasons["insufficient cpus or memory"] = h.dropped
-            return Replica(
-                model.name, r, p.name, p.engine, (Shard(node.name, (), ()),), None, None, p.cpus, p.memory_mib
-            )
-        return None
+            if node.models.get(model.name):
+                held.append(heapq.heappop(heap))
+                continue
+            chosen = i
+            break
+        if chosen is None and held:
+            chosen = held[0][1]  # the best of them in spread order
+        for entry in held:
+            heapq.heappush(heap, entry)  # keys only grow: a stale one is re-filed when it surfaces
+        if h.dropped:
+            m.exhausted_by["cpus/memory"] = h.dropped
+            m.reasons["insufficient cpus or memory"] = h.dropped
+        if chosen is None:
+            return None
+        node = self.states[chosen]
+        before = node.replicas
+        node.reserved_cpus += req.cpus or 0
+        node.reserved_mib += req.memory_mib or 0
+        node.cpu_replicas += 1
+        node.replicas += 1
+        node.models[model.name] = node.models.get(model.name, 0) + 1
+        m.scores[node.name] = scoring.normalise({"spread": scoring.spread(before)})
+        return Replica(model.name, r, p.name, p.engine, (Shard(node.name, (), ()),), None, None, p.cpus, p.memory_mib)
 
     # ---- 4. explain and assemble -------------------------------------------
     def run(self, current: Sequence[Replica], *, trace: bool = False) -> Plan:
@@ -670,7 +688,10 @@ class _Planner:
 def _strategy(req: Request) -> str:
     """How the placer picks among the nodes that fit ``req``."""
     if not req.gpu_class:
-        return "CPU replicas spread: GPU-less nodes first, then the fewest replicas, then name"
+        return (
+            "CPU replicas spread: nodes without a replica of the model first, then GPU-less nodes, "
+            "then the fewest replicas, then name"
+        )
     if req.multi_node:
         return "multi-node replicas take the emptiest nodes of one fabric"
     return "single-node replicas take the best fit: the node left with the fewest free GPUs, then name"

@@ -54,6 +54,7 @@ class NodeState:
     reserved_mib: int = 0
     cpu_replicas: int = 0
     replicas: int = 0
+    models: dict[str, int] = field(default_factory=dict)  # model -> its replicas (shards) here
     attachments: dict[str, tuple[str, ...]] = field(default_factory=dict)
     class_total: dict[str, int] = field(default_factory=dict)
 
