@@ -289,3 +289,20 @@ def test_a_malformed_engine_response_is_a_502_never_relayed(answer: bytes) -> No
         if raw.server is not None:
             f.lt.call(raw.server.close)
         f.close()
+
+
+def test_client_connections_are_capped_to_what_the_open_files_limit_allows(caplog) -> None:
+    from cluster_cli.router.app import Router
+    from cluster_cli.router.config import RouterConfig
+
+    eps = {"sim": {"endpoints": [{"url": "http://127.0.0.1:9", "engine": "vllm", "replica": "r0"}]}}
+    r = Router(RouterConfig.model_validate({"models": eps}))
+    r.set_fd_limit(1256)
+    assert r.max_connections == 500  # (1256 - 256) / 2: each client may hold an engine connection
+    assert "max_connections" not in caplog.text  # the default is cut quietly
+    r.reload(RouterConfig.model_validate({"models": eps, "router": {"limits": {"max_connections": 100}}}))
+    assert r.max_connections == 100
+    r.reload(RouterConfig.model_validate({"models": eps, "router": {"limits": {"max_connections": 5000}}}))
+    assert r.max_connections == 500  # the cap outlives reloads
+    r.set_fd_limit(1256)
+    assert "max_connections 5000 is more than the open-files limit 1256 allows" in caplog.text

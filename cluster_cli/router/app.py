@@ -66,6 +66,7 @@ class Router:
         self.keys_reloads_ok = 0
         self.keys_reloads_rejected = 0
         self.last_keys_error: str | None = None  # the API keys file's last reload failed: old keys kept
+        self.fd_connection_cap: int | None = None  # what the open-files limit allows (set_fd_limit)
         self._apply_limits(cfg)
         table = build_table(cfg, clock=clock)
         self._attach_pools(table)
@@ -90,7 +91,8 @@ class Router:
         self.idle_timeout = lim.idle_timeout_s
         self.client_idle_timeout = lim.client_idle_timeout_s
         self.request_read_timeout = lim.request_read_timeout_s
-        self.max_connections = lim.max_connections
+        cap = self.fd_connection_cap
+        self.max_connections = lim.max_connections if cap is None else min(lim.max_connections, cap)
         r = cfg.router.retry
         self.retry_policy = RetryPolicy(
             r.max_attempts, r.budget_ratio, r.min_retry_concurrency, r.backoff_base_s, r.backoff_max_s
@@ -99,6 +101,22 @@ class Router:
             self.budget.policy = self.retry_policy
         else:
             self.budget = RetryBudget(self.retry_policy)
+
+    def set_fd_limit(self, soft: int) -> None:
+        """Cap client connections to what ``soft`` open files allow (each client may hold an
+        engine connection too, plus a reserve), so the router's 503 comes before the kernel's
+        EMFILE. Warns only when a max_connections the config sets is cut."""
+        self.fd_connection_cap = max(1, (soft - 256) // 2)
+        lim = self.cfg.router.limits
+        if lim.max_connections > self.fd_connection_cap and "max_connections" in lim.model_fields_set:
+            log.warning(
+                "router.limits.max_connections %d is more than the open-files limit %d allows: "
+                "serving at most %d client connections (raise the hard limit: ulimit -Hn)",
+                lim.max_connections,
+                soft,
+                self.fd_connection_cap,
+            )
+        self._apply_limits(self.cfg)
 
     def _attach_pools(self, table: Table) -> None:
         for w in table.workers.values():

@@ -55,10 +55,8 @@ def untune_gc(threshold: tuple[int, int, int]) -> None:
 
 def raise_fd_limit(max_connections: int) -> int:
     """Raise the soft open-files limit toward the hard one, so that ``max_connections``
-    clients (each with an engine connection of its own) meet the router's own limit, with
-    a 503, and not the kernel's (accept failing with EMFILE). Returns the soft limit now;
-    warns when the hard limit is too low for the configured connections.
-    """
+    clients (each with an engine connection of its own) fit; returns the soft limit now
+    (-1: unlimited or unknown). The router caps its connections to what this allows."""
     try:
         import resource
     except ImportError:  # pragma: no cover - not on Linux
@@ -70,15 +68,7 @@ def raise_fd_limit(max_connections: int) -> int:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
-    if soft != resource.RLIM_INFINITY and soft < want:
-        log.warning(
-            "open-files limit %d is below the %d that max_connections %d needs; lower "
-            "router.limits.max_connections or raise the hard limit (ulimit -Hn)",
-            soft,
-            want,
-            max_connections,
-        )
-    return soft
+    return -1 if soft == resource.RLIM_INFINITY else soft
 
 
 def _load_keys(path: Path, content: Content) -> ApiKeys:
@@ -106,7 +96,9 @@ async def serve(
     keys_file = WatchedFile(keys_path, interval=watch_interval) if keys_path else None
     keys = _load_keys(keys_path, keys_file.read()) if keys_path and keys_file else None
     router = Router(cfg, api_keys=keys, access_log=access_log, source=source)
-    raise_fd_limit(cfg.router.limits.max_connections)
+    soft = raise_fd_limit(cfg.router.limits.max_connections)
+    if soft > 0:
+        router.set_fd_limit(soft)
     bound = await router.start(host, port)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
