@@ -333,37 +333,34 @@ def test_ssh_config_checks_name_asyncssh_errors_and_skip_match_exec(tmp_path: Pa
     check_ssh_files(load_inventory(p), p)  # a valid config passes
 
 
-def test_a_state_in_a_folder_that_does_not_exist_is_a_typo_not_a_new_state(tmp_path: Path) -> None:
+def test_cordon_says_when_it_made_a_new_state_and_uncordon_needs_one(tmp_path: Path) -> None:
+    """A typo in --state must show: cordon on a missing state makes one (a cordon may come
+    before the first discover) and says so; uncordon has nothing to lift there."""
     p = inv(tmp_path, "nodes:\n  - {name: h1, host: h}\n")
     state = tmp_path / "nonexist" / "x" / "state.db"
-    r = runner.invoke(app, ["--state", str(state), "cordon", "h1", "-r", "x", "-i", str(p)])
-    (line,) = error_lines(r)
-    assert r.exit_code == 2 and f"{state}: cannot create the state: folder {state.parent} does not exist" in line
-    r = runner.invoke(app, ["--state", str(state), "uncordon", "h1", "-i", str(p)])  # nothing to lift there
+    r = runner.invoke(app, ["--state", str(state), "uncordon", "h1", "-i", str(p)])
     (line,) = error_lines(r)
     assert r.exit_code == 2 and line == f"error: {state}: no state database (run 'clusterctl discover' first, " \
         "or check --state / CLUSTERCTL_STATE)", line  # fmt: skip
     assert not (tmp_path / "nonexist").exists()
-    r = run(tmp_path, "cordon", "h1", "-r", "x", "-i", str(p))  # a new state in a folder that exists: fine
+    r = runner.invoke(app, ["--state", str(state), "cordon", "h1", "-r", "x", "-i", str(p)])
     assert r.exit_code == 0, r.output
-    with Store(tmp_path / "state.db") as s:
+    assert f"warning: {state}: no state there yet: created a new one" in " ".join(r.output.split())
+    with Store(state) as s:
         assert s.cordons()["h1"]["reason"] == "x"
+    r = runner.invoke(app, ["--state", str(state), "cordon", "h1", "-r", "y", "-i", str(p)])
+    assert r.exit_code == 0 and "created a new one" not in r.output  # only the first time
 
 
-def test_discover_creates_only_the_default_state_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cluster_cli.cli.common import open_store
-
+def test_discover_makes_the_state_folder_it_is_given(tmp_path: Path) -> None:
     write_key(tmp_path / "id")
     (tmp_path / "kh").write_text("")
     p = inv(tmp_path, "defaults: {identity_file: id, known_hosts: kh}\nnodes:\n  - {name: a, host: 198.18.0.77}\n")
-    state = tmp_path / "nonexist" / "x" / "state.db"
+    state = tmp_path / "runs" / "x" / "state.db"
     r = runner.invoke(app, ["--state", str(state), "discover", "-i", str(p), "--timeout", "1"])
-    (line,) = error_lines(r)
-    assert r.exit_code == 2 and f"{state}: cannot create the state: folder {state.parent} does not exist" in line
-    assert not (tmp_path / "nonexist").exists()
-    monkeypatch.chdir(tmp_path)
-    open_store(Path(".clusterctl/state.db")).close()  # the default folder is made on first use
-    assert (tmp_path / ".clusterctl" / "state.db").is_file()
+    assert r.exit_code == 1, r.output  # the node does not answer; its facts are saved as unreachable
+    with Store(state) as s:
+        assert [n.name for n in s.nodes()] == ["a"]
 
 
 def test_cordoning_a_cordoned_node_says_what_it_replaced(tmp_path: Path) -> None:

@@ -182,18 +182,15 @@ def require_state(path: Path) -> None:
         ui.abort(f"{path}: no state database (run 'clusterctl discover' first, or check --state / CLUSTERCTL_STATE)")
 
 
-def open_store(path: Path, *, create: bool = True) -> Store:
-    """Open the state database. ``create`` (discover) makes a missing one, and the default
-    ``.clusterctl/`` folder, but no other missing folder: that is a typo in --state."""
-    if create and not path.exists() and not path.parent.is_dir() and not _is_default_folder(path.parent):
-        ui.abort(f"{path}: cannot create the state: folder {path.parent} does not exist (create it, or check --state)")
+def open_store(path: Path, *, create: bool = True, say_new: bool = False) -> Store:
+    """Open the state database; ``create`` makes a missing one (and its folders).
+    ``say_new``: a command that only changes the state (cordon) says so on stderr when the
+    state did not exist, so that a typo in --state / CLUSTERCTL_STATE shows at once."""
+    new = create and not path.exists()
     try:
-        return Store(path, create=create)
+        store = Store(path, create=create)
     except ClusterctlError as e:
         ui.fail(e)
-
-
-def _is_default_folder(folder: Path) -> bool:
-    from cluster_cli.cli.main import DEFAULT_STATE
-
-    return folder.resolve() == DEFAULT_STATE.parent.resolve()
+    if new and say_new:
+        ui.warn(f"{path}: no state there yet: created a new one (check --state / CLUSTERCTL_STATE if unexpected)")
+    return store

@@ -32,7 +32,7 @@ Examples:
   clusterctl cordon gpu-03 -i inventory.yaml --reason "before the first discover"
 
 Without -i the node is checked against the inventory the last discover used.
-A missing state is created, in .clusterctl/ or in a folder that exists (--state).
+A missing state is created (with a note on stderr).
 """
 UNCORDON_EXAMPLE = """
 Examples:
@@ -72,9 +72,9 @@ def cordon(
         ui.abort("--reason must not be empty")
     state: App = ctx.obj
     # A cordon may come before the first discover (keep a node out from the start), so a
-    # missing state is created, but only where open_store allows: a typo in --state is refused.
+    # missing state is created, and said so: a typo in --state shows at once.
     _check_node(recorded_inventory(inventory, state.state_path), node)
-    with open_store(state.state_path) as store:
+    with open_store(state.state_path, say_new=True) as store:
         try:
             was = store.cordon(node, reason.strip())
         except ClusterctlError as e:
