@@ -17,7 +17,7 @@ import socket
 import time
 from typing import Protocol
 
-from cluster_cli.router.http import RESPONSE_DROP, ChunkedDecoder, head_has_ctl, is_token, parse_length
+from cluster_cli.router.http import RESPONSE_DROP, ChunkedDecoder, header_lines_ok, parse_length
 
 _monotonic = time.monotonic
 
@@ -139,9 +139,11 @@ class UpstreamConn(asyncio.Protocol):
                 return b""
             head, buf = buf[:idx], buf[idx + 4 :]
             # Relayed header lines are checked as strictly as a client's: a bare LF or CR in
-            # them would split the response the client sees (response splitting).
-            if head_has_ctl(head):
-                self._fail("protocol", "control character in upstream response head")
+            # them would split the response the client sees (response splitting). The status
+            # line is not relayed (the router writes its own).
+            eol = head.find(b"\r\n")
+            if not header_lines_ok(head, eol if eol >= 0 else len(head)):
+                self._fail("protocol", "malformed upstream header line (not NAME: VALUE, or a control character)")
                 return b""
             lines = head.split(b"\r\n")
             version, _, rest = lines[0].partition(b" ")
@@ -165,11 +167,8 @@ class UpstreamConn(asyncio.Protocol):
         chunked = False
         ctype = b""
         kept: list[bytes] = []
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not is_token(name):
-                self._fail("protocol", "malformed upstream header line")
-                return b""
+        for line in lines[1:]:  # each is NAME:VALUE (header_lines_ok)
+            name, _, value = line.partition(b":")
             lname = name.lower()
             if lname in RESPONSE_DROP:
                 if lname == b"content-length":
