@@ -333,15 +333,15 @@ def test_ssh_config_checks_name_asyncssh_errors_and_skip_match_exec(tmp_path: Pa
     check_ssh_files(load_inventory(p), p)  # a valid config passes
 
 
-def test_cordon_says_when_it_made_a_new_state_and_uncordon_needs_one(tmp_path: Path) -> None:
+def test_cordon_says_when_it_made_a_new_state_and_uncordon_makes_none(tmp_path: Path) -> None:
     """A typo in --state must show: cordon on a missing state makes one (a cordon may come
-    before the first discover) and says so; uncordon has nothing to lift there."""
+    before the first discover) and says so; uncordon has nothing to lift there, and says so."""
     p = inv(tmp_path, "nodes:\n  - {name: h1, host: h}\n")
     state = tmp_path / "nonexist" / "x" / "state.db"
     r = runner.invoke(app, ["--state", str(state), "uncordon", "h1", "-i", str(p)])
-    (line,) = error_lines(r)
-    assert r.exit_code == 2 and line == f"error: {state}: no state database (run 'clusterctl discover' first, " \
-        "or check --state / CLUSTERCTL_STATE)", line  # fmt: skip
+    assert r.exit_code == 0 and " ".join(r.output.split()) == f"h1 was not cordoned (no state at {state})", r.output
+    r = runner.invoke(app, ["--state", str(state), "uncordon", "nope", "-i", str(p)])
+    assert r.exit_code == 2 and "no node named 'nope'" in r.output
     assert not (tmp_path / "nonexist").exists()
     r = runner.invoke(app, ["--state", str(state), "cordon", "h1", "-r", "x", "-i", str(p)])
     assert r.exit_code == 0, r.output
@@ -388,3 +388,17 @@ def test_help_shows_no_value_for_flags_and_a_name_for_repeatable_options() -> No
     assert re.search(r"--node\s+-n\s+NODE\s+Probe only this node", r.output), r.output
     r = runner.invoke(app, ["place", "--help"], env={"COLUMNS": "200"})
     assert re.search(r"--dry-run\s+Compute and print the plan", r.output), r.output
+
+
+def test_discover_warns_of_one_machine_under_two_names(tmp_path: Path) -> None:
+    write_key(tmp_path / "id")
+    (tmp_path / "kh").write_text("")
+    body = (
+        "defaults: {identity_file: id, known_hosts: kh}\n"
+        "nodes:\n  - {name: a, host: 198.18.0.77}\n  - {name: b, host: 198.18.0.77}\n"
+    )
+    r = runner.invoke(
+        app, ["--state", str(tmp_path / "s.db"), "discover", "-i", str(inv(tmp_path, body)), "--timeout", "1"]
+    )
+    assert r.exit_code == 1  # the nodes do not answer; the inventory itself is fine
+    assert "inventory.yaml: line 4 (b): nodes.1.host: 198.18.0.77:22 is also node a's" in " ".join(r.output.split())

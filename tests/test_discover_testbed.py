@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import asyncssh
 import pytest
@@ -341,21 +341,28 @@ def test_a_node_flooding_its_output_is_cut_and_the_others_are_unaffected(testbed
     assert "flood: command output over 8 MiB on stdout, cut" in err
 
 
-def _stderr_until(p: subprocess.Popen[str], wanted: str, timeout: float) -> str:
-    """What ``p`` wrote to stderr up to the first line containing ``wanted``."""
-    import selectors
+class _Reader:
+    """Everything a stream gave so far, read by a thread (so no read can block the test)."""
 
-    seen = ""
-    sel = selectors.DefaultSelector()
-    assert p.stderr is not None
-    sel.register(p.stderr, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while wanted not in seen and time.monotonic() < deadline and sel.select(deadline - time.monotonic()):
-        line = p.stderr.readline()
-        if not line:
-            break
-        seen += line
-    return seen
+    def __init__(self, stream: IO[str]) -> None:
+        self.text = ""
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _run(self, stream: IO[str]) -> None:
+        for line in stream:
+            with self._cond:
+                self.text += line
+                self._cond.notify_all()
+
+    def wait_for(self, *wanted: str, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: all(w in self.text for w in wanted), timeout)
+
+    def join(self, timeout: float) -> str:
+        self._thread.join(timeout)
+        return self.text
 
 
 def test_ctrl_c_saves_nothing_and_says_so(testbed_factory, tmp_path: Path) -> None:
@@ -367,12 +374,15 @@ def test_ctrl_c_saves_nothing_and_says_so(testbed_factory, tmp_path: Path) -> No
         [sys.executable, "-m", "cluster_cli", "--state", str(state), "discover", "-i", str(c.inventory_path), "-v"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    assert p.stderr is not None and p.stdout is not None
     try:
-        # fine is done and slow is probing: Ctrl-C now
-        before = _stderr_until(p, "slow: connected", 30) + _stderr_until(p, "fine: ok", 30)
-        assert "slow: connected" in before and "fine: ok" in before, before
+        err_reader = _Reader(p.stderr)
+        # fine is done and slow is probing (for 20 s): Ctrl-C now
+        assert err_reader.wait_for("slow: connected", "fine: ok", timeout=30), err_reader.text
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=30)
+        p.wait(30)
+        err = err_reader.join(10)
+        out = p.stdout.read()
     finally:
         p.kill()
     assert p.returncode == 130, err

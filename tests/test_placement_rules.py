@@ -392,3 +392,16 @@ def test_a_gpu_uuid_on_two_nodes_is_planned_once() -> None:
     # An unreachable node's last known GPUs claim nothing.
     away = replace(h1, reachable=False, error="timeout")
     assert [f.problems for f in mark_duplicate_gpus([away, h2])] == [(), ()]
+
+
+def test_placeholder_gpu_uuids_do_not_make_two_nodes_one_machine() -> None:
+    from dataclasses import replace
+
+    from cluster_cli.placement.constraints import mark_duplicate_gpus
+
+    def placeholders(f: NodeFacts, uuid: str) -> NodeFacts:
+        return replace(f, gpus=tuple(replace(g, uuid=uuid) for g in f.gpus))
+
+    for uuid in ("[N/A]", "unknown", "N/A"):  # hand-written facts
+        a, b = placeholders(dgx("a"), uuid), placeholders(dgx("b"), uuid)
+        assert [f.problems for f in mark_duplicate_gpus([a, b])] == [a.problems, b.problems]

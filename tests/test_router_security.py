@@ -209,8 +209,10 @@ def test_connections_over_the_limit_get_a_503_and_are_closed(fleet) -> None:
     finally:
         for s in held:
             s.close()
-    time.sleep(0.2)
-    assert _exchange(fleet.port, _post()).startswith(b"HTTP/1.1 200 ")  # room again
+    deadline = time.monotonic() + 5  # room again once the router has seen the closes
+    while not (ok := _exchange(fleet.port, _post())).startswith(b"HTTP/1.1 200 ") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ok.startswith(b"HTTP/1.1 200 "), ok[:80]
 
 
 def test_an_upload_without_a_key_is_refused_on_its_head() -> None:
@@ -291,18 +293,26 @@ def test_a_malformed_engine_response_is_a_502_never_relayed(answer: bytes) -> No
         f.close()
 
 
-def test_client_connections_are_capped_to_what_the_open_files_limit_allows(caplog) -> None:
+def test_client_connections_are_capped_to_what_the_open_files_limit_allows(caplog, monkeypatch) -> None:
+    import cluster_cli.router.app as app_mod
     from cluster_cli.router.app import Router
     from cluster_cli.router.config import RouterConfig
 
+    asked: list[int] = []
+
+    def raise_fd_limit(wanted: int) -> int:  # a hard limit of 1256 open files
+        asked.append(wanted)
+        return min(2 * wanted + 256, 1256)
+
+    monkeypatch.setattr(app_mod, "raise_fd_limit", raise_fd_limit)
     eps = {"sim": {"endpoints": [{"url": "http://127.0.0.1:9", "engine": "vllm", "replica": "r0"}]}}
     r = Router(RouterConfig.model_validate({"models": eps}))
-    r.set_fd_limit(1256)
-    assert r.max_connections == 500  # (1256 - 256) / 2: each client may hold an engine connection
+    r.manage_open_files()
+    assert (asked, r.max_connections) == ([10000], 500)  # (1256 - 256) / 2: each client may hold an engine connection
     assert "max_connections" not in caplog.text  # the default is cut quietly
     r.reload(RouterConfig.model_validate({"models": eps, "router": {"limits": {"max_connections": 100}}}))
-    assert r.max_connections == 100
+    assert (asked[-1], r.max_connections) == (100, 100)
     r.reload(RouterConfig.model_validate({"models": eps, "router": {"limits": {"max_connections": 5000}}}))
-    assert r.max_connections == 500  # the cap outlives reloads
-    r.set_fd_limit(1256)
+    assert asked[-1] == 5000  # a reload asking for more raises the limit again
+    assert r.max_connections == 500
     assert "max_connections 5000 is more than the open-files limit 1256 allows" in caplog.text

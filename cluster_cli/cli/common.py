@@ -47,9 +47,13 @@ def inventory_or_abort(path: Path, *, check_files: bool = False, state_path: Pat
         inv = load_inventory(path)
         if check_files:
             check_ssh_files(inv, path, pinned_hosts_path(state_path) if state_path is not None else None)
-        return inv
     except ClusterctlError as e:
         ui.fail(e)
+    if check_files:  # about to connect: the same machine twice is worth a word
+        for i, message in inv.shared_addresses():
+            where = _where(path, ("nodes", i, "host"), inv.nodes[i].name)
+            ui.warn(f"{where}: {message}: one machine under two names? (placement uses its GPUs once)")
+    return inv
 
 
 def _printable(text: object, limit: int = 200) -> str:
@@ -59,8 +63,6 @@ def _printable(text: object, limit: int = 200) -> str:
 
 def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> None:
     """Local SSH mistakes are configuration errors (exit 2, nothing saved), not 64 unreachable nodes."""
-    import asyncssh  # only the commands that connect pay for it
-
     if inv.ssh_config:
         cfg = inv.resolve_path(inv.ssh_config)
         if not os.path.isfile(cfg):
@@ -73,31 +75,16 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
         t = inv.ssh_target(n)
         key = t.identity_file
         if key and key not in keys_ok:
-            where = _setting(path, i, n, "identity_file")  # read only here: it parses the file again
-            if not os.path.exists(key):
-                raise ConfigError(f"{where}: identity file not found: {key}")
-            if not os.path.isfile(key):
-                raise ConfigError(f"{where}: identity file is not a file: {key}")
-            try:
-                asyncssh.read_private_key(key)
-            except asyncssh.KeyImportError as e:
-                why = str(e)
-                if "passphrase" in why.lower():
-                    why = "it is passphrase-protected: load it into ssh-agent and leave identity_file unset"
-                raise ConfigError(f"{where}: identity file {key} unusable: {why}") from None
-            except OSError as e:
-                raise ConfigError(f"{where}: identity file {key}: {e.strerror or e}") from None
+            why = _identity_problem(key)
+            if why:  # where it was set is looked up only now: that parses the file again
+                raise ConfigError(f"{_setting(path, i, n, 'identity_file')}: {why}")
             keys_ok.add(key)
         if t.known_hosts == ACCEPT_NEW:
             accept_new = True
         elif t.known_hosts not in hosts_ok:
-            where = _setting(path, i, n, "known_hosts")
-            if not os.path.isfile(t.known_hosts):
-                raise ConfigError(
-                    f"{where}: known_hosts file not found: {t.known_hosts} "
-                    "(create it, or set known_hosts: accept-new to pin keys on first contact)"
-                )
-            _read_known_hosts(t.known_hosts, f"{where}: known_hosts {t.known_hosts}")
+            why = _known_hosts_problem(t.known_hosts)
+            if why:
+                raise ConfigError(f"{_setting(path, i, n, 'known_hosts')}: {why}")
             hosts_ok.add(t.known_hosts)
     if pinned is not None and accept_new:
         _check_pin_file(pinned)
@@ -123,14 +110,37 @@ def _setting(path: Path, i: int, n: Node, field: str) -> str:
     return where
 
 
-def _read_known_hosts(file: str | Path, where: str) -> None:
-    """Parse a known_hosts file as asyncssh will: a line it rejects is a ConfigError naming ``where``."""
+def _identity_problem(key: str) -> str | None:
+    """Why the identity file ``key`` cannot be used, or None."""
     import asyncssh
 
+    if not os.path.exists(key):
+        return f"identity file not found: {key}"
+    if not os.path.isfile(key):
+        return f"identity file is not a file: {key}"
     try:
-        asyncssh.read_known_hosts(str(file))
+        asyncssh.read_private_key(key)
+    except asyncssh.KeyImportError as e:
+        why = str(e)
+        if "passphrase" in why.lower():
+            why = "it is passphrase-protected: load it into ssh-agent and leave identity_file unset"
+        return f"identity file {key} unusable: {why}"
+    except OSError as e:
+        return f"identity file {key}: {e.strerror or e}"
+    return None
+
+
+def _known_hosts_problem(file: str) -> str | None:
+    """Why the known_hosts file cannot be used (asyncssh parses it as it will at connect time), or None."""
+    import asyncssh
+
+    if not os.path.isfile(file):
+        return f"known_hosts file not found: {file} (create it, or set known_hosts: accept-new to pin keys on first contact)"
+    try:
+        asyncssh.read_known_hosts(file)
     except (ValueError, OSError, asyncssh.Error) as e:
-        raise ConfigError(f"{where}: {_printable(e)}") from None
+        return f"known_hosts {file}: {_printable(e)}"
+    return None
 
 
 def _check_ssh_config(inv: Inventory, path: Path, cfg: str) -> None:
@@ -160,7 +170,9 @@ def _check_pin_file(pinned: Path) -> None:
     if pinned.exists():
         if not pinned.is_file():
             raise ConfigError(f"{pinned}: the accept-new pin file is not a regular file")
-        _read_known_hosts(pinned, f"{pinned}: the accept-new pin file is unreadable")
+        why = _known_hosts_problem(str(pinned))
+        if why:
+            raise ConfigError(f"{pinned}: the accept-new pin file is unreadable: {why}")
     else:
         parent = next((p for p in pinned.parents if p.exists()), None)
         if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
@@ -173,13 +185,6 @@ def pinned_hosts_path(state_path: Path) -> Path:
     nor is the state file itself."""
     pinned = state_path.with_suffix(".known_hosts")
     return pinned if pinned != state_path else state_path.with_name(state_path.name + ".pins")
-
-
-def require_state(path: Path) -> None:
-    """Commands that change the state need one: a missing file is a typo in --state (or
-    CLUSTERCTL_STATE), or no discover yet; either way, say so and create nothing."""
-    if not path.exists():
-        ui.abort(f"{path}: no state database (run 'clusterctl discover' first, or check --state / CLUSTERCTL_STATE)")
 
 
 def open_store(path: Path, *, create: bool = True, say_new: bool = False) -> Store:

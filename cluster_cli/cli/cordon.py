@@ -19,7 +19,6 @@ from cluster_cli.cli.common import (
     inventory_or_abort,
     open_store,
     recorded_inventory,
-    require_state,
 )
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError
@@ -101,7 +100,10 @@ def uncordon(
 ) -> None:
     """Lift a node's cordon."""
     state: App = ctx.obj
-    require_state(state.state_path)
+    if not state.state_path.exists():  # nothing can be cordoned there; and nothing is created
+        _check_node(recorded_inventory(inventory, state.state_path), node)
+        ui.info(f"{node} was not cordoned (no state at {state.state_path})")
+        return
     # A cordon outlives the node's removal from the inventory, so it can always be lifted,
     # whatever the inventory says or whether it can be read; only a node with no cordon is checked.
     if not _cordoned_in_state(state.state_path, node):

@@ -104,18 +104,10 @@ class Inventory(_Strict):
     @model_validator(mode="after")
     def _check(self) -> Inventory:
         seen: dict[str, int] = {}
-        addresses: dict[tuple[str, int | None], str] = {}
         for i, n in enumerate(self.nodes):
             if n.name in seen:
                 raise ValueError(f"nodes.{i}.name: duplicate node name {n.name!r} (also nodes.{seen[n.name]})")
             seen[n.name] = i
-            # The same machine under two names would have its GPUs planned twice. Compared as
-            # written (an ssh_config alias is not resolved): a port left unset is 22 unless
-            # ssh_config may set it, and then it only matches another node's unset port.
-            address = self.address(n)
-            if address in addresses:
-                raise ValueError(f"nodes.{i}.host: {_show_address(address)} is also node {addresses[address]}'s")
-            addresses[address] = n.name
             declared = [("fabric", n.fabric)] + [(f"hca_fabrics.{k}", v) for k, v in n.hca_fabrics.items()]
             for field, fab in declared:
                 if fab is not None and self.fabrics and fab not in self.fabrics:
@@ -139,6 +131,22 @@ class Inventory(_Strict):
         ``ssh_config`` may still set it)."""
         port = n.port or self.defaults.port or (None if self.ssh_config else 22)
         return n.host.lower(), port
+
+    def shared_addresses(self) -> list[tuple[int, str]]:
+        """(index, message) of each node whose host and port an earlier node has: one machine
+        under two names, probed twice. A warning, not an error: inventories for ``place
+        --facts`` may use placeholder hosts, and placement itself takes a GPU UUID seen on two
+        nodes once. Compared as written (an ssh_config alias is not resolved): a port left
+        unset is 22 unless ssh_config may set it, and then it only matches another unset port."""
+        first: dict[tuple[str, int | None], str] = {}
+        out: list[tuple[int, str]] = []
+        for i, n in enumerate(self.nodes):
+            address = self.address(n)
+            if address in first:
+                out.append((i, f"{_show_address(address)} is also node {first[address]}'s"))
+            else:
+                first[address] = n.name
+        return out
 
     def node(self, name: str) -> Node | None:
         return next((n for n in self.nodes if n.name == name), None)

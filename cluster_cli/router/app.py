@@ -33,7 +33,7 @@ from cluster_cli.router.proxy import FAIL_AFTER, FAIL_BEFORE, OK, RETRY_5XX, Exc
 from cluster_cli.router.registry import Table, build_table, model_json
 from cluster_cli.router.retry import RetryBudget, RetryPolicy
 from cluster_cli.router.scrape import scrape_loop
-from cluster_cli.router.server import ClientConn
+from cluster_cli.router.server import ClientConn, raise_fd_limit
 from cluster_cli.router.source import EndpointSource
 from cluster_cli.router.upstream import UpstreamError, UpstreamPool
 
@@ -66,7 +66,7 @@ class Router:
         self.keys_reloads_ok = 0
         self.keys_reloads_rejected = 0
         self.last_keys_error: str | None = None  # the API keys file's last reload failed: old keys kept
-        self.fd_connection_cap: int | None = None  # what the open-files limit allows (set_fd_limit)
+        self._manage_fd = False  # raise the open-files limit and cap connections to it (manage_open_files)
         self._apply_limits(cfg)
         table = build_table(cfg, clock=clock)
         self._attach_pools(table)
@@ -91,8 +91,9 @@ class Router:
         self.idle_timeout = lim.idle_timeout_s
         self.client_idle_timeout = lim.client_idle_timeout_s
         self.request_read_timeout = lim.request_read_timeout_s
-        cap = self.fd_connection_cap
-        self.max_connections = lim.max_connections if cap is None else min(lim.max_connections, cap)
+        self.max_connections = lim.max_connections
+        if self._manage_fd:
+            self._fit_open_files(lim.max_connections, "max_connections" in lim.model_fields_set)
         r = cfg.router.retry
         self.retry_policy = RetryPolicy(
             r.max_attempts, r.budget_ratio, r.min_retry_concurrency, r.backoff_base_s, r.backoff_max_s
@@ -102,21 +103,29 @@ class Router:
         else:
             self.budget = RetryBudget(self.retry_policy)
 
-    def set_fd_limit(self, soft: int) -> None:
-        """Cap client connections to what ``soft`` open files allow (each client may hold an
-        engine connection too, plus a reserve), so the router's 503 comes before the kernel's
-        EMFILE. Warns only when a max_connections the config sets is cut."""
-        self.fd_connection_cap = max(1, (soft - 256) // 2)
-        lim = self.cfg.router.limits
-        if lim.max_connections > self.fd_connection_cap and "max_connections" in lim.model_fields_set:
-            log.warning(
-                "router.limits.max_connections %d is more than the open-files limit %d allows: "
-                "serving at most %d client connections (raise the hard limit: ulimit -Hn)",
-                lim.max_connections,
-                soft,
-                self.fd_connection_cap,
-            )
+    def manage_open_files(self) -> None:
+        """For a router that owns its process: on start and on every reload, raise the soft
+        open-files limit toward what ``max_connections`` needs, and cap client connections to
+        what it allows (each may hold an engine connection too, plus a reserve), so that the
+        router's 503 comes before the kernel's EMFILE."""
+        self._manage_fd = True
         self._apply_limits(self.cfg)
+
+    def _fit_open_files(self, wanted: int, explicit: bool) -> None:
+        soft = raise_fd_limit(wanted)
+        if soft <= 0:  # unlimited or unknown
+            return
+        cap = max(1, (soft - 256) // 2)
+        if wanted > cap:
+            self.max_connections = cap
+            if explicit:  # the default is cut quietly; a value the config sets is not
+                log.warning(
+                    "router.limits.max_connections %d is more than the open-files limit %d allows: "
+                    "serving at most %d client connections (raise the hard limit: ulimit -Hn)",
+                    wanted,
+                    soft,
+                    cap,
+                )
 
     def _attach_pools(self, table: Table) -> None:
         for w in table.workers.values():

@@ -53,24 +53,6 @@ def untune_gc(threshold: tuple[int, int, int]) -> None:
     gc.set_threshold(*threshold)
 
 
-def raise_fd_limit(max_connections: int) -> int:
-    """Raise the soft open-files limit toward the hard one, so that ``max_connections``
-    clients (each with an engine connection of its own) fit; returns the soft limit now
-    (-1: unlimited or unknown). The router caps its connections to what this allows."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not on Linux
-        return -1
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 2 * max_connections + 256
-    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-    return -1 if soft == resource.RLIM_INFINITY else soft
-
-
 def _load_keys(path: Path, content: Content) -> ApiKeys:
     """API keys from what ``WatchedFile`` read; ConfigError when it could not be read."""
     data, why = content
@@ -96,9 +78,7 @@ async def serve(
     keys_file = WatchedFile(keys_path, interval=watch_interval) if keys_path else None
     keys = _load_keys(keys_path, keys_file.read()) if keys_path and keys_file else None
     router = Router(cfg, api_keys=keys, access_log=access_log, source=source)
-    soft = raise_fd_limit(cfg.router.limits.max_connections)
-    if soft > 0:
-        router.set_fd_limit(soft)
+    router.manage_open_files()
     bound = await router.start(host, port)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()

@@ -284,3 +284,21 @@ class ClientConn(asyncio.Protocol):
             self.h.conns.discard(self)
             if self.tr is not None:
                 self.tr.abort()
+
+
+def raise_fd_limit(max_connections: int) -> int:
+    """Raise the soft open-files limit toward the hard one, so that ``max_connections``
+    clients (each with an engine connection of its own) fit; returns the soft limit now
+    (-1: unlimited or unknown). The router caps its connections to what this allows."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Linux
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * max_connections + 256
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return -1 if soft == resource.RLIM_INFINITY else soft

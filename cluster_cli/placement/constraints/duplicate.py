@@ -1,8 +1,8 @@
 """One machine, one candidate: a node whose GPUs another node also reports is left out.
 
 Two inventory names for one machine (two addresses, or an alias) would have its GPUs
-planned twice. The inventory refuses two nodes with the same host and port; this is the
-second guard, from the facts: a GPU UUID is unique to one physical GPU, so the same UUID
+planned twice. discover warns of two nodes with the same host and port; this is the
+guard, from the facts: a GPU UUID is unique to one physical GPU, so the same UUID
 on two reachable nodes means one machine seen twice. The first node (in the order given:
 the inventory's, or names in the placer) keeps it; each later one gets a ``duplicate-gpu``
 problem and is no placement candidate.
@@ -10,6 +10,7 @@ problem and is no placement candidate.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -18,6 +19,9 @@ from cluster_cli.placement.constraints.base import NodeState, Request
 from cluster_cli.placement.verdict import Verdict
 
 KEY = "duplicate-gpu"
+# Only a UUID as nvidia-smi prints one identifies a GPU: a placeholder in hand-written facts
+# ("[N/A]", "unknown") must not make two nodes one machine.
+_UUID = re.compile(r"(?:GPU|MIG)-[0-9A-Za-z-]+")
 _SHOWN = 3  # UUIDs named in a problem; the rest are counted
 
 
@@ -37,7 +41,7 @@ def mark_duplicate_gpus(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
         if not f.reachable or is_duplicate(f):
             out.append(f)
             continue
-        uuids = list(dict.fromkeys(g.uuid for g in f.gpus if g.uuid))
+        uuids = list(dict.fromkeys(g.uuid for g in f.gpus if g.uuid and _UUID.fullmatch(g.uuid)))
         taken = [u for u in uuids if u in owner]
         if not taken:
             for u in uuids:
