@@ -115,6 +115,142 @@ def test_metric_mapping_semantics(tmp_path):
     assert v["4"].running == "llamacpp:requests_processing" and v["4"].kv_cache_usage is None  # adapter default
 
 
+ONE = "models: {m: {endpoints: [{url: 'http://h:1'}]}}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        # one replica name, two URLs: their metrics and access-log lines would merge
+        (
+            "models: {m: {endpoints: [{url: 'http://h:1', replica: big-0}, {url: 'http://h:2', replica: big-0}]}}",
+            "router.yaml: line 1: models.m.endpoints.1.replica: 'big-0' is also m's endpoint http://h:1",
+        ),
+        (
+            "models:\n  a: {endpoints: [{url: 'http://h:1', replica: big-0}]}\n"
+            "  b:\n    endpoints:\n      - {url: 'http://h:2', replica: big-0}\n",
+            "router.yaml: line 5: models.b.endpoints.0.replica: 'big-0' is also a's endpoint http://h:1",
+        ),
+        (  # an unnamed endpoint is named by its host:port
+            "models: {m: {endpoints: [{url: 'http://h:1'}, {url: 'http://h:2', replica: 'h:1'}]}}",
+            "models.m.endpoints.1.replica: 'h:1' is also m's endpoint http://h:1",
+        ),
+        # one URL, two replica names: which one it got depended on the order of the models
+        (
+            "models:\n  a: {endpoints: [{url: 'http://h:1', replica: x}]}\n  b: {endpoints: [{url: 'http://h:1', replica: y}]}",
+            "router.yaml: line 3: models.b.endpoints.0.replica: http://h:1 is 'y' here but 'x' under a: give it one name",
+        ),
+        (
+            "models: {a: {endpoints: [{url: 'http://h:1'}]}, b: {endpoints: [{url: 'http://h:1', replica: y}]}}",
+            "models.b.endpoints.0.replica: http://h:1 is 'y' here but unnamed ('h:1') under a",
+        ),
+        # wrong types are errors, not converted
+        (
+            "models: {m: {endpoints: [{url: 'http://h:1', max_inflight: true}]}}",
+            "endpoints.0.max_inflight: Input should be a valid integer",
+        ),
+        (
+            "models: {m: {endpoints: [{url: 'http://h:1', max_inflight: 4.0}]}}",
+            "endpoints.0.max_inflight: Input should be a valid integer",
+        ),
+        (
+            "models: {m: {endpoints: [{url: 'http://h:1', draining: 'yes'}]}}",
+            "endpoints.0.draining: Input should be a valid boolean",
+        ),
+        (
+            "models: {m: {endpoints: [{url: 'http://h:1', draining: 1}]}}",
+            "endpoints.0.draining: Input should be a valid boolean",
+        ),
+        (
+            "models: {m: {endpoints: [{url: 'http://h:1'}], admission: {max_queue: true}}}",
+            "models.m.admission.max_queue: Input should be a valid integer",
+        ),
+        (
+            ONE + "router: {admission: {max_queue: 256.0}}",
+            "router.admission.max_queue: Input should be a valid integer",
+        ),
+        (ONE + "router: {retry: {max_attempts: true}}", "router.retry.max_attempts: Input should be a valid integer"),
+        (
+            ONE + "router: {breaker: {failure_threshold: 2.0}}",
+            "router.breaker.failure_threshold: Input should be a valid integer",
+        ),
+        (
+            ONE + "router: {limits: {max_connections: 100.0}}",
+            "router.limits.max_connections: Input should be a valid integer",
+        ),
+        (
+            ONE + "router: {limits: {max_body_bytes: '4096'}}",
+            "router.limits.max_body_bytes: Input should be a valid integer",
+        ),
+        (
+            ONE + "router: {admission: {max_wait_s: true}}",
+            "router.admission.max_wait_s: Input should be a valid number",
+        ),
+        # a base above its cap
+        (
+            ONE + "router:\n  retry: {backoff_base_s: 5, backoff_max_s: 0.1}",
+            "router.yaml: line 3: router.retry.backoff_base_s: 5 is above backoff_max_s (0.1)",
+        ),
+        (
+            ONE + "router: {retry: {backoff_base_s: 1}}",
+            "router.retry.backoff_base_s: 1 is above backoff_max_s (0.25, the default)",
+        ),
+        (
+            ONE + "router: {retry: {backoff_max_s: 0.001}}",
+            "router.retry.backoff_max_s: 0.001 is below backoff_base_s (0.005, the default)",
+        ),
+        (
+            ONE + "router:\n  breaker:\n    open_for_s: 100\n    max_open_for_s: 10",
+            "router.yaml: line 4: router.breaker.open_for_s: 100 is above max_open_for_s (10)",
+        ),
+        # scheme and host are case-insensitive
+        (
+            "models: {m: {endpoints: [{url: 'http://LOCALHOST:9101'}, {url: 'http://localhost:9101/'}]}}",
+            "models.m: endpoint http://localhost:9101 is listed twice (endpoints 0 and 1)",
+        ),
+        ("models: {m: {endpoints: [{url: 'HTTP://h:1'}, {url: 'http://H:1'}]}}", "endpoint http://h:1 is listed twice"),
+    ],
+)
+def test_inconsistent_or_mistyped_configs_are_refused(tmp_path, text, expect):
+    with pytest.raises(ConfigError) as ei:
+        load_router_config(write(tmp_path, text))
+    msg = ei.value.message
+    assert expect in msg and "\n" not in msg and msg.startswith(str(tmp_path / "router.yaml")), msg
+
+
+def test_what_stays_accepted(tmp_path):
+    """A URL shared by models under one name (or none) is one upstream; numbers of seconds take
+    integers; a URL's host keeps neither its case nor a trailing "/" (its user part keeps its case)."""
+    cfg = load_router_config(
+        write(
+            tmp_path,
+            """\
+            models:
+              a: {endpoints: [{url: "http://GPU-1:80", replica: big-0, max_inflight: 4}, {url: "http://h:2"}]}
+              b: {endpoints: [{url: "http://gpu-1:80/", replica: big-0, draining: true}, {url: "http://h:2"}]}
+              c: {endpoints: [{url: "http://h:2", replica: "h:2"}, {url: "http://Me@H:3"}]}
+            router:
+              admission: {max_queue: 0, max_wait_s: 30}
+              retry: {backoff_base_s: 0.25, backoff_max_s: 0.25}
+              breaker: {open_for_s: 1, max_open_for_s: 1}
+            """,
+        )
+    )
+    views = endpoint_views(cfg)
+    assert sorted(views) == ["http://Me@h:3", "http://gpu-1:80", "http://h:2"]
+    big = views["http://gpu-1:80"]
+    assert (big.replica, big.draining, big.max_inflight, big.models, big.host) == (
+        "big-0",
+        True,
+        4,
+        ("a", "b"),
+        "gpu-1",
+    )
+    assert (views["http://h:2"].replica, views["http://h:2"].models) == ("h:2", ("a", "b", "c"))
+    assert cfg.router.admission.max_wait_s == 30.0 and isinstance(cfg.router.admission.max_wait_s, float)
+    assert cfg.router.breaker.open_for_s == 1.0 and cfg.router.retry.backoff_max_s == 0.25
+
+
 def test_scrape_parsing_unknown_is_not_zero():
     text = textwrap.dedent(
         """\

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -312,4 +314,96 @@ def test_learned_capacity_holds_requests_in_the_router():
     finally:
         for s in socks:
             s.close()
+        f.close()
+
+
+def test_requests_hanging_on_an_endpoint_judged_dead_are_retried_at_once():
+    """A frozen engine (accepts, never answers, fails /health): once its breaker opens on the
+    health checks, requests still waiting there for a first byte go elsewhere, instead of
+    waiting out the idle timeout (300 s by default; 30 s here, far beyond the test)."""
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(
+        router={"limits": {"idle_timeout_s": 30}, "health_interval_s": 0.1, "breaker": {"health_failure_threshold": 2}}
+    )
+    frozen, good = f.engines
+    f.lt.call(lambda: setattr(frozen, "hang", True))  # takes requests, answers none, /health still fine
+    try:
+        results: list[int] = []
+
+        def one() -> None:
+            results.append(chat(f, stream=True).status_code)
+
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        f.lt.wait_for(lambda: frozen.requests >= 1, what="a request stuck on the frozen engine")
+        f.lt.call(lambda: setattr(frozen, "health_status", 503))  # now its health checks fail too
+        for t in threads:
+            t.join(25)
+        took = time.monotonic() - t0
+        assert results == [200] * 6
+        assert f.lt.call(lambda: good.served) == 6
+        assert took < 20, took  # bounded by the health checks, not by the 30-s idle timeout
+    finally:
+        f.close()
+
+
+def test_streams_longer_than_the_grace_period_end_cleanly_and_are_logged():
+    buf = io.StringIO()
+    f = Fleet(1, capacity=4, token_delay_s=0.05, tokens=200).start(access_log=AccessLog(buf, max_buffer=1))
+    try:
+        events: list[str] = []
+        failure: list[BaseException] = []
+
+        def stream() -> None:
+            try:
+                with httpx.stream(
+                    "POST",
+                    f.base + "/chat/completions",
+                    json={"model": "sim", "messages": MSG, "stream": True},
+                    timeout=20,
+                ) as r:
+                    events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+            except BaseException as e:  # reported by the test
+                failure.append(e)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        f.lt.wait_for(lambda: f.engines[0].running == 1, what="the stream to start")
+        time.sleep(0.2)
+        f.lt.run(f.router.stop(0.3), 15)
+        t.join(10)
+        assert not failure, failure  # a clean end: no "incomplete chunked read"
+        assert 1 < len(events) < 200
+        last = json.loads(events[-1].removeprefix("data: "))
+        assert last["error"]["code"] == "upstream_stream_cut" and "grace period over" in last["error"]["message"]
+        f.lt.wait_for(lambda: f.engines[0].running == 0, what="the engine slot to be freed")
+        f.lt.call(f.router.access.flush)
+        (line,) = [json.loads(x) for x in buf.getvalue().splitlines() if '"/v1/chat/completions"' in x]
+        assert line["status"] == 200 and "the router shut down (0.3 s grace period over)" in line["note"]
+    finally:
+        f.close()
+
+
+def test_a_request_refused_while_draining_closes_its_kept_alive_connection():
+    f = Fleet(1, capacity=4, token_delay_s=0.02, tokens=40).start()
+    try:
+        with socket.create_connection(("127.0.0.1", f.port)) as s:
+            s.settimeout(5)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 ")  # kept alive
+            streaming = threading.Thread(target=lambda: chat(f, stream=True))
+            streaming.start()
+            f.lt.wait_for(lambda: f.engines[0].running == 1, what="a stream in flight")
+            stopping = asyncio.run_coroutine_threadsafe(f.router.stop(10), f.lt.loop)
+            f.lt.wait_for(lambda: f.router._draining, what="draining")
+            body = json.dumps({"model": "sim", "messages": MSG}).encode()
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+            )
+            head = s.recv(65536).split(b"\r\n\r\n")[0]
+            assert head.startswith(b"HTTP/1.1 503 ") and b"Connection: close" in head
+            streaming.join(10)
+            stopping.result(15)
+    finally:
         f.close()

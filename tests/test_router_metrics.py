@@ -56,7 +56,12 @@ def test_metrics_and_access_log():
             "clusterctl_router_retry_budget_overflows_total",
         ):
             assert name in text, name
-        assert s[("clusterctl_router_endpoint_inflight", (("endpoint", f.engines[0].url), ("replica", "r0")))] == 0
+        # Per-endpoint series carry the replica's name as ``endpoint``, as the per-request ones do
+        # (so they join in PromQL), and where it is as ``url``.
+        assert s[("clusterctl_router_endpoint_inflight", (("endpoint", "r0"), ("url", f.engines[0].url)))] == 0
+        served = {dict(lab)["endpoint"] for (n, lab) in s if n == "clusterctl_router_requests_total"} - {""}
+        gauges = {dict(lab)["endpoint"] for (n, lab) in s if n == "clusterctl_router_endpoint_inflight"}
+        assert served and served <= gauges
         health = httpx.get(f.url + "/health").json()
         assert {e["replica"] for e in health["endpoints"]} == {"r0", "r1"}
         assert all(e["breaker"]["state"] == "closed" and e["inflight"] == 0 for e in health["endpoints"])

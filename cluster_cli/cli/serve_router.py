@@ -119,6 +119,13 @@ def serve_router(
     watch_interval: float = typer.Option(
         1.0, "--watch-interval", min=0.05, help="Seconds between checks of the config and API keys files."
     ),
+    grace: float = typer.Option(
+        10.0,
+        "--grace",
+        min=0,
+        help="On SIGTERM/SIGINT, seconds in-flight requests get to finish; the rest then end as if "
+        "their engine failed (a started stream gets an SSE error event and a clean end).",
+    ),
 ) -> None:
     from cluster_cli.router.accesslog import AccessLog
     from cluster_cli.router.config import RouterConfig, with_overrides
@@ -184,6 +191,7 @@ def serve_router(
                 keys_path=api_keys_file,
                 access_log=alog,
                 watch_interval=watch_interval,
+                grace=grace,
                 on_ready=ready,
             )
         )

@@ -23,7 +23,7 @@ from urllib.parse import unquote
 from cluster_cli.router.accesslog import AccessLog
 from cluster_cli.router.admission import Rejected
 from cluster_cli.router.balancer import Balancer, Lease
-from cluster_cli.router.config import RouterConfig
+from cluster_cli.router.config import LimitsSpec, RouterConfig
 from cluster_cli.router.health import health_loop
 from cluster_cli.router.http import Request, error_response, response
 from cluster_cli.router.keys import ApiKeys
@@ -67,6 +67,7 @@ class Router:
         self.keys_reloads_rejected = 0
         self.last_keys_error: str | None = None  # the API keys file's last reload failed: old keys kept
         self._manage_fd = False  # raise the open-files limit and cap connections to it (manage_open_files)
+        self._stopping: str | None = None  # set when stop()'s grace period is over
         self._apply_limits(cfg)
         table = build_table(cfg, clock=clock)
         self._attach_pools(table)
@@ -93,7 +94,7 @@ class Router:
         self.request_read_timeout = lim.request_read_timeout_s
         self.max_connections = lim.max_connections
         if self._manage_fd:
-            self._fit_open_files(lim.max_connections, "max_connections" in lim.model_fields_set)
+            self._fit_open_files(lim.max_connections)
         r = cfg.router.retry
         self.retry_policy = RetryPolicy(
             r.max_attempts, r.budget_ratio, r.min_retry_concurrency, r.backoff_base_s, r.backoff_max_s
@@ -111,14 +112,14 @@ class Router:
         self._manage_fd = True
         self._apply_limits(self.cfg)
 
-    def _fit_open_files(self, wanted: int, explicit: bool) -> None:
+    def _fit_open_files(self, wanted: int) -> None:
         soft = raise_fd_limit(wanted)
         if soft <= 0:  # unlimited or unknown
             return
         cap = max(1, (soft - 256) // 2)
         if wanted > cap:
             self.max_connections = cap
-            if explicit:  # the default is cut quietly; a value the config sets is not
+            if wanted != _DEFAULT_MAX_CONNECTIONS:  # the default is cut quietly; a value the config sets is not
                 log.warning(
                     "router.limits.max_connections %d is more than the open-files limit %d allows: "
                     "serving at most %d client connections (raise the hard limit: ulimit -Hn)",
@@ -202,13 +203,25 @@ class Router:
         return list(self.table.workers.values())
 
     async def stop(self, grace: float = 10.0) -> None:
-        """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then close."""
+        """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then end
+        the rest as an engine failure would (a started stream gets its SSE error event and a
+        clean end, each request its access-log line), and close."""
         self._draining = True
         if self.server is not None:
             self.server.close()
         deadline = self.clock() + grace
         while self._inflight_total > 0 and self.clock() < deadline:
             await asyncio.sleep(0.05)
+        if self._inflight_total > 0:
+            self._stopping = f"the router shut down ({grace:g} s grace period over)"
+            for c in list(self.conns):
+                if c.exchange is not None:
+                    c.exchange.conn.fail("shutdown", self._stopping)
+                elif c.task is not None and not c.task.done():
+                    c.task.cancel()  # queued or between attempts: logged as cut by the shutdown
+            end = self.clock() + 1.0
+            while self._inflight_total > 0 and self.clock() < end:
+                await asyncio.sleep(0.01)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -216,7 +229,10 @@ class Router:
                 await t
         self._tasks = []
         for c in list(self.conns):
-            c.abort()
+            if c.busy:
+                c.abort()
+            else:
+                c.close()  # what was written to it (an error event, a last chunk) still goes out
         for w in list(self.table.workers.values()) + list(self.table.retired):
             if w.pool is not None:
                 w.pool.close()
@@ -399,6 +415,8 @@ class Router:
             note = (
                 "dropped: the client read nothing for the idle timeout" if stalled else "client closed the connection"
             )
+            if self._stopping is not None and not stalled:
+                status, note = 503, self._stopping
             if ex is not None and ex.done_seen and not stalled:
                 # It had the whole stream: OpenAI's clients hang up on "[DONE]" without
                 # waiting for the terminating chunk. Served, not abandoned.
@@ -450,6 +468,7 @@ class Router:
         if not self._authorized(conn, req):
             return 401, "", "", 0, None, ""
         if self._draining:
+            conn.keep_alive = False  # this connection will not be served again: say so
             return self._fail(conn, 503, "the router is shutting down", "router_draining")
         try:
             obj = json.loads(req.body)
@@ -493,6 +512,7 @@ class Router:
                 try:
                     lease: Lease = self.balancer.try_acquire(entry, tried) or await self.balancer.acquire(entry, tried)
                 except Rejected as r:
+                    attempts -= 1  # this one never reached an engine
                     extra = b"Retry-After: %d\r\n" % int(r.retry_after + 0.999) if r.retry_after else b""
                     if r.reason != "no_endpoint" or not last_error:
                         self.metrics.rejection(model, r.reason)
@@ -558,6 +578,8 @@ class Router:
                     last_status = 504 if kind == "timeout" else 502
                     reason = kind
                 tried.append(w)
+                if self._stopping is not None:
+                    return self._fail(conn, 503, self._stopping, "router_draining", model, endpoint, attempts)
                 if attempts >= rp.max_attempts:
                     return self._fail(conn, last_status, last_error, "upstream_error", model, endpoint, attempts)
                 if not holding_budget:
@@ -577,6 +599,7 @@ class Router:
 _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})
 
 
+_DEFAULT_MAX_CONNECTIONS = LimitsSpec.model_fields["max_connections"].default
 _KEY_MESSAGE = "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'."
 _KEY_CHALLENGE = b'WWW-Authenticate: Bearer realm="clusterctl"\r\n'
 

@@ -16,7 +16,9 @@ router:                                     # optional; every key has a default
 
 An engine named under ``endpoints`` but absent from ``engines`` takes its adapter's
 metric names (``cluster_cli.engines``); ``metrics: {}`` always means vLLM's names.
-Unknown keys are rejected; every error is one line naming the file and the field.
+Unknown keys are rejected; every error is one line naming the file and the field. Values are
+not converted between types: a boolean must be a YAML boolean, a count a YAML integer (not
+``true`` nor ``4.0``), a number of seconds a YAML number (an integer will do).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from cluster_cli.config.load import load_model
 from cluster_cli.engines import MetricMapping, get_engine
@@ -36,6 +38,10 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
 
 class _Strict(BaseModel):
+    """Unknown keys are errors. Counts and limits are ``StrictInt`` (pydantic would take ``true``
+    as 1 and ``4.0`` as 4), flags ``StrictBool`` (not ``"yes"`` nor ``1``), seconds and ratios
+    ``StrictFloat`` (an integer will do; a boolean or a string will not)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -55,8 +61,8 @@ class EndpointSpec(_Strict):
     url: str
     engine: str = "vllm"
     replica: str | None = None
-    draining: bool = False
-    max_inflight: int | None = Field(default=None, ge=1)
+    draining: StrictBool = False
+    max_inflight: StrictInt | None = Field(default=None, ge=1)
 
     @field_validator("url")
     @classmethod
@@ -72,12 +78,16 @@ class EndpointSpec(_Strict):
             raise ValueError(f"{v!r}: bad port") from None
         if parts.path not in ("", "/") or parts.query or parts.fragment:
             raise ValueError(f"{v!r}: give the server's base URL without a path")
-        return v.rstrip("/")
+        # One spelling per server, so that duplicates are found and a URL listed under several
+        # models is one upstream: scheme and host are case-insensitive (the user part, if any, is
+        # not), and a trailing "/" goes. Names are not resolved: "localhost" is not 127.0.0.1.
+        user, at, hostport = parts.netloc.rpartition("@")
+        return f"http://{user}{at}{hostport.lower()}"
 
 
 class QueueSpec(_Strict):
-    max_queue: int = Field(default=256, ge=0)
-    max_wait_s: float = Field(default=30.0, gt=0)
+    max_queue: StrictInt = Field(default=256, ge=0)
+    max_wait_s: StrictFloat = Field(default=30.0, gt=0)
 
 
 class ModelSpec(_Strict):
@@ -86,48 +96,48 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _unique(self) -> ModelSpec:
-        seen: set[str] = set()
-        for ep in self.endpoints:
-            if ep.url in seen:
-                raise ValueError(f"endpoint {ep.url} is listed twice")
-            seen.add(ep.url)
+        seen: dict[str, int] = {}
+        for i, ep in enumerate(self.endpoints):
+            first = seen.setdefault(ep.url, i)
+            if first != i:
+                raise ValueError(f"endpoint {ep.url} is listed twice (endpoints {first} and {i})")
         return self
 
 
 class BreakerSpec(_Strict):
-    failure_threshold: int = Field(default=5, ge=1)
-    success_threshold: int = Field(default=2, ge=1)
-    open_for_s: float = Field(default=5.0, gt=0)
-    max_open_for_s: float = Field(default=60.0, gt=0)
-    health_failure_threshold: int = Field(default=2, ge=1)
+    failure_threshold: StrictInt = Field(default=5, ge=1)
+    success_threshold: StrictInt = Field(default=2, ge=1)
+    open_for_s: StrictFloat = Field(default=5.0, gt=0)
+    max_open_for_s: StrictFloat = Field(default=60.0, gt=0)
+    health_failure_threshold: StrictInt = Field(default=2, ge=1)
 
 
 class RetrySpec(_Strict):
-    max_attempts: int = Field(default=3, ge=1, le=10)
-    budget_ratio: float = Field(default=0.2, ge=0, le=1)
-    min_retry_concurrency: int = Field(default=10, ge=0)
-    backoff_base_s: float = Field(default=0.005, ge=0)
-    backoff_max_s: float = Field(default=0.25, ge=0)
+    max_attempts: StrictInt = Field(default=3, ge=1, le=10)
+    budget_ratio: StrictFloat = Field(default=0.2, ge=0, le=1)
+    min_retry_concurrency: StrictInt = Field(default=10, ge=0)
+    backoff_base_s: StrictFloat = Field(default=0.005, ge=0)
+    backoff_max_s: StrictFloat = Field(default=0.25, ge=0)
 
 
 class LimitsSpec(_Strict):
-    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
-    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    idle_timeout_s: float = Field(default=300.0, gt=0)
-    client_idle_timeout_s: float = Field(default=75.0, gt=0)
+    max_body_bytes: StrictInt = Field(default=32 * 1024 * 1024, ge=1024)
+    max_header_bytes: StrictInt = Field(default=64 * 1024, ge=1024)
+    connect_timeout_s: StrictFloat = Field(default=5.0, gt=0)
+    idle_timeout_s: StrictFloat = Field(default=300.0, gt=0)
+    client_idle_timeout_s: StrictFloat = Field(default=75.0, gt=0)
     # A request's head and body must arrive whole within this, however they trickle in
     # (the idle timeout alone restarts on every byte: a slow sender could hold a connection).
-    request_read_timeout_s: float = Field(default=60.0, gt=0)
-    max_connections: int = Field(default=10000, ge=1)
+    request_read_timeout_s: StrictFloat = Field(default=60.0, gt=0)
+    max_connections: StrictInt = Field(default=10000, ge=1)
 
 
 class RouterSpec(_Strict):
     policy: Literal["least_load", "p2c", "round_robin"] = "least_load"
-    scrape_interval_s: float = Field(default=0.5, gt=0)
-    scrape_stale_s: float = Field(default=3.0, gt=0)
-    health_interval_s: float = Field(default=2.0, gt=0)
-    capacity_probe_s: float = Field(default=5.0, gt=0)
+    scrape_interval_s: StrictFloat = Field(default=0.5, gt=0)
+    scrape_stale_s: StrictFloat = Field(default=3.0, gt=0)
+    health_interval_s: StrictFloat = Field(default=2.0, gt=0)
+    capacity_probe_s: StrictFloat = Field(default=5.0, gt=0)
     limits: LimitsSpec = LimitsSpec()
     breaker: BreakerSpec = BreakerSpec()
     retry: RetrySpec = RetrySpec()
@@ -148,20 +158,49 @@ class RouterConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _engines_known(self) -> RouterConfig:
-        by_url: dict[str, str] = {}
+    def _endpoints_consistent(self) -> RouterConfig:
+        """Engines are known; a URL listed under several models has one engine and one replica
+        name (it is one upstream); a replica name belongs to one URL (metrics and the access
+        log tell replicas apart by it)."""
+        by_url: dict[str, tuple[str, EndpointSpec]] = {}
+        by_replica: dict[str, tuple[str, str]] = {}
         for mname, m in self.models.items():
             for i, ep in enumerate(m.endpoints):
+                where = f"models.{mname}.endpoints.{i}"
                 if ep.engine not in self.engines and get_engine(ep.engine) is None:
                     known = sorted(set(self.engines) | {"vllm", "llamacpp"})
+                    raise ValueError(f"{where}.engine: unknown engine {ep.engine!r} (known: {', '.join(known)})")
+                pmodel, prev = by_url.setdefault(ep.url, (mname, ep))
+                if prev.engine != ep.engine:
+                    raise ValueError(f"{where}.engine: {ep.url} is listed as both {prev.engine} and {ep.engine}")
+                if replica_name(prev) != replica_name(ep):
                     raise ValueError(
-                        f"models.{mname}.endpoints.{i}.engine: unknown engine {ep.engine!r} (known: {', '.join(known)})"
+                        f"{where}.replica: {ep.url} is {_replica_desc(ep)} here but {_replica_desc(prev)}"
+                        f" under {pmodel}: give it one name"
                     )
-                prev = by_url.setdefault(ep.url, ep.engine)
-                if prev != ep.engine:
-                    raise ValueError(
-                        f"models.{mname}.endpoints.{i}.engine: {ep.url} is listed as both {prev} and {ep.engine}"
-                    )
+                name = replica_name(ep)
+                omodel, ourl = by_replica.setdefault(name, (mname, ep.url))
+                if ourl != ep.url:
+                    unnamed = "" if ep.replica else " (an endpoint without a replica name takes its host:port)"
+                    raise ValueError(f"{where}.replica: {name!r} is also {omodel}'s endpoint {ourl}{unnamed}")
+        return self
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> RouterConfig:
+        """A base above its cap would be silently cut to the cap."""
+        for section, base, cap in (
+            ("retry", "backoff_base_s", "backoff_max_s"),
+            ("breaker", "open_for_s", "max_open_for_s"),
+        ):
+            spec = getattr(self.router, section)
+            lo, hi = getattr(spec, base), getattr(spec, cap)
+            if lo <= hi:
+                continue
+            given = spec.model_fields_set
+            if cap in given and base not in given:  # name the key the file gave
+                raise ValueError(f"router.{section}.{cap}: {hi:g} is below {base} ({lo:g}, the default)")
+            default = "" if cap in given else ", the default"
+            raise ValueError(f"router.{section}.{base}: {lo:g} is above {cap} ({hi:g}{default})")
         return self
 
     def metric_mapping(self, engine: str) -> MetricMapping:
@@ -177,6 +216,15 @@ class RouterConfig(_Strict):
             return spec.health_path
         adapter = get_engine(engine)
         return adapter.health_path if adapter is not None else "/health"
+
+
+def replica_name(ep: EndpointSpec) -> str:
+    """The name metrics and the access log give the endpoint: its ``replica``, else its host:port."""
+    return ep.replica or ep.url.removeprefix("http://")
+
+
+def _replica_desc(ep: EndpointSpec) -> str:
+    return repr(ep.replica) if ep.replica else f"unnamed ({replica_name(ep)!r})"
 
 
 @dataclass(frozen=True)
@@ -208,7 +256,7 @@ def endpoint_views(cfg: RouterConfig) -> dict[str, EndpointView]:
                     "host": parts.hostname or "",
                     "port": parts.port or 80,
                     "engine": ep.engine,
-                    "replica": ep.replica or ep.url.removeprefix("http://"),
+                    "replica": replica_name(ep),
                     "draining": False,
                     "max_inflight": ep.max_inflight,
                     "metrics": cfg.metric_mapping(ep.engine),

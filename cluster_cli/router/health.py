@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
+from cluster_cli.router.breaker import State
 from cluster_cli.router.http import fetch
 from cluster_cli.router.worker import Worker
 
@@ -17,6 +18,10 @@ async def check_one(w: Worker, timeout: float) -> bool:
         ok = False
     w.health_ok = ok
     w.breaker.on_health(ok)
+    if not ok and w.breaker.state is State.OPEN and w.pool is not None:
+        # Judged dead (frozen, hung): requests still waiting there for a first byte would wait
+        # out the whole idle timeout; they fail now and are retried on another endpoint.
+        w.pool.fail_unanswered("the engine failed its health checks before answering")
     return ok
 
 

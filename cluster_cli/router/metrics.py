@@ -31,7 +31,9 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[object]:
         r = self._router()
         now = r.clock()
-        labels = ["endpoint", "replica"]
+        # ``endpoint`` is the replica's name, as on the per-request series (so the two join);
+        # ``url`` says where it is.
+        labels = ["endpoint", "url"]
         inflight = GaugeMetricFamily(
             "clusterctl_router_endpoint_inflight", "Requests in flight per endpoint.", labels=labels
         )
@@ -57,7 +59,7 @@ class _StateCollector(Collector):
         )
         workers = list(r.table.workers.values()) + list(r.table.retired)
         for w in workers:
-            lv = [w.url, w.view.replica]
+            lv = [w.view.replica, w.url]
             inflight.add_metric(lv, w.inflight)
             breaker.add_metric(lv, int(w.breaker.current()))
             draining.add_metric(lv, 1 if (w.view.draining or w.removed) else 0)

@@ -273,6 +273,11 @@ class UpstreamConn(asyncio.Protocol):
     def timed_out(self) -> None:
         self._fail("timeout", "upstream idle timeout")
 
+    def fail(self, kind: str, message: str) -> None:
+        """End the exchange as failed, from outside (the engine is judged dead, the router stops)."""
+        if self.sink is not None:
+            self._fail(kind, message)
+
     def abort(self) -> None:
         """Drop the exchange and the socket now (reset, so the engine notices at once)."""
         self.sink = None
@@ -339,6 +344,13 @@ class UpstreamPool:
             conn.closed = True
             if conn.tr is not None:
                 conn.tr.close()
+
+    def fail_unanswered(self, message: str) -> int:
+        """Fail the exchanges that have had no byte back yet (they may be retried elsewhere)."""
+        silent = [c for c in self.active if not c.got_bytes and c.sink is not None]
+        for c in silent:
+            c.fail("timeout", message)
+        return len(silent)
 
     def forget(self, conn: UpstreamConn) -> None:
         self.active.discard(conn)
