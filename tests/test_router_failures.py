@@ -407,3 +407,80 @@ def test_a_request_refused_while_draining_closes_its_kept_alive_connection():
             stopping.result(15)
     finally:
         f.close()
+
+
+def _post_into(f: Fleet, out: list, **kw) -> None:
+    try:
+        r = httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG, **kw}, timeout=20)
+        out.append((r.status_code, r.headers.get("connection"), r.text))
+    except httpx.HTTPError as e:
+        out.append(("error", type(e).__name__, str(e)))
+
+
+def test_a_request_queued_when_the_grace_period_ends_gets_a_503():
+    buf = io.StringIO()
+    f = Fleet(1, capacity=4, token_delay_s=0.05, tokens=200)
+    f.start(cfg=f.config(endpoint_extra={0: {"max_inflight": 1}}), access_log=AccessLog(buf, max_buffer=1))
+    try:
+        a: list = []
+        b: list = []
+        ta = threading.Thread(target=_post_into, args=(f, a), kwargs={"stream": True})
+        ta.start()
+        f.lt.wait_for(lambda: f.engines[0].running == 1, what="the first request running")
+        tb = threading.Thread(target=_post_into, args=(f, b))
+        tb.start()
+        f.lt.wait_for(lambda: len(f.router.table.models["sim"].queue) == 1, what="the second one queued")
+        f.lt.run(f.router.stop(0.3), 15)
+        ta.join(10)
+        tb.join(10)
+        assert b[0][:2] == (503, "close") and "router_draining" in b[0][2], b
+        f.lt.call(f.router.access.flush)
+        logged = [json.loads(x) for x in buf.getvalue().splitlines() if '"/v1/chat/completions"' in x]
+        queued = [x for x in logged if x["status"] == 503]
+        assert len(logged) == 2 and len(queued) == 1 and queued[0]["attempts"] == 0
+    finally:
+        f.close()
+
+
+def test_an_unanswered_request_cut_by_the_shutdown_gets_a_closing_503():
+    f = Fleet(1, capacity=4, token_delay_s=0.05, tokens=20).start()
+    f.lt.call(lambda: setattr(f.engines[0], "hang", True))
+    try:
+        with socket.create_connection(("127.0.0.1", f.port)) as s:
+            s.settimeout(5)
+            body = json.dumps({"model": "sim", "messages": MSG}).encode()
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+            )
+            f.lt.wait_for(lambda: f.engines[0].requests == 1, what="the request at the engine")
+            f.lt.run(f.router.stop(0.3), 15)
+            head = s.recv(65536).split(b"\r\n\r\n")[0]
+            assert head.startswith(b"HTTP/1.1 503 ") and b"Connection: close" in head
+    finally:
+        f.close()
+
+
+def test_a_slow_engine_that_misses_health_checks_keeps_its_requests():
+    """A busy engine that misses a few health checks is not frozen: its stream keeps moving,
+    so its breaker opens (no new work) but the requests it is serving are not cut."""
+    f = Fleet(1, capacity=4, token_delay_s=0.02, tokens=100).start(
+        router={"health_interval_s": 0.1, "breaker": {"health_failure_threshold": 2}}
+    )
+    try:
+        streamed: list = []
+        plain: list = []
+        ts = threading.Thread(target=_post_into, args=(f, streamed), kwargs={"stream": True})
+        tp = threading.Thread(target=_post_into, args=(f, plain))
+        ts.start()
+        tp.start()
+        f.lt.wait_for(lambda: f.engines[0].running == 2, what="both running")
+        f.lt.call(lambda: setattr(f.engines[0], "health_status", 503))
+        f.lt.wait_for(lambda: f.router.table.workers[f.engines[0].url].breaker.state is State.OPEN, what="open")
+        time.sleep(0.5)
+        f.lt.call(lambda: setattr(f.engines[0], "health_status", 200))
+        ts.join(20)
+        tp.join(20)
+        assert streamed[0][0] == 200 and plain[0][0] == 200, (streamed, plain)
+        assert f.lt.call(lambda: f.engines[0].aborted) == 0
+    finally:
+        f.close()

@@ -214,28 +214,34 @@ class Router:
             await asyncio.sleep(0.05)
         if self._inflight_total > 0:
             self._stopping = f"the router shut down ({grace:g} s grace period over)"
+            self.balancer.reject_all(503, "router_draining", self._stopping)  # the queued ones
             for c in list(self.conns):
                 if c.exchange is not None:
                     c.exchange.conn.fail("shutdown", self._stopping)
-                elif c.task is not None and not c.task.done():
-                    c.task.cancel()  # queued or between attempts: logged as cut by the shutdown
-            end = self.clock() + 1.0
-            while self._inflight_total > 0 and self.clock() < end:
+            # Between attempts, a request sees _stopping when it wakes (backoff is short);
+            # whatever is still running after a second is cancelled and answered 503.
+            end = time.monotonic() + 1.0
+            while self._inflight_total > 0 and time.monotonic() < end:
                 await asyncio.sleep(0.01)
+            for c in list(self.conns):
+                if c.task is not None and not c.task.done():
+                    c.task.cancel()
+            await asyncio.sleep(0)  # let the cancelled requests write their answer and log line
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks = []
-        for c in list(self.conns):
-            if c.busy:
-                c.abort()
-            else:
-                c.close()  # what was written to it (an error event, a last chunk) still goes out
+        closing = list(self.conns)
+        for c in closing:
+            c.close()  # what was written to it (an error event, a last chunk, a 503) still goes out
         for w in list(self.table.workers.values()) + list(self.table.retired):
             if w.pool is not None:
                 w.pool.close()
+        end = time.monotonic() + 1.0  # before the loop ends: a slow reader's last bytes
+        while any(c.tr is not None and c.tr.get_write_buffer_size() for c in closing) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
         self.access.flush()
 
     async def _sweeper(self) -> None:
@@ -417,6 +423,9 @@ class Router:
             )
             if self._stopping is not None and not stalled:
                 status, note = 503, self._stopping
+                if ex is None or not ex.sent:  # it has had nothing yet: it gets its answer
+                    conn.keep_alive = False
+                    conn.write(error_response(503, self._stopping, "router_draining", keep_alive=False))
             if ex is not None and ex.done_seen and not stalled:
                 # It had the whole stream: OpenAI's clients hang up on "[DONE]" without
                 # waiting for the terminating chunk. Served, not abandoned.
@@ -502,6 +511,9 @@ class Router:
         endpoint = ""
         try:
             while True:
+                if self._stopping is not None:  # the grace period ran out between attempts
+                    conn.keep_alive = False
+                    return self._fail(conn, 503, self._stopping, "router_draining", model, endpoint, attempts)
                 attempts += 1
                 trace.attempts = attempts
                 if attempts > 1:  # a reload may have replaced the model's endpoints since the last try
@@ -513,8 +525,11 @@ class Router:
                     lease: Lease = self.balancer.try_acquire(entry, tried) or await self.balancer.acquire(entry, tried)
                 except Rejected as r:
                     attempts -= 1  # this one never reached an engine
+                    trace.attempts = attempts
                     extra = b"Retry-After: %d\r\n" % int(r.retry_after + 0.999) if r.retry_after else b""
                     if r.reason != "no_endpoint" or not last_error:
+                        if r.reason == "router_draining":  # queued when the router stopped
+                            conn.keep_alive = False
                         self.metrics.rejection(model, r.reason)
                         return self._fail(conn, r.status, r.message, r.reason, model, endpoint, attempts, extra)
                     msg = f"{last_error} ({r.message})"
@@ -553,8 +568,9 @@ class Router:
                 if code == OK:
                     lease.release(ex.status < 500)  # type: ignore[union-attr]
                     return ex.status, model, endpoint, attempts, ex.first_at - t0, ""  # type: ignore[union-attr]
+                cut_by_stop = ex is not None and ex.error is not None and ex.error.kind == "shutdown"
                 if code == FAIL_AFTER:
-                    lease.release(False)
+                    lease.release(None if cut_by_stop else False)
                     if ex is not None and ex.abort_client:
                         conn.abort()
                     err = ex.error.message if ex and ex.error else "upstream failed"
@@ -572,14 +588,14 @@ class Router:
                         attempts -= 1
                         trace.attempts = attempts
                         continue
-                    lease.release(False)
+                    lease.release(None if cut_by_stop else False)
                     kind = e.kind if e else "reset"
                     last_error = f"{w.view.replica}: {e.message if e else 'upstream failed'}"
                     last_status = 504 if kind == "timeout" else 502
                     reason = kind
                 tried.append(w)
                 if self._stopping is not None:
-                    return self._fail(conn, 503, self._stopping, "router_draining", model, endpoint, attempts)
+                    continue  # answered at the top of the loop
                 if attempts >= rp.max_attempts:
                     return self._fail(conn, last_status, last_error, "upstream_error", model, endpoint, attempts)
                 if not holding_budget:

@@ -198,6 +198,12 @@ class Balancer:
                 while (waiter := q.pop_live()) is not None:
                     waiter.fut.set_exception(Rejected(503, "no_endpoint", rejected.message, rejected.retry_after))
 
+    def reject_all(self, status: int, reason: str, message: str) -> None:
+        """Answer every queued request with ``status`` (the router stops)."""
+        for entry in self.table.models.values():
+            while (waiter := entry.queue.pop_live()) is not None:
+                waiter.fut.set_exception(Rejected(status, reason, message))
+
     def swap(self, table: Table, dropped_queues: Collection[tuple[str, ModelQueue]] = ()) -> None:
         self.table = table
         for name, q in dropped_queues:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable
 
 from cluster_cli.router.breaker import State
@@ -10,7 +11,7 @@ from cluster_cli.router.http import fetch
 from cluster_cli.router.worker import Worker
 
 
-async def check_one(w: Worker, timeout: float) -> bool:
+async def check_one(w: Worker, timeout: float, interval: float = 0.0) -> bool:
     try:
         status, _ = await fetch(w.view.host, w.view.port, w.view.health_path, timeout, max_bytes=65536)
         ok = status == 200
@@ -20,8 +21,10 @@ async def check_one(w: Worker, timeout: float) -> bool:
     w.breaker.on_health(ok)
     if not ok and w.breaker.state is State.OPEN and w.pool is not None:
         # Judged dead (frozen, hung): requests still waiting there for a first byte would wait
-        # out the whole idle timeout; they fail now and are retried on another endpoint.
-        w.pool.fail_unanswered("the engine failed its health checks before answering")
+        # out the whole idle timeout; they fail now and are retried on another endpoint, if
+        # nothing came from the engine on any connection while its checks were failing.
+        silent_for = w.breaker.cfg.health_failure_threshold * interval + timeout
+        w.pool.fail_unanswered("the engine failed its health checks before answering", silent_for, time.monotonic())
     return ok
 
 
@@ -34,6 +37,6 @@ async def health_loop(
         iv = interval()
         ws = [w for w in workers() if not w.removed]
         if ws:
-            await asyncio.gather(*(check_one(w, max(0.5, min(iv, 5.0))) for w in ws), return_exceptions=True)
+            await asyncio.gather(*(check_one(w, max(0.5, min(iv, 5.0)), iv) for w in ws), return_exceptions=True)
             after()
         await asyncio.sleep(iv)

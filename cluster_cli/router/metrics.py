@@ -5,7 +5,8 @@ latency histograms (plain counters in memory, exposed through a collector: no lo
 label lookups on the request path); retries; admission rejections. Live state (in-flight, breaker
 state, draining, drain rate, scrape age, learned capacity, queue length, retry budget
 overflows) is read when ``/metrics`` is scraped, so it costs nothing per request.
-Label values are config names only (model, replica); unknown models count as "".
+Label values come from the config only (model, replica name as ``endpoint``, its URL as
+``url``); unknown models count as "".
 """
 
 from __future__ import annotations

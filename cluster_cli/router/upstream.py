@@ -345,12 +345,18 @@ class UpstreamPool:
             if conn.tr is not None:
                 conn.tr.close()
 
-    def fail_unanswered(self, message: str) -> int:
-        """Fail the exchanges that have had no byte back yet (they may be retried elsewhere)."""
-        silent = [c for c in self.active if not c.got_bytes and c.sink is not None]
-        for c in silent:
+    def fail_unanswered(self, message: str, silent_for: float, now: float) -> int:
+        """The engine is judged dead: fail the exchanges that relayed nothing to their client
+        yet (they may be retried elsewhere), but only if every exchange here has been silent
+        for ``silent_for`` seconds. A stream still moving means the engine is alive, only slow
+        to answer its health checks: then nothing is cut."""
+        active = [c for c in self.active if c.sink is not None]
+        if not active or any(now - c.last_io < silent_for for c in active):
+            return 0
+        victims = [c for c in active if not getattr(c.sink, "sent", True)]
+        for c in victims:
             c.fail("timeout", message)
-        return len(silent)
+        return len(victims)
 
     def forget(self, conn: UpstreamConn) -> None:
         self.active.discard(conn)
