@@ -209,6 +209,12 @@ ONE = "models: {m: {endpoints: [{url: 'http://h:1'}]}}\n"
             "models.m: endpoint http://localhost:9101 is listed twice (endpoints 0 and 1)",
         ),
         ("models: {m: {endpoints: [{url: 'HTTP://h:1'}, {url: 'http://H:1'}]}}", "endpoint http://h:1 is listed twice"),
+        # :80 is http's own port
+        ("models: {m: {endpoints: [{url: 'http://h'}, {url: 'http://h:80/'}]}}", "endpoint http://h is listed twice"),
+        (
+            "models: {m: {endpoints: [{url: 'http://[fd00::1]:80'}, {url: 'http://[FD00::1]'}]}}",
+            "endpoint http://[fd00::1] is listed twice",
+        ),
     ],
 )
 def test_inconsistent_or_mistyped_configs_are_refused(tmp_path, text, expect):
@@ -237,8 +243,9 @@ def test_what_stays_accepted(tmp_path):
         )
     )
     views = endpoint_views(cfg)
-    assert sorted(views) == ["http://Me@h:3", "http://gpu-1:80", "http://h:2"]
-    big = views["http://gpu-1:80"]
+    assert sorted(views) == ["http://Me@h:3", "http://gpu-1", "http://h:2"]  # :80 is http's own port
+    big = views["http://gpu-1"]
+    assert big.port == 80
     assert (big.replica, big.draining, big.max_inflight, big.models, big.host) == (
         "big-0",
         True,

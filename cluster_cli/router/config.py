@@ -80,8 +80,11 @@ class EndpointSpec(_Strict):
             raise ValueError(f"{v!r}: give the server's base URL without a path")
         # One spelling per server, so that duplicates are found and a URL listed under several
         # models is one upstream: scheme and host are case-insensitive (the user part, if any, is
-        # not), and a trailing "/" goes. Names are not resolved: "localhost" is not 127.0.0.1.
+        # not), a trailing "/" and an explicit :80 go. Names are not resolved: "localhost" is not
+        # 127.0.0.1.
         user, at, hostport = parts.netloc.rpartition("@")
+        if parts.port == 80:  # http's own port: "http://h:80" is "http://h"
+            hostport = hostport.rpartition(":")[0]
         return f"http://{user}{at}{hostport.lower()}"
 
 
