@@ -423,3 +423,28 @@ def test_verbose_tells_each_node_s_steps_on_stderr_and_keeps_stdout_clean(testbe
     assert "connection refused" in line("dead: unreachable after "), lines
     plain = runner.invoke(app, args[:-1])
     assert not any(x.startswith(("g: connected", "g: ran", "g: ok")) for x in plain.stderr.splitlines())
+
+
+def test_a_gpu_node_whose_nvidia_smi_vanished_is_flagged_not_made_cpu_only(testbed_factory, tmp_path: Path) -> None:
+    """nvidia-smi not found reads as a CPU-only node; on a node that had GPUs at the last
+    discover it is a problem (a driver removed, a PATH changed), said in the table and JSON."""
+    import shutil
+
+    c = testbed_factory("g=hgx-h200x8:fabric=ib-a,c=cpu-only")
+    state = tmp_path / "s.db"
+    code, doc, _ = discover(state, c.inventory_path)
+    assert code == 0 and len(by_name(doc)["g"]["gpus"]) == 8
+    tool = c.dir / "nodes" / "g" / "bin" / "nvidia-smi"
+    shutil.copy(tool, tmp_path / "nvidia-smi")
+    shutil.copy(c.dir / "nodes" / "c" / "bin" / "nvidia-smi", tool)  # the CPU node's: command not found
+    code, doc, err = discover(state, c.inventory_path)
+    g, cpu = by_name(doc)["g"], by_name(doc)["c"]
+    assert g["gpus"] == [] and cpu["gpus"] == [] and cpu["problems"] == []
+    (gone,) = [p for p in g["problems"] if p.startswith("gpus-gone:")]
+    assert "the last discover" in gone and gone.endswith("saw 8 H200"), gone
+    assert f"g: {gone}" in " ".join(err.split())
+    code, doc, _ = discover(state, c.inventory_path)  # and on every discover after, until they are back
+    assert gone in by_name(doc)["g"]["problems"]
+    shutil.copy(tmp_path / "nvidia-smi", tool)  # the driver is back
+    code, doc, _ = discover(state, c.inventory_path)
+    assert code == 0 and len(by_name(doc)["g"]["gpus"]) == 8 and by_name(doc)["g"]["problems"] == []

@@ -714,3 +714,9 @@ def test_unreadable_gpu_rows_counts_cut_and_repeated_rows() -> None:
 def test_unreadable_helpers_never_raise(text: str) -> None:
     assert unreadable_gpu_rows(text) >= 0
     assert all(isinstance(u, str) for u in unreadable_app_gpus(text))
+
+
+def test_a_hung_nvidia_smi_is_said_to_have_been_killed_not_to_have_exited() -> None:
+    failure = classify_failure(124, "probe timed out\n")  # the batch watchdog's rc and note
+    assert failure is not None and failure.kind == "failed"
+    assert failure.message == "nvidia-smi did not answer within the probe timeout and was killed"

@@ -405,3 +405,19 @@ def test_placeholder_gpu_uuids_do_not_make_two_nodes_one_machine() -> None:
     for uuid in ("[N/A]", "unknown", "N/A"):  # hand-written facts
         a, b = placeholders(dgx("a"), uuid), placeholders(dgx("b"), uuid)
         assert [f.problems for f in mark_duplicate_gpus([a, b])] == [a.problems, b.problems]
+
+
+def test_a_node_whose_ports_are_all_in_fabric_conflict_is_explained_as_such() -> None:
+    node = dgx("f3", cpus=64)
+    off = tuple(replace(h, fabric=None) for h in node.hcas)  # taken off their declared fabric
+    problems = tuple(
+        f"fabric-conflict: {h.ca} port 1 sees SM 0x2 but fabric ib-b is declared and most of it sees SM 0x1"
+        for h in node.hcas
+    )
+    node = replace(node, hcas=off, problems=problems)
+    p = plan([node], catalog(("m", 1, [profile("2x8", gpu_class="H100", gpus=8, nodes=2)])))
+    (u,) = p.unplaced
+    (why,) = [r for r in u.reasons if r.node == "f3"]
+    assert why.constraint == "fabric"
+    assert why.detail.startswith("8 Active InfiniBand ports in fabric conflict, so on no fabric: mlx5_0 port 1 sees")
+    assert why.detail.endswith("(and 7 more); profile spans nodes") and "no Active InfiniBand port" not in why.detail

@@ -57,7 +57,7 @@ def discover(
     from cluster_cli.probe.collect import discover as run_discover
     from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts, fabric_warnings
     from cluster_cli.probe.runner import AsyncsshConnector
-    from cluster_cli.state.view import for_inventory
+    from cluster_cli.state.view import for_inventory, note_changes
 
     state: App = ctx.obj
     inv = inventory_or_abort(inventory, check_files=True, state_path=state.state_path)
@@ -99,6 +99,8 @@ def discover(
         raise typer.Exit(INTERRUPTED) from None
 
     try:
+        before = {f.name: f for f in store.nodes([f.name for f in facts])}
+        facts = [note_changes(f, before.get(f.name)) for f in facts]
         store.save_discovery(facts, inventory=inventory.resolve())
         # Every node of the inventory, as it declares them now (fabrics, classes, labels): the
         # fabric cross-check also covers nodes probed by an earlier run (``--node``).

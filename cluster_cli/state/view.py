@@ -7,13 +7,15 @@ facts back from the state (discover's fabric cross-check, place) look through th
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from dataclasses import replace
 
 from cluster_cli.config.inventory import Inventory
-from cluster_cli.facts import Gpu, NodeFacts
+from cluster_cli.facts import Gpu, NodeFacts, problem_key
 from cluster_cli.placement.constraints.duplicate import mark_duplicate_gpus
 
-__all__ = ["for_inventory"]
+__all__ = ["for_inventory", "note_changes", "note_lost_ports", "note_vanished_gpus"]
 
 
 def for_inventory(inv: Inventory, facts: list[NodeFacts], *, from_state: bool = False) -> list[NodeFacts]:
@@ -56,3 +58,64 @@ def for_inventory(inv: Inventory, facts: list[NodeFacts], *, from_state: bool = 
 
 def _reclass(g: Gpu, inv: Inventory) -> Gpu:
     return replace(g, gpu_class=inv.gpu_class(g.product))
+
+
+VANISHED = "gpus-gone"
+
+
+def note_vanished_gpus(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
+    """``new``, with a ``gpus-gone`` problem when it answered with no GPU and no GPU problem
+    (nvidia-smi not found, or listing nothing) although the last discover (``old``) saw GPUs
+    on it: a driver removed or a PATH changed must not turn a GPU node into a CPU-only one
+    without a word. The problem stays, run after run, until GPUs show again. Pure."""
+    if old is None or not new.reachable or new.gpus:
+        return new
+    if any(problem_key(p) in ("gpu", "nvidia-smi", VANISHED) for p in new.problems):
+        return new  # nvidia-smi failing already says why
+    carried = next((p for p in old.problems if problem_key(p) == VANISHED), None)
+    if carried is not None:  # still gone: said again on every discover until they come back
+        return replace(new, problems=(*new.problems, carried))
+    if not old.gpus:
+        return new
+    seen = Counter(g.gpu_class for g in old.gpus if not g.lost)
+    had = ", ".join(f"{n} {cls}" for cls, n in sorted(seen.items())) or f"{len(old.gpus)} GPUs"
+    when = f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(old.probed_at))})" if old.probed_at is not None else ""
+    problem = (
+        f"{VANISHED}: nvidia-smi shows no GPU here (not installed, or not on PATH, or no driver), "
+        f"but the last discover{when} saw {had}"
+    )
+    return replace(new, problems=(*new.problems, problem))
+
+
+PORT_DOWN = "ib-port-down"
+
+
+def note_lost_ports(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
+    """``new``, with an ``ib-port-down`` problem for each InfiniBand port that was Active at
+    the last discover and is not now (a cable, a switch port, a rail gone: placement quietly
+    uses one HCA fewer). Said on every discover until the port is Active again. Ports that
+    were never Active (unused ports of a dual-port card) are not a problem. Pure."""
+    if old is None or not new.reachable:
+        return new
+    now = {(h.ca, h.port): h for h in new.hcas}
+    carried = [p for p in old.problems if problem_key(p) == PORT_DOWN]
+    problems: list[str] = []
+    for h in old.hcas:
+        cur = now.get((h.ca, h.port))
+        if cur is not None and cur.is_ib_attachment:
+            continue
+        was = next((p for p in carried if p.startswith(f"{PORT_DOWN}: {h.ca} port {h.port} ")), None)
+        if was is not None:
+            problems.append(was)
+        elif h.is_ib_attachment:
+            state = "missing from ibstat" if cur is None else f"{cur.state} ({cur.physical_state or 'unknown'})"
+            fabric = f" on {h.fabric}" if h.fabric else ""
+            problems.append(f"{PORT_DOWN}: {h.ca} port {h.port} was Active{fabric} at the last discover, now {state}")
+    if not problems:
+        return new
+    return replace(new, problems=(*new.problems, *problems))
+
+
+def note_changes(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
+    """What went missing since the last discover (GPUs, InfiniBand ports), as problems."""
+    return note_lost_ports(note_vanished_gpus(new, old), old)

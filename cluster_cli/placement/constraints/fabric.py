@@ -21,13 +21,18 @@ class Fabric:
             if not ports:
                 detail = "no InfiniBand port, profile spans nodes"
             else:
+                conflicts = [p for p in node.facts.problems if p.startswith("fabric-conflict:")]
+                if conflicts:  # Active ports, taken off a fabric their subnet contradicts
+                    n = len(conflicts)
+                    detail = (
+                        f"{n} Active InfiniBand port{'s' if n > 1 else ''} in fabric conflict, so on no fabric: "
+                        + conflicts[0].removeprefix("fabric-conflict: ")
+                        + (f" (and {n - 1} more)" if n > 1 else "")
+                        + "; profile spans nodes"
+                    )
+                    return Verdict.reject(self.name, "fabric conflict", detail)
                 states = ", ".join(sorted({f"{h.ca} {h.state or '?'} {h.link_layer or '?'}" for h in ports}))
                 detail = f"no Active InfiniBand port with a fabric ({states}), profile spans nodes"
-                conflicts = [p for p in node.facts.problems if p.startswith("fabric-conflict:")]
-                if conflicts:
-                    detail += "; " + conflicts[0].removeprefix("fabric-conflict: ")
-                    if len(conflicts) > 1:
-                        detail += f" (and {len(conflicts) - 1} more port{'s' if len(conflicts) > 2 else ''})"
             return Verdict.reject(self.name, "no active ib port", detail)
         if req.fabric is not None and req.fabric not in node.attachments:
             return Verdict.reject(

@@ -289,6 +289,8 @@ def classify_failure(rc: int | None, output: str) -> SmiFailure | None:
         if kind == "failed":
             if rc is None:
                 msg = f"nvidia-smi failed: {joined}" if joined else "nvidia-smi gave no exit status and no output"
+            elif rc == 124:  # the batch's watchdog (or timeout(1)) killed it: it never answered
+                msg = "nvidia-smi did not answer within the probe timeout and was killed"
             else:
                 msg = f"nvidia-smi exited with rc {rc}: {joined}" if joined else f"nvidia-smi exited with rc {rc}"
         else:

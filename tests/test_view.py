@@ -1,0 +1,50 @@
+"""state.view's pure helpers: what a new discover's facts say next to the last ones."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from test_placement_clusters import cpu_node, dgx
+
+from cluster_cli.state.view import note_lost_ports, note_vanished_gpus
+
+
+def test_gpus_that_vanished_without_an_nvidia_smi_error_are_a_problem() -> None:
+    before = replace(dgx("g", cls="H200"), probed_at=0.0)
+    now = replace(cpu_node("g"), probed_at=60.0)  # nvidia-smi not found: reads as a CPU node
+    (problem,) = note_vanished_gpus(now, before).problems
+    assert problem == (
+        "gpus-gone: nvidia-smi shows no GPU here (not installed, or not on PATH, or no driver), "
+        "but the last discover (1970-01-01 00:00 UTC) saw 8 H200"
+    )
+    again = note_vanished_gpus(replace(now, problems=()), note_vanished_gpus(now, before))
+    assert again.problems == (problem,)  # said on every discover until they come back
+    assert note_vanished_gpus(before, again).problems == ()  # back
+
+
+def test_no_gpus_is_no_problem_where_nothing_says_they_vanished() -> None:
+    gpu, cpu = dgx("g"), cpu_node("g")
+    assert note_vanished_gpus(cpu, None) is cpu  # first discover
+    assert note_vanished_gpus(cpu, cpu_node("g")) is cpu  # always a CPU node
+    assert note_vanished_gpus(gpu, gpu) is gpu  # GPUs still there
+    down = replace(cpu, reachable=False)
+    assert note_vanished_gpus(down, gpu) is down  # not seen now: its last facts stand
+    failing = replace(cpu, problems=("nvidia-smi: NVIDIA-SMI has failed (rc 9)",))
+    assert note_vanished_gpus(failing, gpu) is failing  # the failure already says why
+
+
+def test_an_ib_port_that_was_active_and_is_not_now_is_a_problem_until_it_is_back() -> None:
+    before = dgx("g")  # 8 Active ports on ib-a
+    down = replace(before.hcas[2], state="Down", physical_state="Disabled")
+    now = replace(before, hcas=(*before.hcas[:2], down, *before.hcas[3:]))
+    (problem,) = note_lost_ports(now, before).problems
+    assert problem == "ib-port-down: mlx5_2 port 1 was Active on ib-a at the last discover, now Down (Disabled)"
+    later = note_lost_ports(now, note_lost_ports(now, before))  # the next discover: still down
+    assert later.problems == (problem,)
+    assert note_lost_ports(before, later).problems == ()  # Active again
+    gone = replace(before, hcas=before.hcas[1:])  # the card vanished from ibstat
+    assert note_lost_ports(gone, before).problems == (
+        "ib-port-down: mlx5_0 port 1 was Active on ib-a at the last discover, now missing from ibstat",
+    )
+    spare = replace(before, hcas=(*before.hcas, replace(before.hcas[0], ca="mlx5_9", state="Down")))
+    assert note_lost_ports(spare, spare).problems == ()  # never Active: an unused port, no problem
