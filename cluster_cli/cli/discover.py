@@ -239,10 +239,9 @@ class _TracedSession:
         self._trace = trace
 
     async def run(self, command: str, *, timeout: float) -> CommandResult:
-        from cluster_cli.probe.runner import CommandResult
+        from cluster_cli.probe.runner import decoded
 
-        rc, out, err = await self.run_raw(command, timeout=timeout)
-        return CommandResult(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+        return decoded(*await self.run_raw(command, timeout=timeout))
 
     async def run_raw(
         self, command: str, *, timeout: float, input: bytes | None = None

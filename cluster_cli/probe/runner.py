@@ -67,6 +67,11 @@ class _OutputCut(Exception):
         self.stream = stream
 
 
+def decoded(rc: int | None, out: bytes, err: bytes) -> CommandResult:
+    """``run``'s result from ``run_raw``'s: the output as UTF-8, bad bytes replaced."""
+    return CommandResult(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
+
 class AsyncsshSession:
     def __init__(self, conn: asyncssh.SSHClientConnection, name: str) -> None:
         self._conn = conn
@@ -74,8 +79,7 @@ class AsyncsshSession:
         self.max_output = MAX_OUTPUT_BYTES
 
     async def run(self, command: str, *, timeout: float) -> CommandResult:
-        rc, out, err = await self.run_raw(command, timeout=timeout)
-        return CommandResult(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+        return decoded(*await self.run_raw(command, timeout=timeout))
 
     async def run_raw(
         self, command: str, *, timeout: float, input: bytes | None = None
