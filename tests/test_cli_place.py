@@ -413,3 +413,16 @@ def test_a_gpu_classes_alias_that_matches_nothing_is_flagged_once(tmp_path: Path
         f"(products seen: {product!r})"
     )
     json.loads(r.stdout)
+
+
+def test_planning_with_another_inventory_than_discover_used_is_warned_of(tmp_path: Path) -> None:
+    inv, cat, _ = write_inputs(tmp_path, [dgx("gpu-01"), dgx("gpu-02")])
+    with Store(tmp_path / "state.db") as s:
+        s.save_discovery([dgx("gpu-01"), dgx("gpu-02")], inventory=inv.resolve())
+    other = tmp_path / "other.yaml"
+    other.write_text(inv.read_text())
+    r = place(tmp_path, "--dry-run", "-c", str(cat), "-i", str(inv), "-o", "json")
+    assert "last discover used" not in r.stderr  # the same one: nothing to say
+    r = place(tmp_path, "--dry-run", "-c", str(cat), "-i", str(other), "-o", "json")
+    assert r.exit_code in (0, 3) and json.loads(r.stdout)["replicas"]
+    assert f"{other}: the state's last discover used {inv.resolve()}" in " ".join(r.stderr.split())

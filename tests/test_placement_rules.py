@@ -421,3 +421,16 @@ def test_a_node_whose_ports_are_all_in_fabric_conflict_is_explained_as_such() ->
     assert why.constraint == "fabric"
     assert why.detail.startswith("8 Active InfiniBand ports in fabric conflict, so on no fabric: mlx5_0 port 1 sees")
     assert why.detail.endswith("(and 7 more); profile spans nodes") and "no Active InfiniBand port" not in why.detail
+
+
+def test_a_tp_group_placed_without_known_topology_says_so() -> None:
+    unknown = replace(dgx("a", cls="A100", cpus=64), nvlink_domains=None)  # e.g. a GPU was lost
+    known = dgx("b", cls="A100", cpus=64)
+    p = plan([unknown], catalog(("m", 1, [profile("tp2", gpu_class="A100", gpus=2)])))
+    (start,) = p.starts
+    assert start.note == "NVLink topology of a unknown: GPUs 0,1 chosen by index"
+    assert start.to_dict()["note"] == start.note
+    p = plan([known], catalog(("m", 1, [profile("tp2", gpu_class="A100", gpus=2)])))
+    assert p.starts[0].note == ""  # known topology: nothing to say
+    p = plan([unknown], catalog(("m", 1, [profile("one", gpu_class="A100", gpus=1)])))
+    assert p.starts[0].note == ""  # one GPU: no group to keep together

@@ -48,3 +48,19 @@ def test_an_ib_port_that_was_active_and_is_not_now_is_a_problem_until_it_is_back
     )
     spare = replace(before, hcas=(*before.hcas, replace(before.hcas[0], ca="mlx5_9", state="Down")))
     assert note_lost_ports(spare, spare).problems == ()  # never Active: an unused port, no problem
+
+
+def test_the_discover_table_tells_lost_unknown_and_gone_gpus_apart() -> None:
+    from cluster_cli.cli.discover import gpu_summary
+    from cluster_cli.facts import Gpu
+
+    a100 = dgx("a", cls="A100")
+    lost = Gpu(index=3, uuid="", product="unknown", gpu_class="unknown", lost=True)
+    four = replace(a100, gpus=(*a100.gpus[:3], lost))
+    assert gpu_summary(four) == "3/4 A100 (1 lost)"
+    assert gpu_summary(a100) == "8/8 A100"
+    failing = replace(cpu_node("c"), problems=("nvidia-smi: NVIDIA-SMI has failed (rc 9)",))
+    assert gpu_summary(failing) == "unknown"  # not a CPU node's "-"
+    assert gpu_summary(cpu_node("c")) == "-"
+    gone = replace(cpu_node("c"), problems=("gpus-gone: nvidia-smi shows no GPU here ...",))
+    assert gpu_summary(gone) == "none (gone)"

@@ -17,7 +17,7 @@ from cluster_cli.cli import ui
 from cluster_cli.cli.common import INVENTORY_ENV, INVENTORY_HELP, inventory_or_abort, open_store, pinned_hosts_path
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError, ExitCode, SSHError
-from cluster_cli.facts import NodeFacts
+from cluster_cli.facts import NodeFacts, problem_key
 
 if TYPE_CHECKING:  # asyncssh and asyncio load only when discover runs
     from cluster_cli.config.inventory import SSHTarget
@@ -131,11 +131,21 @@ def discover(
 
 
 def gpu_summary(f: NodeFacts) -> str:
+    """``8/8 H200``; ``3/4 A100 (1 lost)``; ``unknown`` when nvidia-smi failed (not a CPU node's ``-``)."""
     if not f.gpus:
-        return "-"
-    total = Counter(g.gpu_class for g in f.gpus)
-    free = Counter(g.gpu_class for g in f.gpus if g.free and f.reachable)  # away: nothing is free
-    return ", ".join(f"{free[c]}/{n} {c}" for c, n in sorted(total.items()))
+        keys = {problem_key(p) for p in f.problems}
+        if "nvidia-smi" in keys:
+            return "unknown"
+        return "none (gone)" if "gpus-gone" in keys else "-"
+    live = [g for g in f.gpus if not g.lost]
+    lost = len(f.gpus) - len(live)
+    total = Counter(g.gpu_class for g in live)
+    free = Counter(g.gpu_class for g in live if g.free and f.reachable)  # away: nothing is free
+    if lost and len(total) == 1:  # a lost GPU has no product name: it is one of the node's class
+        ((c, n),) = total.items()
+        return f"{free[c]}/{n + lost} {c} ({lost} lost)"
+    parts = [f"{free[c]}/{n} {c}" for c, n in sorted(total.items())]
+    return ", ".join([*parts, f"{lost} lost"] if lost else parts)
 
 
 def _ranges(ids: tuple[int, ...]) -> str:

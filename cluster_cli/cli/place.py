@@ -71,6 +71,8 @@ def place(
         nodes, current, version, source = _inputs(inv, state.state_path, facts)
     except ClusterctlError as e:
         ui.fail(e)
+    if facts is None:
+        _warn_other_inventory(inventory, state.state_path)
     _warn_unknown_classes(catalog, cat, inv, nodes)
     _warn_unmatched_aliases(inventory, inv, nodes)
     from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_warnings
@@ -94,6 +96,20 @@ def place(
 
 
 # --------------------------------------------------------------------------- inputs
+
+
+def _warn_other_inventory(inventory: Path, state_path: Path) -> None:
+    """The state's facts come from the inventory its last discover used; planning with
+    another one is legitimate (a subset, a copy) but usually a slip: say so once."""
+    if not state_path.exists():
+        return
+    try:
+        with Store(state_path, readonly=True) as store:
+            recorded = store.inventory()
+    except ClusterctlError:
+        return  # _inputs reports an unusable state
+    if recorded is not None and recorded != inventory.resolve():
+        ui.warn(f"{inventory}: the state's last discover used {recorded}; nodes only in this one have no facts")
 
 
 def _warn_unknown_classes(path: Path, cat: Any, inv: Inventory, nodes: list[NodeFacts]) -> None:

@@ -523,6 +523,7 @@ class _Planner:
             i = self._keep_in_one_domain(b, cls, req.gpus, i)
         node = self.states[i]
         gpus, in_dom = self._take(node, cls, req.gpus, f"{model.name}/{r}")
+        self._note_topology(model.name, r, req, node, gpus, in_dom)
         total = node.class_total[cls]
         m.scores[node.name] = scoring.normalise(
             {"binpack": scoring.binpack(len(node.free[cls]), total), "nvlink": scoring.nvlink(in_dom)}
@@ -532,6 +533,17 @@ class _Planner:
         return Replica(
             model.name, r, p.name, p.engine, (Shard(node.name, gpus, hcas),), None, cls, p.cpus, p.memory_mib
         )
+
+    def _note_topology(
+        self, model: str, r: int, req: Request, node: NodeState, gpus: tuple[int, ...], in_dom: bool | None
+    ) -> None:
+        """A tensor-parallel group placed where the NVLink topology is unknown was chosen by
+        index alone: the plan says so (it may span sockets), rather than look NVLink-aware."""
+        if req.gpus > 1 and in_dom is None:
+            chosen = ",".join(map(str, gpus))
+            note = f"NVLink topology of {node.name} unknown: GPUs {chosen} chosen by index"
+            key = (model, r)
+            self.notes[key] = f"{self.notes[key]}; {note}" if key in self.notes else note
 
     def _keep_in_one_domain(self, b: _Buckets, cls: str, k: int, best: int) -> int:
         """The best-fit node, unless it would split the TP group across NVLink domains while
@@ -565,6 +577,7 @@ class _Planner:
             node = self.states[i]
             before = len(node.free[cls])
             gpus, in_dom = self._take(node, cls, req.gpus, f"{model.name}/{r}")
+            self._note_topology(model.name, r, req, node, gpus, in_dom)
             m.scores[node.name] = scoring.normalise(
                 {"emptiest": scoring.emptiness(before, node.class_total[cls]), "nvlink": scoring.nvlink(in_dom)}
             )
@@ -636,6 +649,7 @@ class _Planner:
     def run(self, current: Sequence[Replica], *, trace: bool = False) -> Plan:
         self.tracing = trace
         self.trace: list[Considered] = []
+        self.notes: dict[tuple[str, int], str] = {}  # (model, replica) -> a note on its start
         self.tried: dict[tuple[str, int], list[tuple[Profile, Request, PlacementMetrics | None]]] = {}
         self.dead_profiles: dict[tuple[Any, ...], Request] = {}
         self.apply_current(current)
@@ -668,7 +682,7 @@ class _Planner:
                 out.append(Attempt(p.name, p.describe(), ok, metrics))
             return tuple(out)
 
-        started = [Placement(rep, "start", "", attempts(rep.key, True)) for rep in starts]
+        started = [Placement(rep, "start", self.notes.get(rep.key, ""), attempts(rep.key, True)) for rep in starts]
         unplaced: list[Unplaced] = []
         for model, r, profiles in failed:
             reasons: list[Reason] = []
