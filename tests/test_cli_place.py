@@ -348,7 +348,8 @@ def test_a_fabric_whose_ports_see_two_sms_hosts_no_multi_node_replica(tmp_path: 
     (placed,) = doc["replicas"]
     assert {s["node"] for s in placed["shards"]} == {"gpu-01", "gpu-02"}  # the two that agree
     reasons = {x["node"]: x["detail"] for x in doc["unplaced"][0]["reasons"]}
-    assert "mlx5_0 port 1 sees SM 0x00000000000000b2 but fabric ib-a is declared" in reasons["gpu-03"]
+    assert reasons["gpu-03"].startswith("8 Active InfiniBand ports in fabric conflict, so on no fabric: 8 ports (")
+    assert "each sees SM 0x00000000000000b2 but fabric ib-a is declared" in reasons["gpu-03"]
 
 
 def test_one_machine_under_two_names_in_the_facts_is_placed_once_and_explained(tmp_path: Path) -> None:

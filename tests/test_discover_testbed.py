@@ -136,7 +136,8 @@ def test_subnet_prefixes_are_read_and_checked_against_the_declared_ones(testbed_
     # q's ports are on another subnet than ib-a declares: reported, and q is off ib-a
     assert any("q mlx5_0 has subnet prefix fe80:0000:0000:0000" in x for x in doc["fabric_conflicts"])
     assert all(h["fabric"] is None for h in active["q"]) and all(h["fabric"] == "ib-a" for h in active["p"])
-    assert any(x.startswith("fabric-conflict: mlx5_0 port 1 has subnet prefix") for x in n["q"]["problems"])
+    (conflict,) = [x for x in n["q"]["problems"] if x.startswith("fabric-conflict:")]  # one line, not one per port
+    assert conflict.startswith("fabric-conflict: 8 ports (mlx5_0/1, ") and " each has subnet prefix fe80" in conflict
 
 
 def test_faulty_gpus_are_not_free(testbed_factory, tmp_path: Path) -> None:

@@ -336,5 +336,22 @@ def distrust_conflicting_ports(
             out.append(node)
             continue
         hcas = tuple(replace(h, fabric=None) if why else h for h, why in mine)
-        out.append(replace(node, hcas=hcas, problems=node.problems + tuple(why for _, why in mine if why)))
+        out.append(replace(node, hcas=hcas, problems=node.problems + _per_reason(mine)))
     return out
+
+
+def _per_reason(mine: list[tuple[HcaPort, str | None]]) -> tuple[str, ...]:
+    """A node's port conflicts, one line per reason: a node declared on the wrong fabric has
+    all its ports contradict it the same way, and says so once, not once per port."""
+    groups: dict[str, list[HcaPort]] = {}
+    for h, why in mine:
+        if why:
+            groups.setdefault(why.removeprefix(f"fabric-conflict: {h.ca} port {h.port} "), []).append(h)
+    lines = []
+    for reason, ports in groups.items():
+        if len(ports) == 1:
+            lines.append(f"fabric-conflict: {ports[0].ca} port {ports[0].port} {reason}")
+        else:
+            names = ", ".join(f"{h.ca}/{h.port}" for h in ports)
+            lines.append(f"fabric-conflict: {len(ports)} ports ({names}) each {reason}")
+    return tuple(lines)

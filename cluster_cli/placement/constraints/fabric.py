@@ -21,13 +21,13 @@ class Fabric:
             if not ports:
                 detail = "no InfiniBand port, profile spans nodes"
             else:
-                conflicts = [p for p in node.facts.problems if p.startswith("fabric-conflict:")]
+                conflicts = [p.removeprefix("fabric-conflict: ") for p in node.facts.problems
+                             if p.startswith("fabric-conflict:")]  # fmt: skip
                 if conflicts:  # Active ports, taken off a fabric their subnet contradicts
-                    n = len(conflicts)
+                    n = sum(1 for h in ports if h.state == "Active" and h.link_layer == "InfiniBand")
                     detail = (
-                        f"{n} Active InfiniBand port{'s' if n > 1 else ''} in fabric conflict, so on no fabric: "
-                        + conflicts[0].removeprefix("fabric-conflict: ")
-                        + (f" (and {n - 1} more)" if n > 1 else "")
+                        f"{n} Active InfiniBand port{'s' if n != 1 else ''} in fabric conflict, so on no fabric: "
+                        + "; ".join(conflicts)
                         + "; profile spans nodes"
                     )
                     return Verdict.reject(self.name, "fabric conflict", detail)
