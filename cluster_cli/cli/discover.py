@@ -110,16 +110,17 @@ def discover(
     finally:
         store.close()
     prefixes = inv.declared_prefixes()
-    conflicts = fabric_conflicts([f for f in fleet if f.reachable], prefixes)
+    reachable = [f for f in fleet if f.reachable]
     # A port whose subnet contradicts its declared fabric is shown off it, with the problem on its node.
     shown = {f.name: f for f in distrust_conflicting_ports(fleet, prefixes)}
     result = [shown[n.name] for n in nodes]
 
     if output is ui.Output.table:
         render(result)
-        for c in fabric_warnings([f for f in fleet if f.reachable], prefixes):  # one line per fabric
+        for c in fabric_warnings(reachable, prefixes):  # one line per fabric
             ui.warn(c)
     else:
+        conflicts = fabric_conflicts(reachable, prefixes)  # every one, for scripts
         ui.emit_data({"nodes": [f.to_dict() for f in result], "fabric_conflicts": conflicts}, output)
         for f in result:  # stdout is for scripts; a person running it still sees what went wrong
             for problem in f.problems:

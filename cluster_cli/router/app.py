@@ -455,6 +455,8 @@ class Router:
                 )
 
     def _reply_error(self, conn: ClientConn, status: int, message: str, code: str, extra: bytes = b"") -> int:
+        if code == "router_draining":  # the router stops: this connection will not be served again
+            conn.keep_alive = False
         conn.write(error_response(status, message, code, keep_alive=conn.keep_alive, extra=extra))
         return status
 
@@ -477,7 +479,6 @@ class Router:
         if not self._authorized(conn, req):
             return 401, "", "", 0, None, ""
         if self._draining:
-            conn.keep_alive = False  # this connection will not be served again: say so
             return self._fail(conn, 503, "the router is shutting down", "router_draining")
         try:
             obj = json.loads(req.body)
@@ -512,7 +513,6 @@ class Router:
         try:
             while True:
                 if self._stopping is not None:  # the grace period ran out between attempts
-                    conn.keep_alive = False
                     return self._fail(conn, 503, self._stopping, "router_draining", model, endpoint, attempts)
                 attempts += 1
                 trace.attempts = attempts
@@ -528,8 +528,6 @@ class Router:
                     trace.attempts = attempts
                     extra = b"Retry-After: %d\r\n" % int(r.retry_after + 0.999) if r.retry_after else b""
                     if r.reason != "no_endpoint" or not last_error:
-                        if r.reason == "router_draining":  # queued when the router stopped
-                            conn.keep_alive = False
                         self.metrics.rejection(model, r.reason)
                         return self._fail(conn, r.status, r.message, r.reason, model, endpoint, attempts, extra)
                     msg = f"{last_error} ({r.message})"

@@ -67,7 +67,7 @@ _TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKL
 # that is a token (so no obs-fold continuation line, no "Name :"), and a value of visible
 # ASCII, spaces, tabs and obs-text only. A bare CR or LF (which some upstream parsers take as
 # a line end: request smuggling, response splitting), NUL or another control fails it.
-_HEADER_BLOCK = re.compile(rb"(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*)*")
+_HEADER_BLOCK = re.compile(rb"(?:\r\n[" + re.escape(_TOKEN_CHARS) + rb"]+:[\t\x20-\x7e\x80-\xff]*)*")
 # A request target is visible ASCII only (RFC 9112 3.2): no spaces, no controls, no 8-bit bytes.
 _TARGET = re.compile(rb"[\x21-\x7e]+")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
