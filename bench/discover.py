@@ -35,6 +35,7 @@ command grouped by where the time is spent.
     python bench/discover.py                                  # 8, 32, 64 nodes, 5 runs each
     python bench/discover.py --sizes 8,32,64 --repeat 5 --mixed 32 --shell 2
     python bench/discover.py --sizes 8 --repeat 3 --no-profile --jump 64
+    python bench/discover.py --sizes 64 --repeat 3 --no-profile --openssh   # with the floor
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -351,6 +353,54 @@ class Bench:
             "ANSIBLE_SSH_CONTROL_PATH_DIR": str(a / "cp"),
             "ANSIBLE_NOCOLOR": "1",
         }
+
+    # -- OpenSSH's own client: the floor for any SSH tool on this box
+    def _openssh_setup(self) -> None:
+        """One ``ssh`` per node, all at once, the same commands as ansible's, nothing parsed.
+
+        The same key exchange and cipher clusterctl negotiates (curve25519-sha256, AES-GCM), host
+        keys verified, no connection sharing. What it costs is what any tool pays here just to
+        log in to every node and run the probes; the rest of a tool's time is its own.
+        """
+        d = self.work / "openssh"
+        d.mkdir(parents=True, exist_ok=True)
+        opts = [
+            "-F", "/dev/null", "-o", f"UserKnownHostsFile={self.c.known_hosts_path}",
+            "-o", "GlobalKnownHostsFile=/dev/null", "-o", "StrictHostKeyChecking=yes", "-o", "IdentitiesOnly=yes",
+            "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ControlMaster=no",
+            "-o", "KexAlgorithms=curve25519-sha256", "-o", "Ciphers=aes128-gcm@openssh.com",
+            "-i", str(self.c.identity_file), "-l", self.c.user,
+        ]  # fmt: skip
+        lines = ["#!/bin/sh", 'out="$1"']
+        for name, e in self.expect.items():
+            n = self.c.nodes[name]
+            argv = ["ssh", *opts, "-p", str(n.port), n.host, "; ".join(e.commands)]
+            lines.append(f'{" ".join(shlex.quote(a) for a in argv)} >"$out/{name}" 2>&1 </dev/null &')
+        lines.append("wait")
+        self.openssh_script = d / "all.sh"
+        self.openssh_script.write_text("\n".join(lines) + "\n")
+
+    def run_openssh(self) -> Run:
+        self.n += 1
+        out = self.work / f"os-{self.n}"
+        out.mkdir()
+        rc, wall, cpu, scpu = _timed(["sh", str(self.openssh_script), str(out)], env=self.env,
+                                     stdout=out / "_stdout", stderr=out / "_stderr", cluster=self.c,
+                                     timeout=self.timeout)  # fmt: skip
+        why = f"rc {rc}" if rc != 0 else ""
+        for name, e in self.expect.items():
+            if why:
+                break
+            try:
+                body = (out / name).read_text(errors="replace")
+            except OSError:
+                why = f"{name}: no output"
+                break
+            for want in e.outputs:
+                if want not in body:
+                    why = f"{name}: output incomplete (missing {want.splitlines()[0][:60]!r}): {body[:160]!r}"
+                    break
+        return Run(not why, wall, cpu, scpu, why)
 
     def ansible_argv(self, module: str = "raw") -> list[str]:
         return [self.ansible, "all", "-i", str(self.hosts_file), "-f", str(self.parallel), "-m", module,
@@ -731,6 +781,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--jump", type=int, default=0, metavar="N",
                     help="also N nodes behind one jump host (ssh_config ProxyJump vs ansible ProxyCommand)")  # fmt: skip
+    ap.add_argument("--openssh", action="store_true",
+                    help="also time OpenSSH's client (one ssh per node, same commands, nothing parsed): the floor")  # fmt: skip
     ap.add_argument("--no-profile", action="store_true", help="skip the profile at the largest size")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run before it counts as failed")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (outputs of every run)")
@@ -764,11 +816,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 b.work.mkdir(parents=True, exist_ok=True)
                 print("  clusterctl: " + " ".join(b.clusterctl_argv(Path("STATE"))))
                 print("  ansible:    " + " ".join(b.ansible_argv()[:-1]) + f" '{b.raw_cmd[:60]}...'")
-                cc, an, sh = Series(), Series(), Series()
-                b.run_clusterctl()  # warm the page cache for both (not counted)
-                b.run_ansible()
+                cc, an, sh, os_ = Series(), Series(), Series(), Series()
+                contenders = [(cc, b.run_clusterctl), (an, b.run_ansible)]
+                if args.openssh:
+                    b._openssh_setup()
+                    contenders.append((os_, b.run_openssh))
+                for _, fn in contenders:  # warm the page cache for all (not counted)
+                    fn()
                 for i in range(args.repeat):
-                    for series, fn in ((cc, b.run_clusterctl), (an, b.run_ansible)):
+                    for series, fn in contenders:
                         r = fn()
                         series.runs.append(r)
                         if not r.ok:
@@ -777,7 +833,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         sh.runs.append(b.run_ansible("shell"))
                     print(
                         f"  run {i + 1}: clusterctl {cc.runs[-1].wall_s:.2f}s, ansible {an.runs[-1].wall_s:.2f}s"
-                        + (f", ansible shell {sh.runs[-1].wall_s:.2f}s" if i < args.shell else ""),
+                        + (f", ansible shell {sh.runs[-1].wall_s:.2f}s" if i < args.shell else "")
+                        + (f", openssh {os_.runs[-1].wall_s:.2f}s" if args.openssh else ""),
                         flush=True,
                     )
                 cm, am = cc.median(), an.median()
@@ -791,6 +848,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if ccpu is not None and scpu is not None:
                     extra.append(f"{label} nodes: clusterctl client + servers need {ccpu + scpu:.2f} CPU-s; on "
                                  f"{os.cpu_count()} cores no run can take under {(ccpu + scpu) / (os.cpu_count() or 1):.2f}s")  # fmt: skip
+                if args.openssh:
+                    om = os_.median()
+                    extra.append(f"{label} nodes: OpenSSH client (the floor) median {_fmt(om)}s, min {_fmt(os_.min())}s, "
+                                 f"client CPU {_fmt(os_.median('cpu_s'))}s, servers' CPU {_fmt(os_.median('server_cpu_s'))}s"
+                                 + (f"; clusterctl / floor {cm / om:.2f}x" if om and cm else "")
+                                 + (f"; FAILED: {os_.failed[0].error}" if os_.failed else ""))  # fmt: skip
                 if args.shell:
                     sm = sh.median()
                     extra.append(f"{label} nodes: ansible -m shell median {_fmt(sm)}s, min {_fmt(sh.min())}s"

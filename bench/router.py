@@ -13,6 +13,7 @@ group, and stopped by that group. The load generator is a small raw-socket HTTP/
 client (keep-alive), so it costs little CPU next to the proxy it measures.
 
     python bench/router.py overhead --duration 5
+    python bench/router.py overhead --duration 4 --rounds 3 --floor   # with a bare relay and nginx
     python bench/router.py balance --duration 60
     python bench/router.py all --out results.json
 
@@ -278,30 +279,89 @@ async def poisson(port: int, rate: float, duration: float, max_tokens: int, drai
 
 
 # ---------------------------------------------------------------------------- scenarios
+NGINX_CONF = """\
+worker_processes {workers};
+daemon off;
+master_process on;
+pid {rundir}/nginx.pid;
+error_log {rundir}/nginx.error.log warn;
+worker_rlimit_nofile 65536;
+events {{ worker_connections 16384; multi_accept on; }}
+http {{
+  access_log off;
+  client_body_temp_path {rundir}/nginx-tmp/body;
+  proxy_temp_path {rundir}/nginx-tmp/proxy;
+  fastcgi_temp_path {rundir}/nginx-tmp/fastcgi;
+  uwsgi_temp_path {rundir}/nginx-tmp/uwsgi;
+  scgi_temp_path {rundir}/nginx-tmp/scgi;
+  keepalive_requests 1000000;
+  upstream engines {{ server 127.0.0.1:{upstream} max_fails=0; keepalive 256; keepalive_requests 1000000; }}
+  server {{
+    listen 127.0.0.1:{port} reuseport backlog=4096;
+    location / {{
+      proxy_pass http://engines;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+def start_floor(rundir: Path, upstream: int) -> dict[str, tuple[int, Proc]]:
+    """The two references of --floor: a bare uvloop byte relay and nginx (when installed),
+    both with the shared peers harness's nginx settings (keep-alive upstream, no buffering)."""
+    import shutil
+
+    out: dict[str, tuple[int, Proc]] = {}
+    port = free_port()
+    out["relay"] = (port, Proc([sys.executable, str(ROOT / "bench" / "relay.py"), "--port", str(port),
+                                "--upstream", f"127.0.0.1:{upstream}"], rundir / "relay.log"))  # fmt: skip
+    wait_port(port)
+    nginx = shutil.which("nginx", path="/usr/sbin:/usr/bin:/sbin:/bin") or shutil.which("nginx")
+    if nginx:
+        port = free_port()
+        (rundir / "nginx-tmp").mkdir(exist_ok=True)
+        conf = rundir / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(workers="auto", rundir=rundir, port=port, upstream=upstream))
+        out["nginx"] = (port, Proc([nginx, "-p", str(rundir), "-e", str(rundir / "nginx.error.log"), "-c", str(conf)],
+                                   rundir / "nginx.log"))  # fmt: skip
+        wait_port(port)
+    else:
+        print("  --floor: nginx not installed, only the bare relay", file=sys.stderr)
+    return out
+
+
 def run_overhead(a: argparse.Namespace, rundir: Path) -> dict:
     eport, rport = free_port(), free_port()
     eng = start_engine(rundir, eport, capacity=1_000_000, delay_ms=0, tokens=32)
     router = start_router(rundir, rport, [eport])
+    proxies: dict[str, tuple[int, Proc]] = {"clusterctl": (rport, router)}
     out: dict = {"cells": {}}
     try:
+        if a.floor:
+            proxies.update(start_floor(rundir, eport))
         scen = {"c1_stream": (1, True, 32), "c64_stream": (64, True, 32), "c64_short": (64, False, 4)}
+        order = [("direct", eport, None)] + [(name, port, proc) for name, (port, proc) in proxies.items()]
         for name, (conc, stream, mt) in scen.items():
             for rnd in range(a.rounds):
-                order = [("direct", eport), ("clusterctl", rport)]
-                for target, port in order if rnd % 2 == 0 else order[::-1]:
-                    c0 = router.cpu_s()
+                for target, port, proc in order if rnd % 2 == 0 else order[::-1]:
+                    c0 = proc.cpu_s() if proc else 0.0
                     res = asyncio.run(closed_loop(port, conc, a.duration, stream, mt, a.warmup))
-                    cpu = router.cpu_s() - c0
-                    if target == "clusterctl" and res["count"]:
+                    if proc is not None and res["count"]:
+                        cpu = proc.cpu_s() - c0
                         res["router_cpu_ms_per_req"] = round(cpu * 1000 / (res["count"] + res["errors"]), 4)
                     out["cells"].setdefault(name, {}).setdefault(target, []).append(res)
                     print(f"  {name:10s} {target:10s} round {rnd}: {res}", file=sys.stderr)
     finally:
-        router.stop()
+        for _, proc in proxies.values():
+            proc.stop()
         eng.stop()
     table = {}
     for name, by in out["cells"].items():
-        row = {}
+        row: dict = {}
         for target, runs in by.items():
             row[target] = {
                 "ttft_p50_ms": _median(r["ttft_p50_ms"] for r in runs),
@@ -310,12 +370,19 @@ def run_overhead(a: argparse.Namespace, rundir: Path) -> dict:
                 "errors": sum(r["errors"] for r in runs),
                 "router_cpu_ms_per_req": _median(r.get("router_cpu_ms_per_req") for r in runs),
             }
-        d, c = row["direct"], row["clusterctl"]
-        row["added_ttft_p50_ms"] = _sub(c["ttft_p50_ms"], d["ttft_p50_ms"])
-        row["added_ttft_p99_ms"] = _sub(c["ttft_p99_ms"], d["ttft_p99_ms"])
-        row["req_per_s_ratio"] = round(c["req_per_s"] / d["req_per_s"], 3) if d["req_per_s"] else None
+        d = row["direct"]
+        for target in proxies:
+            c = row[target]
+            c["added_ttft_p50_ms"] = _sub(c["ttft_p50_ms"], d["ttft_p50_ms"])
+            c["added_ttft_p99_ms"] = _sub(c["ttft_p99_ms"], d["ttft_p99_ms"])
+            c["req_per_s_ratio"] = round(c["req_per_s"] / d["req_per_s"], 3) if d["req_per_s"] else None
+        c = row["clusterctl"]
+        row["added_ttft_p50_ms"] = c["added_ttft_p50_ms"]
+        row["added_ttft_p99_ms"] = c["added_ttft_p99_ms"]
+        row["req_per_s_ratio"] = c["req_per_s_ratio"]
         table[name] = row
     out["table"] = table
+    out["proxies"] = list(proxies)
     return out
 
 
@@ -388,18 +455,20 @@ def machine() -> dict:
 
 def print_tables(res: dict) -> None:
     if "overhead" in res:
-        print("\n## overhead (ms; added = router - direct, medians over rounds)")
+        print("\n## overhead (ms; added = proxy - direct, medians over rounds)")
         print(
-            "| scenario | direct p50/p99 | clusterctl p50/p99 | added p50/p99 | req/s direct / router (ratio) | router CPU ms/req |"
+            "| scenario | proxy | direct p50/p99 | proxy p50/p99 | added p50/p99 | req/s direct / proxy (ratio) | proxy CPU ms/req |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         for name, row in res["overhead"]["table"].items():
-            d, c = row["direct"], row["clusterctl"]
-            print(
-                f"| {name} | {d['ttft_p50_ms']} / {d['ttft_p99_ms']} | {c['ttft_p50_ms']} / {c['ttft_p99_ms']} | "
-                f"{row['added_ttft_p50_ms']} / {row['added_ttft_p99_ms']} | {d['req_per_s']} / {c['req_per_s']} "
-                f"({row['req_per_s_ratio']}) | {c['router_cpu_ms_per_req']} |"
-            )
+            d = row["direct"]
+            for target in res["overhead"].get("proxies", ["clusterctl"]):
+                c = row[target]
+                print(
+                    f"| {name} | {target} | {d['ttft_p50_ms']} / {d['ttft_p99_ms']} | {c['ttft_p50_ms']} / "
+                    f"{c['ttft_p99_ms']} | {c['added_ttft_p50_ms']} / {c['added_ttft_p99_ms']} | {d['req_per_s']} / "
+                    f"{c['req_per_s']} ({c['req_per_s_ratio']}) | {c['router_cpu_ms_per_req']} |"
+                )
     if "balance" in res:
         b = res["balance"]
         print(f"\n## balance (fleet {b['fleet_capacity_req_s']} req/s, offered {b['rate_req_s']} req/s Poisson)")
@@ -468,6 +537,8 @@ def main(argv: list[str] | None = None) -> None:
         "--peers-dir", default=None, help="peers: the harness (default: shared/bench-peers beside the repo)"
     )
     ap.add_argument("--install", action="store_true", help="peers: install nginx and the peers' venvs first")
+    ap.add_argument("--floor", action="store_true",
+                    help="overhead: also a bare uvloop byte relay (bench/relay.py) and nginx, in the same rounds")  # fmt: skip
     a = ap.parse_args(argv)
     if a.what == "peers":
         sys.exit(run_peers(a))
