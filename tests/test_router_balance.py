@@ -12,7 +12,7 @@ from cluster_cli.router.breaker import BreakerConfig
 from cluster_cli.router.config import EndpointView
 from cluster_cli.router.policy import LeastLoad, PowerOfTwo, RoundRobin
 from cluster_cli.router.retry import RetryBudget, RetryPolicy
-from cluster_cli.router.worker import Worker
+from cluster_cli.router.worker import ADMIT_WINDOW_S, Worker
 
 
 class Clock:
@@ -59,6 +59,70 @@ def test_capacity_is_learned_from_waiting_and_probed_upwards():
     c.t += 31  # the window has passed: the estimate follows what the engine shows now
     w.on_scrape(3, 2, 0.5, c())
     assert w.cap == 3
+
+
+def send(w: Worker, n: int) -> None:
+    for _ in range(n):
+        w.acquire()
+
+
+def test_requests_just_sent_and_still_waiting_do_not_make_the_engine_look_full():
+    """An engine admits new requests between scheduler steps: a scrape at moderate load
+    often shows the router's latest requests waiting with slots free. Only waiting
+    beyond what the router sent in the last ADMIT_WINDOW_S shows the engine full."""
+    c = Clock()
+    w = worker(0, c)
+    send(w, 3)
+    w.on_scrape(2, 2, 0.1, c())  # 2 waiting, 3 sent a moment ago: not a sign of fullness
+    assert w.cap is None and not w.saturated(c())
+    w.on_scrape(2, 3, 0.1, c())
+    assert w.cap is None
+    w.on_scrape(2, 4, 0.1, c())  # one more than the router just sent: someone waits for a slot
+    assert w.cap == 2
+    c.t += ADMIT_WINDOW_S + 0.01  # those sends are no longer recent: waiting means full
+    v = worker(1, c)
+    send(v, 3)
+    c.t += ADMIT_WINDOW_S + 0.01
+    v.on_scrape(5, 1, 0.1, c())
+    assert v.cap == 5
+
+
+def test_an_estimate_learned_too_low_grows_back_while_only_fresh_requests_wait():
+    """The router holds requests back at a low estimate and sends one whenever one ends,
+    so the engine always shows that one waiting for its step. With the KV cache far from
+    full at the estimate, that must not confirm it: probes grow it, one per probe_s."""
+    c = Clock()
+    w = worker(0, c)  # probe_s 5
+    c.t += 1
+    w.on_scrape(2, 1, 0.1, c())
+    assert w.cap == 2
+    caps = [w.cap]
+    for _ in range(6):
+        for _ in range(10):  # scrapes every 0.5 s, each right after a request was sent
+            c.t += 0.5
+            send(w, 1)
+            w.on_scrape(w.cap - 1, 1, 0.05 * w.cap, c())  # KV: 5% a request, of 20 possible
+        caps.append(w.cap)
+    assert caps == [2, 3, 4, 5, 6, 7, 8]
+    c.t += 1
+    w.on_scrape(7, 3, 0.35, c())  # waiting beyond the one just sent: full at 7
+    assert w.cap == 7
+
+
+def test_a_full_engine_at_its_estimate_is_not_probed_past_it():
+    """The same pattern on an engine really full at the estimate (its KV cache full there,
+    or not exported): the fresh request waiting confirms the estimate; no probe."""
+    for kv in (0.75, None):  # 3 of 4 slots: 75%, so 100% at the estimate of 4
+        c = Clock()
+        w = worker(0, c)
+        c.t += 1
+        w.on_scrape(4, 1, 1.0, c())
+        assert w.cap == 4
+        for _ in range(40):
+            c.t += 0.5
+            send(w, 1)
+            w.on_scrape(3, 1, kv, c())
+        assert w.cap == 4
 
 
 def test_max_inflight_caps_and_unknown_is_not_zero():

@@ -317,6 +317,34 @@ def test_learned_capacity_holds_requests_in_the_router():
         f.close()
 
 
+def test_requests_waiting_only_for_the_next_scheduler_step_do_not_teach_a_low_capacity():
+    """A regression: at moderate load a scrape often catches the router's newest request
+    waiting for the engine's next step while slots are free. Read as "full at running",
+    that taught a capacity of 3 to an engine of 8 and the router held requests back from
+    it (at 8 req/s on 16 slots, time to first token went from 15 ms to 9 s)."""
+    f = Fleet(1, capacity=8, token_delay_s=0.1, tokens=4).start()
+    w = f.router.table.workers[f.engines[0].url]
+    stop = time.monotonic() + 4.0
+    codes: list[int] = []
+
+    def client_loop() -> None:  # four clients, each sending its next request as one ends
+        while time.monotonic() < stop:
+            codes.append(chat(f, max_tokens=4).status_code)
+
+    try:
+        threads = [threading.Thread(target=client_loop) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert codes and set(codes) == {200}
+        assert w.cap is None  # never more waiting than was just sent: never seen full
+        assert len(f.router.table.models["sim"].queue) == 0
+        assert f.engines[0].requests >= 2 * len(threads)  # each client had its next request in
+    finally:
+        f.close()
+
+
 def test_requests_hanging_on_an_endpoint_judged_dead_are_retried_at_once():
     """A frozen engine (accepts, never answers, fails /health): once its breaker opens on the
     health checks, requests still waiting there for a first byte go elsewhere, instead of

@@ -9,12 +9,18 @@ Load signals:
   mapping. A metric the mapping leaves blank, or the engine does not export, is
   ``None`` (unknown), never 0. A scrape older than ``stale_s`` is ignored: the load
   falls back to the in-flight count.
-- ``capacity``: learned, not configured. When a scrape shows requests waiting, the
-  engine is full at its ``running`` count; the estimate is the highest such reading in
-  the last ``CAP_WINDOW_S`` seconds (a momentary queue between scheduler steps must not
-  shrink it). When the engine runs at the estimate with nothing waiting for ``probe_s``
-  after the last confirmation, the estimate grows by one. ``max_inflight`` caps it; a
-  reload that changes ``max_inflight`` restarts the estimate from the new limit.
+- ``capacity``: learned, not configured. When a scrape shows more requests waiting than
+  the router sent the engine in the last ``ADMIT_WINDOW_S`` seconds, the engine is full
+  at its ``running`` count. Requests sent that recently may only be waiting for the
+  engine's next scheduler step (an engine admits new requests between steps, so at
+  moderate load a scrape often shows one or two waiting with slots free); counting them
+  made a busy engine look full at whatever it ran, and the router then held requests back
+  from it. Once they would take the engine to the estimate they confirm it, unless the
+  engine's KV-cache use, projected to the estimate, is well short of full. The estimate is
+  the highest "full" reading of the last ``CAP_WINDOW_S`` seconds (a momentary low reading
+  must not shrink it). When the engine runs at the estimate with nothing else waiting for
+  ``probe_s`` after the last confirmation, the estimate grows by one. ``max_inflight``
+  caps it; a reload that changes ``max_inflight`` restarts the estimate from the new limit.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from cluster_cli.router.breaker import Breaker, BreakerConfig, State
 from cluster_cli.router.config import EndpointView
 
 CAP_WINDOW_S = 30.0
+ADMIT_WINDOW_S = 0.15  # a request sent this recently may still wait for its engine's next step (10-100 ms)
+KV_FULL = 0.9  # KV-cache use, projected to the estimate, from which the engine counts as full there
 
 
 @dataclass
@@ -45,6 +53,7 @@ class Worker:
         "_cap_obs",
         "_clock",
         "_rate_mark",
+        "_sent",
         "breaker",
         "cap",
         "cap_confirmed_at",
@@ -88,6 +97,7 @@ class Worker:
         self.cap: int | None = view.max_inflight
         self.cap_confirmed_at = -1e18
         self._cap_obs: deque[tuple[float, int, bool]] = deque()
+        self._sent: deque[float] = deque()  # when the router sent requests here, the last ADMIT_WINDOW_S
         self.stale_s = stale_s
         self.probe_s = probe_s
         self.removed = False
@@ -155,6 +165,18 @@ class Worker:
     # ---------------------------------------------------------------- bookkeeping
     def acquire(self) -> None:
         self.inflight += 1
+        now = self._clock()
+        sent = self._sent
+        sent.append(now)
+        while sent[0] < now - ADMIT_WINDOW_S:
+            sent.popleft()
+
+    def sent_since(self, since: float) -> int:
+        """Requests the router sent here at or after ``since`` (within ``ADMIT_WINDOW_S``)."""
+        sent = self._sent
+        while sent and sent[0] < since:
+            sent.popleft()
+        return len(sent)
 
     def release(self, ok: bool | None) -> None:
         """One request left this endpoint: ok True/False feeds drain stats, None = abandoned."""
@@ -181,18 +203,30 @@ class Worker:
         obs = self._cap_obs
         while obs and now - obs[0][0] > CAP_WINDOW_S:
             obs.popleft()
-        if waiting > 0 and running >= 1:
-            # Full at ``running``. An engine also shows waiting requests for a moment between
-            # scheduler steps with a slot free, so a single low reading must not shrink the
-            # estimate: it is the highest such reading over the last CAP_WINDOW_S seconds.
-            # A probe above what the engine now shows did not hold: drop it.
+        # Requests the router sent in the last moment may be waiting only for the engine's
+        # next scheduler step: waiting beyond them is what shows the engine full. Once they
+        # would take the engine to the estimate, they confirm it (or a right estimate would
+        # be probed past every ``probe_s``), unless the KV cache, where the engine exports
+        # it, says the estimate would leave it well short of full: an estimate learned too
+        # low must still be probed upwards.
+        recent = self.sent_since(now - ADMIT_WINDOW_S)
+        ours = min(waiting, recent)
+        cap = self.cap
+        at_estimate = (
+            cap is not None and running + ours >= cap and (kv is None or running <= 0 or kv * cap >= KV_FULL * running)
+        )
+        if running >= 1 and (waiting > recent or (waiting > 0 and at_estimate)):
+            # Full at ``running``. A single low reading must not shrink the estimate: it is
+            # the highest such reading over the last CAP_WINDOW_S seconds. A probe above
+            # what the engine now shows did not hold: drop it.
             r = int(running)
             if any(probe and c > r for _, c, probe in obs):
                 self._cap_obs = obs = deque(o for o in obs if not (o[2] and o[1] > r))
             obs.append((now, r, False))
             self.cap_confirmed_at = now
-        elif self.cap is not None and running >= self.cap and now - self.cap_confirmed_at >= self.probe_s:
-            obs.append((now, int(running) + 1, True))  # ran at the estimate with nothing waiting: try one more
+        elif cap is not None and running + ours >= cap and now - self.cap_confirmed_at >= self.probe_s:
+            # Ran at the estimate with nothing waiting but what was just sent: try one more.
+            obs.append((now, max(int(running), cap) + 1, True))
             self.cap_confirmed_at = now
         if obs:
             cap = max(c for _, c, _ in obs)
