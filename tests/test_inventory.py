@@ -51,6 +51,7 @@ def test_good_inventory_resolves_paths_and_defaults(tmp_path: Path) -> None:
         ("nodes: [{name: a, host: h}\n", "invalid YAML"),
         ("nodes:\n  - {name: a, host: h, colour: red}\n", "line 2 (a): nodes.0.colour: unknown key"),
         ("nodez: []\n", "line 1: nodez: unknown key"),
+        ("base_dir: /elsewhere\nnodes: []\n", "line 1: base_dir: unknown key"),  # internal, not a key
         (
             "nodes:\n  - {name: a, host: h}\n  - {name: a, host: g}\n",
             "line 3 (a): nodes.1.name: duplicate node name 'a'",

@@ -20,7 +20,7 @@ import os
 import re
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from cluster_cli.config.load import load_model
 from cluster_cli.facts import prefix_text, prefix_value
@@ -98,8 +98,13 @@ class Inventory(_Strict):
     gpu_classes: dict[str, list[str]] = Field(default_factory=dict)
     fabrics: dict[str, Fabric | None] = Field(default_factory=dict)
     nodes: list[Node] = Field(default_factory=list)
-    # Not part of the YAML: the folder relative paths are resolved against.
-    base_dir: str = Field(default=".", exclude=True)
+    # Not part of the YAML (a key of that name is unknown, as any other): the folder
+    # relative paths are resolved against.
+    _base_dir: str = PrivateAttr(default=".")
+
+    @property
+    def base_dir(self) -> str:
+        return self._base_dir
 
     @model_validator(mode="after")
     def _check(self) -> Inventory:
@@ -215,4 +220,5 @@ class SSHTarget(BaseModel):
 def load_inventory(path: Path | str) -> Inventory:
     path = Path(path)
     inv = load_model(path, Inventory)
-    return inv.model_copy(update={"base_dir": str(path.resolve().parent)})
+    inv._base_dir = str(path.resolve().parent)
+    return inv
