@@ -85,9 +85,24 @@ def test_table_is_a_diff_plus_a_dry_run_block(tmp_path: Path) -> None:
     assert "+ model 'llama-70b' (1 start, 1 unplaced)" in out
     assert "  + replica 0: h100-tp8 (vllm) gpu-01 GPU 0-7" in out
     assert "Scheduler dry-run:" in out and "WARNING: Failed to place all replicas" in out
-    assert "2 nodes filtered: cordon 1, gpu-class 1" in out
+    assert "2 nodes filtered: cordoned 1, gpu-class 1" in out
     assert "gpu-02: cordoned (maintenance)" in out
     assert "cpu-01: 8 of 8 CPUs unreserved, profile needs 32" in out
+
+
+def test_a_replica_that_fell_back_says_why_each_better_profile_did_not_fit(tmp_path: Path) -> None:
+    nodes = [dgx("gpu-01", cpus=8), cpu_node("cpu-01", cpus=64)]
+    inv, cat, facts = write_inputs(tmp_path, nodes)
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts))
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    i = lines.index("  llama-70b [1] on cpu: 2 nodes evaluated")
+    assert lines[i + 1 : i + 3] == [
+        "    not h100-tp8 (8x H100): 0/2 nodes are available: 1 insufficient gpus, 1 no H100 gpu.",
+        "    not a100-2x8 (2 nodes x 8x A100): 0/2 nodes are available: 2 no A100 gpu.",
+    ]
+    j = lines.index("  llama-70b [0] on h100-tp8: 2 nodes evaluated; 1 node filtered: gpu-class 1")
+    assert not lines[j + 1].startswith("    not ")  # its first choice: nothing to explain
 
 
 def test_nodes_outside_the_inventory_are_ignored_and_missing_ones_explained(tmp_path: Path) -> None:
@@ -296,10 +311,14 @@ def test_place_reads_the_state_without_writing_it(tmp_path: Path) -> None:
 def test_a_gpu_class_nothing_has_is_flagged_once(tmp_path: Path) -> None:
     typo = CATALOG.replace("gpu_class: H100", "gpu_class: H1OO", 1)
     assert typo != CATALOG
-    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01")], catalog=typo)
+    n = dgx("gpu-01", problems={2: "lost"})
+    gpus = list(n.gpus)  # a lost GPU's product and class cannot be read: the parser says "unknown"
+    gpus[2] = replace(gpus[2], product="unknown", gpu_class="unknown")
+    inv, cat, facts = write_inputs(tmp_path, [replace(n, gpus=tuple(gpus))], catalog=typo)
     r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
     warnings = [x for x in r.stderr.splitlines() if "H1OO" in x]
-    assert len(warnings) == 1 and "gpu_class: no GPU of class 'H1OO'" in warnings[0] and "known: H100" in warnings[0]
+    assert len(warnings) == 1 and "gpu_class: no GPU of class 'H1OO'" in warnings[0]
+    assert warnings[0].endswith("(known: H100)")  # not "unknown", the placeholder of a lost GPU
     json.loads(r.stdout)  # stdout stays clean JSON
 
 
@@ -391,7 +410,7 @@ def test_verbose_explains_every_candidate_on_stderr(tmp_path: Path) -> None:
     assert err[at + 1 : at + 4] == [
         "    cpu-01: rejected by gpu-class: no GPU, profile needs H100",
         "    gpu-01: chosen (8 H100 free); scores binpack 1, nvlink 1, final 1",
-        "    gpu-02: rejected by cordon: cordoned (maintenance)",
+        "    gpu-02: rejected: cordoned (maintenance)",
     ]
     assert "  replica 1, profile h100-tp8 (8x H100): not placed (0 of 3 nodes fit on their own)" in err
     assert "    gpu-01: rejected by capacity: 0 of 8 H100 free (8 allocated), profile needs 8" in err

@@ -113,7 +113,7 @@ def test_cordoned_and_unreachable_nodes_take_nothing() -> None:
     p = plan(nodes, catalog(("m", 1, [H100x8, CPU32])), [])
     assert not p.starts
     kinds = {(r.node, r.constraint) for r in p.unplaced[0].reasons}
-    assert ("gpu-01", "cordon") in kinds and ("gpu-02", "reachable") in kinds and ("cpu-1", "cordon") in kinds
+    assert ("gpu-01", "cordoned") in kinds and ("gpu-02", "reachable") in kinds and ("cpu-1", "cordoned") in kinds
 
 
 # --------------------------------------------------------------------------- bin packing
@@ -320,7 +320,7 @@ def test_exact_node_reason_and_nomad_summary() -> None:
         == "gpu-03: 2 of 8 H100 free (3 ECC, 2 allocated, 1 foreign process pid 4414), profile needs 8"
     )
     m = u.attempts[0].metrics
-    assert filter_lines(m) == ["3 nodes filtered: cordon 1, gpu-class 2", "1 node exhausted: gpus 1"]
+    assert filter_lines(m) == ["3 nodes filtered: cordoned 1, gpu-class 2", "1 node exhausted: gpus 1"]
     assert fit_message(m) == "0/4 nodes are available: 1 cordoned, 1 insufficient gpus, 2 no H100 gpu."
     assert detail["a-1"] == "no H100 GPU (has 8 A100)"
     assert detail["gpu-01"] == "cordoned (maintenance)"
@@ -337,7 +337,7 @@ def test_every_profile_of_an_unplaced_replica_has_a_reason() -> None:
 def test_successes_carry_counts_too() -> None:
     p = plan([dgx("gpu-01"), dgx("gpu-02", cordoned=True), cpu_node("c")], catalog(("m", 1, [H100x8])), [])
     m = p.starts[0].attempts[-1].metrics
-    assert (m.evaluated, m.filtered_by, m.exhausted_by) == (3, {"cordon": 1, "gpu-class": 1}, {})
+    assert (m.evaluated, m.filtered_by, m.exhausted_by) == (3, {"cordoned": 1, "gpu-class": 1}, {})
     assert m.scores["gpu-01"]["binpack"] == 1.0 and m.scores["gpu-01"]["nvlink"] == 1.0
 
 

@@ -114,7 +114,7 @@ def _warn_other_inventory(inventory: Path, state_path: Path) -> None:
 
 def _warn_unknown_classes(path: Path, cat: Any, inv: Inventory, nodes: list[NodeFacts]) -> None:
     """A GPU class nothing in the fleet has is most likely a typo: say so once, not per node."""
-    known = set(inv.gpu_classes) | {g.gpu_class for n in nodes for g in n.gpus if g.gpu_class}
+    known = set(inv.gpu_classes) | {g.gpu_class for n in nodes for g in n.gpus if g.gpu_class and not g.lost}
     for i, m in enumerate(cat.models):
         for j, p in enumerate(m.profiles):
             if p.gpu_class and p.gpu_class not in known:

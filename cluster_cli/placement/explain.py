@@ -4,7 +4,7 @@
   and returns the counts plus one exact reason per node. The placer calls it only
   for profiles that failed, once each, against the plan's final allocations.
 * ``fit_message`` is the one-line summary ("0/12 nodes are available: ...").
-* ``filter_lines`` is the Nomad-style breakdown ("3 nodes filtered: cordon 1, gpu-class 2").
+* ``filter_lines`` is the Nomad-style breakdown ("3 nodes filtered: cordoned 1, gpu-class 2").
 * ``render_plan`` prints a plan like ``nomad job plan``: a diff, then a dry-run block.
 """
 
@@ -210,6 +210,10 @@ def render_plan(plan: Plan, *, header: str = "", max_nodes: int = 10) -> list[st
             f"  {model} [{ids}] on {prof}: {won[0].metrics.evaluated if won else 0} nodes evaluated"
             + (f"; {counts}" if counts else "")
         )
+        # A fallback: why each profile of higher priority did not fit (place -v: every node).
+        for a in ps[0].attempts:
+            if not a.placed:
+                lines.append(f"    not {a.profile} ({a.describe}): {fit_message(a.metrics)}")
     # Failures: one block per model (its unplaced replicas share the explanation).
     for model, us in unplaced_by_model.items():
         ids = ", ".join(str(u.replica) for u in us)
@@ -274,5 +278,6 @@ def render_trace(plan: Plan) -> list[str]:
                     why = c.strategy if c.placed else "no room for the whole replica together"
                     lines.append(f"    {node}: fits{also}, not chosen: {why}")
                 else:
-                    lines.append(f"    {node}: rejected by {v.constraint}: {v.detail}")
+                    by = "" if v.detail.startswith(v.constraint) else f" by {v.constraint}"  # "cordoned (...)"
+                    lines.append(f"    {node}: rejected{by}: {v.detail}")
     return lines

@@ -7,7 +7,7 @@ from cluster_cli.placement.verdict import Verdict
 
 
 class Cordon:
-    name = "cordon"
+    name = "cordoned"
 
     def check(self, node: NodeState, req: Request) -> Verdict:
         f = node.facts
