@@ -394,6 +394,28 @@ def test_a_gpu_uuid_on_two_nodes_is_planned_once() -> None:
     assert [f.problems for f in mark_duplicate_gpus([away, h2])] == [(), ()]
 
 
+def test_a_replica_kept_under_one_name_holds_its_gpus_under_the_other() -> None:
+    """One box under two names: while h1 was unreachable, h2 (not yet marked duplicate)
+    took a replica. When h1 is back, h2 is the duplicate; its replica is kept, and the
+    same physical GPUs must not be handed out again as h1's."""
+    h1 = dgx("h1", cpus=64)
+    h2 = replace(dgx("h2", cpus=64), gpus=h1.gpus)
+    cat = catalog(("m", 2, [profile("tp8", gpu_class="H100", gpus=8)]))
+    first = plan([replace(h1, reachable=False, error="timeout"), h2], cat)
+    assert [(p.replica.shards[0].node, p.replica.replica) for p in first.starts] == [("h2", 0)]
+    second = plan([h1, h2], cat, first.allocations())
+    assert [(p.action, p.replica.shards[0].node) for p in second.placements] == [("keep", "h2")]
+    (u,) = second.unplaced
+    assert any(r.node == "h1" and "0 of 8 H100 free (8 allocated)" in r.detail for r in u.reasons)
+    # Two replicas recorded on the same GPUs under the two names: the second is stopped.
+    (kept,) = first.allocations()
+    both = (kept, replace(kept, replica=1, shards=(replace(kept.shards[0], node="h1"),)))
+    third = plan([h1, h2], cat, both)
+    assert [(p.action, p.replica.replica) for p in third.placements] == [("keep", 0), ("stop", 1)]
+    stop = third.placements[1].note
+    assert "(GPU-h1-0) is also held by m/0, under another node name" in stop
+
+
 def test_placeholder_gpu_uuids_do_not_make_two_nodes_one_machine() -> None:
     from dataclasses import replace
 

@@ -5,11 +5,16 @@ Order of work
 1. **Current allocations.** A replica in ``current`` is kept when its model, replica
    number and profile are still in the catalog, the profile still asks for what it
    holds, every node of it is known and reachable, each of its GPUs still exists, is
-   not lost and is of the class, and (multi-node) each node still has an Active port
-   on its fabric. A replica on a *cordoned* node is kept: a cordon stops new work,
-   moving running work is ``drain``'s job. Anything else is stopped, whole (all
-   shards together), and its resources are free for this plan. A kept replica stays
-   even if a higher-priority profile would now fit: the plan does not churn.
+   not lost, is healthy (no uncorrected ECC error, pending page retirement or row
+   remap), is of the class and is not held by a replica kept before it (by index on
+   its node, and by UUID under another node name: one machine seen twice), and
+   (multi-node) each node still has an Active port on its fabric. A replica on a
+   *cordoned* node, or sharing a GPU with a foreign process, is kept: a cordon stops
+   new work, moving running work is ``drain``'s job. A second allocation of one
+   replica is stopped. Anything else is stopped, whole (all shards together), and its
+   resources are free for this plan. A kept replica stays even if a higher-priority
+   profile would now fit: the plan does not churn. Its GPUs are held under every name
+   their UUIDs appear under.
 2. **Index.** Nodes that pass the static constraints (not cordoned, reachable) are
    grouped per GPU class, and per (class, fabric) for the nodes with an Active
    InfiniBand port on that fabric, into buckets by their number of free GPUs of the
@@ -42,6 +47,7 @@ from cluster_cli.facts import NodeFacts, Replica, Shard, problem_key
 from cluster_cli.placement import scoring
 from cluster_cli.placement.constraints import STATIC, choose_gpus, mark_duplicate_gpus
 from cluster_cli.placement.constraints.base import NodeState, Request
+from cluster_cli.placement.constraints.duplicate import is_gpu_uuid
 from cluster_cli.placement.constraints.nvlink import fits_one_domain
 from cluster_cli.placement.explain import explain_request, node_verdicts
 from cluster_cli.placement.verdict import PlacementMetrics, Reason, Verdict
@@ -306,20 +312,26 @@ class _Planner:
     # ---- 1. current allocations --------------------------------------------
     def apply_current(self, current: Sequence[Replica]) -> None:
         seen: set[tuple[str, int]] = set()
+        # A kept replica holds its GPUs by UUID too: one machine under two names (one of
+        # them marked duplicate-gpu) must not have the same GPU handed out under the other.
+        held: dict[str, str] = {}
         for rep in sorted(current, key=lambda r: (r.model, r.replica, r.profile)):
             if rep.key in seen:
                 self.placements.append(Placement(rep, "stop", "duplicate allocation of this replica"))
                 continue
             seen.add(rep.key)
-            why = self._invalid(rep)
+            why = self._invalid(rep, held)
             if why:
                 self.placements.append(Placement(rep, "stop", why))
                 continue
             key = f"{rep.model}/{rep.replica}"
             for s in rep.shards:
                 node = self.by_name[s.node]
+                uuids = {g.index: g.uuid for g in node.facts.gpus}
                 for g in s.gpus:
                     node.allocated[g] = key
+                    if (u := uuids.get(g)) and is_gpu_uuid(u):
+                        held[u] = key
                 node.replicas += 1
                 node.models[rep.model] = node.models.get(rep.model, 0) + 1
                 if not rep.gpu_class:
@@ -330,11 +342,16 @@ class _Planner:
             note = f"on cordoned {', '.join(cordoned)}: kept until drained" if cordoned else ""
             self.placements.append(Placement(rep, "keep", note))
             self.kept.add(rep.key)
+        if held:
+            for st in self.states:
+                for g in st.facts.gpus:
+                    if g.uuid in held and g.index not in st.allocated:
+                        st.allocated[g.index] = held[g.uuid]
         for s in self.states:
             if s.allocated:
                 s.refresh_free()
 
-    def _invalid(self, rep: Replica) -> str:
+    def _invalid(self, rep: Replica, held: dict[str, str] | None = None) -> str:
         model = self.catalog.model(rep.model)
         if model is None:
             return "model no longer in the catalog"
@@ -371,6 +388,8 @@ class _Planner:
                     return f"GPU {i} of {s.node} is {g.gpu_class}, profile needs {prof.gpu_class}"
                 if i in node.allocated:
                     return f"GPU {i} of {s.node} is also held by {node.allocated[i]}"
+                if held and g.uuid in held:
+                    return f"GPU {i} of {s.node} ({g.uuid}) is also held by {held[g.uuid]}, under another node name"
             if prof.nodes > 1 and rep.fabric not in node.attachments:
                 return f"node {s.node} has no Active port on fabric {rep.fabric}"
         return ""

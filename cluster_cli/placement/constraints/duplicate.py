@@ -25,6 +25,11 @@ _UUID = re.compile(r"(?:GPU|MIG)-[0-9A-Za-z-]+")
 _SHOWN = 3  # UUIDs named in a problem; the rest are counted
 
 
+def is_gpu_uuid(u: str) -> bool:
+    """A UUID as nvidia-smi prints one, not a placeholder ("[N/A]", "unknown")."""
+    return _UUID.fullmatch(u) is not None
+
+
 def is_duplicate(f: NodeFacts) -> bool:
     return any(problem_key(p) == KEY for p in f.problems)
 
@@ -41,7 +46,7 @@ def mark_duplicate_gpus(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
         if not f.reachable or is_duplicate(f):
             out.append(f)
             continue
-        uuids = list(dict.fromkeys(g.uuid for g in f.gpus if g.uuid and _UUID.fullmatch(g.uuid)))
+        uuids = list(dict.fromkeys(g.uuid for g in f.gpus if g.uuid and is_gpu_uuid(g.uuid)))
         taken = [u for u in uuids if u in owner]
         if not taken:
             for u in uuids:
