@@ -116,19 +116,35 @@ def scenario_st(draw: Any) -> tuple[list[NodeFacts], Catalog, list[Replica]]:
     cat = draw(catalog_st(common))
     current: list[Replica] = []
     if nodes and draw(st.booleans()):
-        # What a previous plan allocated, then the world changed: a node went away,
-        # a GPU was lost, a node was cordoned, the catalog shrank.
+        # What a previous plan allocated, then the world changed: a node went away or lost
+        # its ports, a GPU was lost, faulted or picked up a foreign process, a node was
+        # cordoned, the catalog shrank. The change hits a node that holds a replica, if any.
         prev = plan(nodes, cat, []).allocations()
         current = prev
-        i = draw(st.integers(0, len(nodes) - 1))
-        change = draw(st.sampled_from(["unreachable", "lost", "cordon", "fewer", "none"]))
+        held = {s.node: s.gpus for r in prev for s in r.shards}
+        targets = [i for i, n in enumerate(nodes) if n.name in held] or list(range(len(nodes)))
+        i = draw(st.sampled_from(targets))
+        node = nodes[i]
+        k = next((j for j, g in enumerate(node.gpus) if g.index in held.get(node.name, ())), 0)
+        change = draw(
+            st.sampled_from(["unreachable", "gone", "ports", "lost", "ecc", "foreign", "cordon", "fewer", "none"])
+        )
         if change == "unreachable":
-            nodes[i] = replace(nodes[i], reachable=False, error="timeout")
-        elif change == "lost" and nodes[i].gpus:
-            g = nodes[i].gpus[0]
-            nodes[i] = replace(nodes[i], gpus=(replace(g, lost=True, problems=("lost: gone",)), *nodes[i].gpus[1:]))
+            nodes[i] = replace(node, reachable=False, error="timeout")
+        elif change == "gone":
+            del nodes[i]
+        elif change == "ports":
+            nodes[i] = replace(node, hcas=tuple(replace(h, state="Down") for h in node.hcas))
+        elif change in ("lost", "ecc", "foreign") and node.gpus:
+            g = node.gpus[k]
+            bad = {
+                "lost": replace(g, lost=True, problems=("lost: gone",)),
+                "ecc": replace(g, ecc_uncorrected=2, problems=("ecc: 2 uncorrected ECC errors",)),
+                "foreign": replace(g, problems=("foreign-process: pid 77 (python)",)),  # not a fault
+            }[change]
+            nodes[i] = replace(node, gpus=(*node.gpus[:k], bad, *node.gpus[k + 1 :]))
         elif change == "cordon":
-            nodes[i] = replace(nodes[i], cordoned=True)
+            nodes[i] = replace(node, cordoned=True)
         elif change == "fewer":
             ms = [m.model_copy(update={"replicas": max(1, m.replicas - 1)}) for m in cat.models]
             cat = cat.model_copy(update={"models": ms})
@@ -168,7 +184,76 @@ def fits(p: Profile, nodes: list[NodeFacts], taken: set[tuple[str, int]], cpu: d
     return False
 
 
+def still_valid(r: Replica, by_name: dict[str, NodeFacts], cat: Catalog, held: set[tuple[str, int]]) -> bool:
+    """May a running replica stay? The placer's rule for current allocations, written out:
+    its model, replica number and profile are in the catalog and the profile still asks for
+    what it holds; every node has facts and is reachable; every GPU exists, is healthy (not
+    lost, no ECC or pending retirement/remap) and of the class, and no replica kept before it
+    holds it; a multi-node replica's nodes still have an Active port on its fabric. A cordon
+    does not stop a running replica, nor does a foreign process or MIG on its GPUs."""
+    model = cat.model(r.model)
+    if model is None or not 0 <= r.replica < model.replicas:
+        return False
+    prof = model.profile(r.profile)
+    if prof is None or prof.engine != r.engine or (prof.gpu_class or None) != (r.gpu_class or None):
+        return False
+    if len(r.shards) != prof.nodes or len({s.node for s in r.shards}) != prof.nodes:
+        return False
+    if not prof.gpu_class and (r.cpus, r.memory_mib) != (prof.cpus, prof.memory_mib):
+        return False
+    for s in r.shards:
+        n = by_name.get(s.node)
+        if n is None or not n.reachable:
+            return False
+        if len(s.gpus) != prof.gpus_per_node or len(set(s.gpus)) != len(s.gpus):
+            return False
+        for i in s.gpus:
+            g = next((g for g in n.gpus if g.index == i), None)
+            if g is None or g.lost or not g.healthy or g.gpu_class != prof.gpu_class or (s.node, i) in held:
+                return False
+        if prof.nodes > 1 and not any(h.is_ib_attachment and h.fabric == r.fabric for h in n.hcas):
+            return False
+    return True
+
+
+def check_keeps_and_stops(nodes: list[NodeFacts], cat: Catalog, current: list[Replica], result: Plan) -> None:
+    """Every current replica is kept if still valid (no churn) and stopped otherwise (no
+    needless stop); a second allocation of the same replica is stopped."""
+    by_name = {n.name: n for n in nodes}
+    held: set[tuple[str, int]] = set()
+    seen: set[tuple[str, int]] = set()
+    keep: list[Replica] = []
+    stop: list[Replica] = []
+    for r in sorted(current, key=lambda r: (r.model, r.replica, r.profile)):
+        ok = r.key not in seen and still_valid(r, by_name, cat, held)
+        seen.add(r.key)
+        (keep if ok else stop).append(r)
+        if ok:
+            held.update((s.node, g) for s in r.shards for g in s.gpus)
+
+    def ordered(rs: list[Replica]) -> list[Replica]:
+        return sorted(rs, key=repr)
+
+    def short(rs: list[Replica]) -> list[str]:
+        return [f"{r.model}/{r.replica} {r.profile} on {'+'.join(s.node for s in r.shards)}" for r in rs]
+
+    got_keep = ordered([p.replica for p in result.keeps])
+    got_stop = ordered([p.replica for p in result.stops])
+    assert got_keep == ordered(keep), f"kept {short(got_keep)}, should keep {short(ordered(keep))}"
+    assert got_stop == ordered(stop), f"stopped {short(got_stop)}, should stop {short(ordered(stop))}"
+
+
+def check_idempotent(nodes: list[NodeFacts], cat: Catalog, result: Plan) -> None:
+    """The plan applied and nothing changed: planning again starts and stops nothing."""
+    again = plan(nodes, cat, result.allocations())
+    assert not again.starts, f"re-plan starts {[p.replica.key for p in again.starts]}"
+    assert not again.stops, f"re-plan stops {[(p.replica.key, p.note) for p in again.stops]}"
+    assert [(u.model, u.replica) for u in again.unplaced] == [(u.model, u.replica) for u in result.unplaced]
+
+
 def check_invariants(nodes: list[NodeFacts], cat: Catalog, current: list[Replica], result: Plan) -> None:
+    check_keeps_and_stops(nodes, cat, current, result)
+    check_idempotent(nodes, cat, result)
     by_name = {n.name: n for n in nodes}
     taken: set[tuple[str, int]] = set()
     cpu: dict[str, list[int]] = {}
@@ -293,8 +378,6 @@ def test_invariants_hold_on_dgx_fleets_with_multi_node_replicas(
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(nodes_st(), st.sampled_from(CLASSES), st.sampled_from([2, 3, 4]))
 def test_one_tp_group_is_split_only_when_no_node_has_a_whole_domain(nodes: list[NodeFacts], cls: str, k: int) -> None:
-    from cluster_cli.placement.constraints.nvlink import fits_one_domain
-
     cat = Catalog.model_validate({"models": [{"name": "m", "profiles": [{"name": "tp", "engine": "vllm", "model": "/m",
                                                                             "gpu_class": cls, "gpus": k}]}]})  # fmt: skip
     p = plan(nodes, cat)
@@ -311,7 +394,8 @@ def test_one_tp_group_is_split_only_when_no_node_has_a_whole_domain(nodes: list[
     def free(n: NodeFacts) -> list[int]:
         return [g.index for g in n.gpus if g.gpu_class == cls and g.free]
 
-    usable = [n for n in nodes if n.reachable and not n.cordoned and len(free(n)) >= k]
-    assert not any(fits_one_domain(free(n), k, n.nvlink_domains) for n in usable), (
-        f"{shard.node} split {shard.gpus} while another node had a whole domain"
-    )
+    def whole_domain(n: NodeFacts) -> bool:  # some NVLink domain of n has k free GPUs of the class
+        return n.nvlink_domains is not None and any(len(set(d) & set(free(n))) >= k for d in n.nvlink_domains)
+
+    whole = [n.name for n in nodes if n.reachable and not n.cordoned and whole_domain(n)]
+    assert not whole, f"{shard.node} split {shard.gpus} while {whole} had a whole domain"
