@@ -161,8 +161,23 @@ def test_cordon_without_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_cordon_needs_reason(tmp_path: Path) -> None:
     p = inv(tmp_path, "nodes:\n  - {name: gpu-01, host: h}\n")
+    db = tmp_path / "state.db"
     r = run(tmp_path, "cordon", "gpu-01", "-i", str(p), "--reason", "  ")
     assert r.exit_code == 2
+    (line,) = error_lines(r)
+    assert "--reason" in line and "empty" in line, line
+    assert not db.exists()  # refused before anything was written: not even a new state
+    r = run(tmp_path, "cordon", "gpu-01", "-i", str(p))
+    assert r.exit_code == 2 and "Missing option '--reason'" in r.output, r.output
+    assert not db.exists()
+    with Store(db) as s:  # with a state there, a refused cordon leaves it as it was
+        s.save_discovery([], inventory=p)
+        v, events = s.version(), s.events()
+    for reason in (["--reason", "\t "], []):
+        r = run(tmp_path, "cordon", "gpu-01", "-i", str(p), *reason)
+        assert r.exit_code == 2, r.output
+        with Store(db) as s:
+            assert s.cordons() == {} and s.version() == v and s.events() == events
 
 
 def test_corrupt_state_file(tmp_path: Path) -> None:

@@ -369,6 +369,21 @@ def test_gid_prefix_never_raises(text: str) -> None:
     assert v is None or 0 <= v < 2**64
 
 
+# Any GID's 8 groups, as sysfs writes them (4 digits each) or with leading zeros dropped, in
+# either case, with or without the trailing newline: the prefix is the upper 64 bits of g,
+# and only the all-zero GID (a port with none yet) has no prefix. A 0 prefix is still a prefix.
+_gid_ints = st.one_of(st.integers(0, 2**128 - 1), st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2**64, 2**128 - 1]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_gid_ints, st.booleans(), st.booleans(), st.sampled_from(["", "\n", "\r\n"]))
+def test_gid_prefix_is_the_upper_64_bits_of_the_gid(g: int, padded: bool, upper: bool, end: str) -> None:
+    fmt = "{:04x}" if padded else "{:x}"
+    text = ":".join(fmt.format((g >> s) & 0xFFFF) for s in range(112, -1, -16))
+    text = (text.upper() if upper else text) + end
+    assert parse_gid_prefix(text) == (None if g == 0 else g >> 64)
+
+
 def test_hca_port_round_trips_its_subnet_prefix() -> None:
     h = HcaPort("mlx5_0", 1, "Active", link_layer="InfiniBand", subnet_prefix=0xFEC0_0000_0000_0001)
     d = h.to_dict()

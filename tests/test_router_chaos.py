@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 from simengine import Fleet
 
 MSG = [{"role": "user", "content": "hello"}]
@@ -36,26 +37,44 @@ async def one(client: httpx.AsyncClient, base: str, out: list[dict]) -> None:
         rec["exc"] = repr(e)
 
 
+def _retries(f: Fleet) -> float:
+    """The router's retry counter, summed over its labels."""
+    return sum(
+        s.value
+        for m in f.router.metrics.registry.collect()
+        for s in m.samples
+        if s.name == "clusterctl_router_retries_total"
+    )
+
+
 def test_engine_killed_while_clients_stream():
     f = Fleet(4, capacity=3, token_delay_s=0.01, tokens=25).start(router={"breaker": {"failure_threshold": 2}})
     victim = f.engines[0]
     try:
 
-        async def run() -> list[dict]:
+        async def kill_when_busy() -> int:
+            """On the fleet's loop: wait until the victim runs >= 2 streams, then kill it in the
+            same step (nothing can finish in between); returns what it had running and queued."""
+            for _ in range(3000):  # bounded: about 30 s
+                if victim.running >= 2:
+                    held = victim.running + victim.waiting
+                    await victim.kill()
+                    return held
+                await asyncio.sleep(0.01)
+            pytest.fail(f"the victim never ran 2 streams (running={victim.running}, requests={victim.requests})")
+
+        async def run() -> tuple[list[dict], int]:
             out: list[dict] = []
             limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
             async with httpx.AsyncClient(timeout=60, limits=limits) as client:
                 first = [asyncio.create_task(one(client, f.base, out)) for _ in range(24)]
-                for _ in range(500):  # bounded wait until the victim is busy and has a queue
-                    if f.lt.call(lambda: victim.running >= 2):
-                        break
-                    await asyncio.sleep(0.01)
-                f.lt.run(victim.kill())
+                held = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(kill_when_busy(), f.lt.loop))
                 later = [asyncio.create_task(one(client, f.base, out)) for _ in range(16)]
                 await asyncio.wait_for(asyncio.gather(*first, *later), 60)
-            return out
+            return out, held
 
-        results = asyncio.run(run())
+        results, held = asyncio.run(run())
+        assert held >= 2
         assert len(results) == 40
         cut = [r for r in results if not r["done"]]
         for r in results:
@@ -64,6 +83,12 @@ def test_engine_killed_while_clients_stream():
             else:
                 assert r["status"] == 200 and not r["error_event"], r
         assert len(cut) <= 3  # at most what the victim was running (its capacity)
+        assert victim.served + victim.aborted == victim.requests  # the victim's books balance
+        assert victim.aborted >= held  # the kill dropped what it held: it never served those
+        # Each request the victim held was either cut (its client had seen tokens) or retried
+        # on a survivor (nothing had reached its client). The retry counter also holds later
+        # requests that found the victim dead, hence ">=".
+        assert len(cut) + _retries(f) >= held
         assert sum(e.served for e in f.engines[1:]) == 40 - len(cut)
         workers = f.router.table.workers
         f.lt.wait_for(lambda: all(w.inflight == 0 for w in workers.values()), what="in-flight back to 0")

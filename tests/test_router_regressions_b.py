@@ -114,7 +114,7 @@ def test_a_plain_body_cut_by_the_engine_is_the_engines_failure_not_the_clients()
         for _ in range(3):
             with pytest.raises(httpx.HTTPError):  # the truncated body must not look complete
                 httpx.post(f"http://127.0.0.1:{rport}/v1/chat/completions", json={"model": "m", "messages": []})
-        time.sleep(0.2)
+        lt.wait_for(lambda: w.failed >= 3, what="the third failure recorded")
         assert w.failed == 3 and lt.call(lambda: w.breaker.stats())["state"] == "open"
         metrics = lt.call(lambda: r.metrics.render()).decode()
         assert 'status="499"' not in metrics
@@ -124,9 +124,19 @@ def test_a_plain_body_cut_by_the_engine_is_the_engines_failure_not_the_clients()
         lt.close()
 
 
+def _retries(r: Router) -> dict[str, float]:
+    """The router's retry counter, by reason."""
+    return {
+        s.labels["reason"]: s.value
+        for m in r.metrics.registry.collect()
+        for s in m.samples
+        if s.name == "clusterctl_router_retries_total"
+    }
+
+
 def test_a_retry_after_a_reload_uses_the_new_endpoints() -> None:
     f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2)
-    old = f.engines[0]
+    old, new = f.engines
     cfg = f.config(router={"limits": {"idle_timeout_s": 1.0}})
     eps = cfg["models"]["sim"]["endpoints"]
     f.start(cfg={**cfg, "models": {"sim": {"endpoints": [eps[0]]}}})
@@ -136,11 +146,16 @@ def test_a_retry_after_a_reload_uses_the_new_endpoints() -> None:
         t = threading.Thread(target=lambda: res.setdefault(
             "r", httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": []}, timeout=10)))  # fmt: skip
         t.start()
-        time.sleep(0.3)  # the request hangs on the old endpoint; a reload swaps in the new one
+        # The request hangs on the old endpoint; a reload swaps in the new one.
+        f.lt.wait_for(lambda: old.requests == 1, what="the request to reach the old endpoint")
         new_cfg = RouterConfig.model_validate({**cfg, "models": {"sim": {"endpoints": [eps[1]]}}})
         f.lt.call(lambda: f.router.reload(new_cfg))
-        t.join()
+        t.join(30)
+        assert not t.is_alive(), "the request never ended"
         assert res["r"].status_code == 200, res["r"].text
+        # The old endpoint timed out (idle timeout) without answering; the retry went to the new one.
+        assert f.lt.call(lambda: (old.requests, old.served, new.requests, new.served)) == (1, 0, 1, 1)
+        assert f.lt.call(lambda: _retries(f.router)) == {"timeout": 1.0}
     finally:
         f.close()
 

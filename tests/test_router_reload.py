@@ -241,6 +241,7 @@ def test_a_config_and_keys_from_pipes_serve(tmp_path):
     """`--config <(...)` and `--api-keys-file <(...)` read once; a pipe is not watched."""
     import subprocess
     import sys
+    import threading
     import time
 
     cfg = tmp_path / "r.yaml"
@@ -253,8 +254,11 @@ def test_a_config_and_keys_from_pipes_serve(tmp_path):
     s.close()
     cli = f"{sys.executable} -c 'from cluster_cli.cli.main import run; run()'"
     cmd = (f"exec {cli} serve-router --config <(cat {cfg}) --api-keys-file <(printf 'k1\\n') "
-           f"--port {port} --access-log off --watch-interval 0.1")  # fmt: skip
-    proc = subprocess.Popen(["bash", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           f"--port {port} --access-log off --watch-interval 0.1 --log-level info")  # fmt: skip
+    proc = subprocess.Popen(["bash", "-c", cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
     try:
         deadline = time.monotonic() + 60
         codes: tuple[int, int] | None = None
@@ -267,13 +271,23 @@ def test_a_config_and_keys_from_pipes_serve(tmp_path):
             except httpx.HTTPError:
                 time.sleep(0.1)
         assert codes == (200, 401)
-        time.sleep(0.5)  # a few polls: the pipes stay as they were read
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["last_keys_error"] is None
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["last_reload_error"] is None
+        # Both watchers saw a pipe and stopped there, for good: nothing will re-read them.
+        deadline = time.monotonic() + 30
+        while sum("is not a regular file: not watched" in line for line in list(lines)) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.05)
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+        assert health["last_keys_error"] is None and health["last_reload_error"] is None
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer k1"},
+                         timeout=2).status_code == 200  # fmt: skip
     finally:
         proc.terminate()
-        _out, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        reader.join(30)
+    err = "".join(lines)
     assert proc.returncode == 0, err
+    reread = ("config reloaded", "config rejected", "API keys reloaded", "API keys not reloaded", " failed")
+    assert not [line for line in lines if any(w in line for w in reread)], err  # never re-read
 
 
 def test_a_fifo_or_an_oversized_file_in_place_of_the_config_is_refused_not_waited_on(tmp_path, monkeypatch):

@@ -51,12 +51,36 @@ def test_unreachable_keeps_last_known_hardware(tmp_path: Path) -> None:
 def test_versions_and_replicas_released_whole(tmp_path: Path) -> None:
     with Store(tmp_path / "s.db") as s:
         v0 = s.version()
-        r = Replica("m", 0, "p", "vllm", (Shard("a", (0, 1), ("mlx5_0",)), Shard("b", (0, 1), ("mlx5_0",))), "ib-a")
-        s.put_replica(r, status="running", endpoint="http://x:1")
-        assert s.version() > v0
-        assert s.replicas() == [r]
-        assert s.release_replica("m", 0)
-        assert s.replicas() == []
+        a = Replica("m", 0, "p", "vllm", (Shard("a", (0, 1), ("mlx5_0",)), Shard("b", (0, 1), ("mlx5_0",))), "ib-a")
+        b = Replica("m", 1, "p", "vllm", (Shard("c", (0, 1, 2, 3), ("mlx5_0", "mlx5_1")), Shard("d", (4, 5))), "ib-a")
+        s.put_replica(a, status="starting", endpoint="http://a:1", detail="pulling")
+        s.put_replica(b)  # the defaults: planned, no endpoint yet
+        v1 = s.version()
+        assert v1 > v0
+        assert s.replicas() == [a, b]
+        # The same (model, replica) again updates that row in place: spec, status, endpoint, detail.
+        a2 = Replica("m", 0, "p2", "vllm", (Shard("a", (2, 3), ("mlx5_1",)), Shard("e", (0, 1), ("mlx5_0",))), "ib-a")
+        s.put_replica(a2, status="running", endpoint="http://a:2")
+        assert s.version() > v1
+        rows = s.replica_rows()
+        assert [(r["replica"], r["status"], r["endpoint"], r["detail"]) for r in rows] == [
+            (a2, "running", "http://a:2", None),
+            (b, "planned", None, None),
+        ]
+        assert all(isinstance(r["updated_at"], float) for r in rows)
+        v2 = s.version()
+        assert s.release_replica("m", 0) is True
+        assert s.version() > v2
+        # Released whole: every shard of m/0 went at once, and m/1 is untouched.
+        assert s.replicas() == [b]
+        assert [(r["replica"], r["status"], r["endpoint"]) for r in s.replica_rows()] == [(b, "planned", None)]
+        assert s.events(1)[0]["kind"] == "release" and s.events(1)[0]["message"] == "m/0 released"
+        v3 = s.version()
+        assert s.release_replica("m", 0) is False  # nothing left to release
+        assert s.release_replica("m", 7) is False
+        assert s.replicas() == [b] and s.events(1)[0]["message"] == "m/0 released"
+    with Store(tmp_path / "s.db") as s:  # and it is all on disk
+        assert s.replicas() == [b] and s.version() >= v3
 
 
 def _cordon_many(path: str, prefix: str, n: int) -> None:
