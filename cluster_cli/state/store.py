@@ -237,7 +237,7 @@ class Store:
     def write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction; bumps the state version."""
         with self._tx() as db:
-            db.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'state_version'")
+            _bump(db)
             yield db
 
     def version(self) -> int:
@@ -384,10 +384,12 @@ class Store:
             )
 
     def release_replica(self, model: str, replica: int) -> bool:
-        """Free every shard of a replica at once."""
-        with self.write() as db:
+        """Free every shard of a replica at once. False, and no new state version, when
+        there was nothing to release."""
+        with self._tx() as db:
             n = db.execute("DELETE FROM replicas WHERE model=? AND replica=?", (model, replica)).rowcount
             if n:
+                _bump(db)
                 self._event(db, "release", None, f"{model}/{replica} released")
         return n > 0
 
@@ -396,3 +398,8 @@ class Store:
             "SELECT at, kind, node, message FROM events ORDER BY id DESC LIMIT ?", (limit,)
         ).fetchall()
         return [{"at": a, "kind": k, "node": n, "message": m} for a, k, n, m in rows]
+
+
+def _bump(db: sqlite3.Connection) -> None:
+    """A new state version: what a plan computed from the old one must not be applied."""
+    db.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'state_version'")
