@@ -90,7 +90,8 @@ class Breaker:
         """Seconds until an open breaker lets a probe through (0 when that is due); None when not open."""
         if self.state is not State.OPEN:
             return None
-        return max(0.0, self.opened_at + self.open_for() - self._clock())
+        # The same arithmetic as _tick's, so that 0 here means a probe is let through now.
+        return max(0.0, self.open_for() - (self._clock() - self.opened_at))
 
     def _tick(self) -> None:
         if self.state is State.OPEN and self._clock() - self.opened_at >= self.open_for():
@@ -127,6 +128,7 @@ class Breaker:
 
     def on_result(self, ok: bool, probe: int = 0) -> None:
         """``probe``: what ``on_send`` returned for this request."""
+        self._tick()  # an open time that is over counts whether or not anyone has looked since
         current = self._current_probe(probe)
         if current and self.probes > 0:
             self.probes -= 1
@@ -159,6 +161,7 @@ class Breaker:
 
     # ---------------------------------------------------------------- active health
     def on_health(self, ok: bool) -> None:
+        self._tick()
         if ok:
             self.health_failures = 0
             if self.state is State.OPEN and self.opened_by_health:
