@@ -351,7 +351,8 @@ class _Planner:
             if s.allocated:
                 s.refresh_free()
 
-    def _invalid(self, rep: Replica, held: dict[str, str] | None = None) -> str:
+    def _invalid(self, rep: Replica, held: dict[str, str]) -> str:
+        """Why a current replica cannot be kept, or ""; ``held``: GPU UUIDs of the replicas kept so far."""
         model = self.catalog.model(rep.model)
         if model is None:
             return "model no longer in the catalog"
@@ -388,7 +389,7 @@ class _Planner:
                     return f"GPU {i} of {s.node} is {g.gpu_class}, profile needs {prof.gpu_class}"
                 if i in node.allocated:
                     return f"GPU {i} of {s.node} is also held by {node.allocated[i]}"
-                if held and g.uuid in held:
+                if g.uuid in held:
                     return f"GPU {i} of {s.node} ({g.uuid}) is also held by {held[g.uuid]}, under another node name"
             if prof.nodes > 1 and rep.fabric not in node.attachments:
                 return f"node {s.node} has no Active port on fabric {rep.fabric}"

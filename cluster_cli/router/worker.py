@@ -166,10 +166,8 @@ class Worker:
     def acquire(self) -> None:
         self.inflight += 1
         now = self._clock()
-        sent = self._sent
-        sent.append(now)
-        while sent[0] < now - ADMIT_WINDOW_S:
-            sent.popleft()
+        self._sent.append(now)
+        self.sent_since(now - ADMIT_WINDOW_S)  # forget older sends: the deque stays short
 
     def sent_since(self, since: float) -> int:
         """Requests the router sent here at or after ``since`` (within ``ADMIT_WINDOW_S``)."""
