@@ -304,7 +304,12 @@ def test_a_lost_gpu_of_unknown_class_is_mentioned_in_the_reason() -> None:
     n = replace(n, gpus=(*n.gpus[:7], lost))
     p = plan([n], catalog(("llama", 1, [H100x8])))
     (u,) = p.unplaced
-    assert u.reasons[0].detail == "7 of 7 H100 free, profile needs 8; also 1 lost GPU of unknown class"
+    # Its other GPUs are all H100: the lost one is counted as one of them, as discover's table does.
+    assert u.reasons[0].detail == "7 of 8 H100 free (1 lost), profile needs 8"
+    # On a node of two classes it could have been either: said apart.
+    mixed = replace(n, gpus=(*n.gpus[:6], replace(n.gpus[6], product="NVIDIA L40S", gpu_class="L40S"), lost))
+    (u,) = plan([mixed], catalog(("llama", 1, [H100x8]))).unplaced
+    assert u.reasons[0].detail == "6 of 6 H100 free, profile needs 8; also 1 lost GPU of unknown class"
 
 
 def test_exact_node_reason_and_nomad_summary() -> None:

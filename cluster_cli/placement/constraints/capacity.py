@@ -87,11 +87,16 @@ class Capacity:
             return Verdict.passed(self.name, f"{free} {cls} free")
         total = node.class_total.get(cls, 0)
         why = gpu_breakdown(node, cls)
-        detail = f"{free} of {total} {cls} free" + (f" ({why})" if why else "") + f", profile needs {req.gpus}"
-        # A GPU that fell off the bus has no readable product, so no class: it may well
-        # have been one of these.
+        # A GPU that fell off the bus has no readable product, so no class. On a node whose
+        # other GPUs are all of this class it is one of them (as discover's table counts it);
+        # elsewhere it may have been.
         unknown = len({g.index for g in node.facts.gpus if g.lost and g.gpu_class == "unknown"})
-        if unknown and cls != "unknown":
+        mixed = unknown and {g.gpu_class for g in node.facts.gpus if not g.lost} != {cls}
+        if unknown and not mixed:
+            total += unknown
+            why = ", ".join(filter(None, [why, f"{unknown} lost"]))
+        detail = f"{free} of {total} {cls} free" + (f" ({why})" if why else "") + f", profile needs {req.gpus}"
+        if mixed and cls != "unknown":
             detail += f"; also {unknown} lost GPU{'s' if unknown > 1 else ''} of unknown class"
         return Verdict.exhausted(self.name, "gpus", "insufficient gpus", detail)
 
