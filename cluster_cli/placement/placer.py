@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.facts import NodeFacts, Replica, Shard, problem_key
+from cluster_cli.machines import is_gpu_uuid
 from cluster_cli.placement import scoring
 from cluster_cli.placement.constraints import STATIC, choose_gpus, mark_duplicate_gpus
 from cluster_cli.placement.constraints.base import NodeState, Request
-from cluster_cli.placement.constraints.duplicate import is_gpu_uuid
 from cluster_cli.placement.constraints.nvlink import fits_one_domain
 from cluster_cli.placement.explain import explain_request, node_verdicts
 from cluster_cli.placement.verdict import PlacementMetrics, Reason, Verdict

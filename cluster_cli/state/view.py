@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from cluster_cli.config.inventory import Inventory
 from cluster_cli.facts import Gpu, NodeFacts, problem_key
-from cluster_cli.placement.constraints.duplicate import mark_duplicate_gpus
+from cluster_cli.machines import mark_duplicate_gpus
 
 __all__ = ["for_inventory", "note_changes", "note_lost_ports", "note_vanished_gpus"]
 
