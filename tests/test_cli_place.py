@@ -103,6 +103,13 @@ def test_a_replica_that_fell_back_says_why_each_better_profile_did_not_fit(tmp_p
     ]
     j = lines.index("  llama-70b [0] on h100-tp8: 2 nodes evaluated; 1 node filtered: gpu-class 1")
     assert not lines[j + 1].startswith("    not ")  # its first choice: nothing to explain
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    (fell,) = [x for x in json.loads(r.stdout)["replicas"] if x["replica"] == 1]
+    assert [(a["profile"], a["placed"], a.get("summary")) for a in fell["attempts"]] == [
+        ("h100-tp8", False, "0/2 nodes are available: 1 insufficient gpus, 1 no H100 gpu."),
+        ("a100-2x8", False, "0/2 nodes are available: 2 no A100 gpu."),
+        ("cpu", True, None),
+    ]
 
 
 def test_nodes_outside_the_inventory_are_ignored_and_missing_ones_explained(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ from cluster_cli.placement import scoring
 from cluster_cli.placement.constraints import STATIC, choose_gpus, mark_duplicate_gpus
 from cluster_cli.placement.constraints.base import NodeState, Request
 from cluster_cli.placement.constraints.nvlink import fits_one_domain
-from cluster_cli.placement.explain import explain_request, node_verdicts
+from cluster_cli.placement.explain import explain_request, fit_message, node_verdicts
 from cluster_cli.placement.verdict import PlacementMetrics, Reason, Verdict
 
 if TYPE_CHECKING:
@@ -74,7 +74,10 @@ class Attempt:
     metrics: PlacementMetrics
 
     def to_dict(self) -> dict[str, Any]:
-        return {"profile": self.profile, "placed": self.placed, "metrics": self.metrics.to_dict()}
+        d: dict[str, Any] = {"profile": self.profile, "placed": self.placed, "metrics": self.metrics.to_dict()}
+        if not self.placed:  # why it did not fit, as the table says it (place -v: every node)
+            d["summary"] = fit_message(self.metrics)
+        return d
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,6 @@ class Unplaced:
     reasons: tuple[Reason, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        from cluster_cli.placement.explain import fit_message
-
         return {
             "model": self.model,
             "replica": self.replica,
