@@ -418,7 +418,23 @@ def test_a_replica_kept_under_one_name_holds_its_gpus_under_the_other() -> None:
     third = plan([h1, h2], cat, both)
     assert [(p.action, p.replica.replica) for p in third.placements] == [("keep", 0), ("stop", 1)]
     stop = third.placements[1].note
-    assert "(GPU-h1-0) is also held by m/0, under another node name" in stop
+    assert "(GPU-h1-0) is also held by m/0, on h2: the same machine" in stop
+
+
+def test_one_replica_cannot_hold_one_box_twice_and_a_uuid_repeated_on_one_node_is_not_an_alias() -> None:
+    h1 = dgx("h1", cpus=64)
+    h2 = replace(dgx("h2", cpus=64), gpus=h1.gpus)  # the same box under a second name
+    big = catalog(("big", 1, [profile("2x8", gpu_class="H100", gpus=8, nodes=2)]))
+    both = rep("big", 0, "2x8", [("h1", tuple(range(8))), ("h2", tuple(range(8)))], gpu_class="H100",
+               fabric="ib-a", hcas=[f"mlx5_{i}" for i in range(8)])  # fmt: skip
+    (stop,) = plan([h1, h2], big, [both]).placements
+    assert stop.action == "stop"  # its two shards are the same 8 GPUs
+    assert stop.note == "GPU 0 of h2 (GPU-h1-0) is also this replica's on h1: the same machine"
+    # Hand-written facts with one UUID on every GPU of a node: the node is not its own alias.
+    n = replace(dgx("h1"), gpus=tuple(replace(g, uuid="GPU-00000000") for g in dgx("h1").gpus))
+    tp2 = catalog(("m", 2, [profile("tp2", gpu_class="H100", gpus=2)]))
+    p = plan([n], tp2, [rep("m", 0, "tp2", [("h1", (0, 1))], gpu_class="H100")])
+    assert [(x.action, x.replica.replica) for x in p.placements] == [("keep", 0), ("start", 1)]
 
 
 def test_placeholder_gpu_uuids_do_not_make_two_nodes_one_machine() -> None:

@@ -118,11 +118,33 @@ def test_a_full_engine_at_its_estimate_is_not_probed_past_it():
         c.t += 1
         w.on_scrape(4, 1, 1.0, c())
         assert w.cap == 4
-        for _ in range(40):
+        caps = set()
+        for _ in range(240):  # two minutes: well past CAP_WINDOW_S, so no old reading props it up
             c.t += 0.5
             send(w, 1)
             w.on_scrape(3, 1, kv, c())
-        assert w.cap == 4
+            caps.add(w.cap)
+        assert caps == {4}  # confirmed at the estimate (3 running + the one just sent), never lowered
+    # A configured max_inflight is confirmed the same way, not lowered to what runs.
+    c = Clock()
+    m = worker(1, c, max_inflight=8)
+    send(m, 2)
+    m.on_scrape(6, 2, None, c())
+    assert m.cap == 8
+
+
+def test_the_send_window_starts_when_the_scrape_was_asked_for() -> None:
+    """A scrape reads the engine when it asks; its answer may come later. A request sent just
+    before the scrape started is excused by when the scrape started, not by when it ended."""
+    c = Clock()
+    w = worker(0, c)
+    started = c.t + 0.05
+    send(w, 1)
+    c.t += 0.3  # the scrape took 0.25 s: the send is older than ADMIT_WINDOW_S by its end
+    w.on_scrape(5, 1, None, c(), started)
+    assert w.cap is None
+    w.on_scrape(5, 1, None, c(), c())  # a scrape that started now: that send is not recent
+    assert w.cap == 5
 
 
 def test_max_inflight_caps_and_unknown_is_not_zero():

@@ -70,9 +70,9 @@ class BreakerMachine(RuleBasedStateMachine):
     def m_open_for(self) -> float:
         return min(self.cfg.max_open_for_s, self.cfg.open_for_s * max(1, self.m_openings))
 
-    def m_open(self, by_health: bool) -> None:
+    def m_open(self, by_health: bool, new_opening: bool = True) -> None:
         self.m_state, self.m_by_health = State.OPEN, by_health
-        self.m_openings += 1
+        self.m_openings += new_opening
         self.m_opened_at = self.clock.t
 
     def m_half_open(self) -> None:
@@ -158,14 +158,20 @@ class BreakerMachine(RuleBasedStateMachine):
     @rule(ok=st.booleans())
     def health(self, ok: bool) -> None:
         self.b.on_health(ok)
-        self.m_tick()
         if ok:
+            self.m_tick()
             self.m_health_failures = 0
             if self.m_state is State.OPEN and self.m_by_health:  # the engine is back: probe now
                 self.m_half_open()
         else:
             self.m_health_failures += 1
-            if self.m_state is State.OPEN:
+            over = self.m_state is State.OPEN and self.clock.t - self.m_opened_at >= self.m_open_for()
+            if over or (self.m_state is State.HALF_OPEN and self.m_probes() == 0):
+                # still down by its health after its open time, no probe failed: another
+                # period of the same length, whether or not something half-opened it meanwhile
+                event("health failure after the open time")
+                self.m_open(by_health=True, new_opening=False)
+            elif self.m_state is State.OPEN:
                 self.m_by_health = True
             elif self.m_state is State.HALF_OPEN or self.m_health_failures >= self.cfg.health_failure_threshold:
                 self.m_open(by_health=True)
@@ -466,4 +472,7 @@ def test_what_a_breaker_does_after_its_open_time_does_not_depend_on_whether_anyo
             else:
                 b.on_result(False, stale)
             outcomes.append((b.state, b.openings, b.allows(), b.reopens_in()))
-        assert outcomes[0] == outcomes[1] == (State.OPEN, 2, False, 10.0), event_
+        # A request that fails now reopens it for twice as long; a failed health check keeps it
+        # open for another period of the same length (no probe failed).
+        want = (State.OPEN, 1, False, 5.0) if event_ == "health" else (State.OPEN, 2, False, 10.0)
+        assert outcomes[0] == outcomes[1] == want, event_

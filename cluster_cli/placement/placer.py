@@ -315,7 +315,7 @@ class _Planner:
         seen: set[tuple[str, int]] = set()
         # A kept replica holds its GPUs by UUID too: one machine under two names (one of
         # them marked duplicate-gpu) must not have the same GPU handed out under the other.
-        held: dict[str, str] = {}
+        held: dict[str, tuple[str, str]] = {}  # GPU UUID -> (replica, the node it is held on)
         for rep in sorted(current, key=lambda r: (r.model, r.replica, r.profile)):
             if rep.key in seen:
                 self.placements.append(Placement(rep, "stop", "duplicate allocation of this replica"))
@@ -332,7 +332,7 @@ class _Planner:
                 for g in s.gpus:
                     node.allocated[g] = key
                     if (u := uuids.get(g)) and is_gpu_uuid(u):
-                        held[u] = key
+                        held[u] = (key, s.node)
                 node.replicas += 1
                 node.models[rep.model] = node.models.get(rep.model, 0) + 1
                 if not rep.gpu_class:
@@ -346,14 +346,16 @@ class _Planner:
         if held:
             for st in self.states:
                 for g in st.facts.gpus:
-                    if g.uuid in held and g.index not in st.allocated:
-                        st.allocated[g.index] = held[g.uuid]
+                    if g.uuid in held and held[g.uuid][1] != st.name and g.index not in st.allocated:
+                        st.allocated[g.index] = held[g.uuid][0]
         for s in self.states:
             if s.allocated:
                 s.refresh_free()
 
-    def _invalid(self, rep: Replica, held: dict[str, str]) -> str:
-        """Why a current replica cannot be kept, or ""; ``held``: GPU UUIDs of the replicas kept so far."""
+    def _invalid(self, rep: Replica, held: dict[str, tuple[str, str]]) -> str:
+        """Why a current replica cannot be kept, or ""; ``held``: GPU UUIDs of the replicas kept
+        so far, with the node each is held on."""
+        mine: dict[str, str] = {}  # this replica's own GPU UUIDs, by node: two shards on one box
         model = self.catalog.model(rep.model)
         if model is None:
             return "model no longer in the catalog"
@@ -390,8 +392,11 @@ class _Planner:
                     return f"GPU {i} of {s.node} is {g.gpu_class}, profile needs {prof.gpu_class}"
                 if i in node.allocated:
                     return f"GPU {i} of {s.node} is also held by {node.allocated[i]}"
-                if g.uuid in held:
-                    return f"GPU {i} of {s.node} ({g.uuid}) is also held by {held[g.uuid]}, under another node name"
+                if g.uuid in held and held[g.uuid][1] != s.node:
+                    who, where = held[g.uuid]
+                    return f"GPU {i} of {s.node} ({g.uuid}) is also held by {who}, on {where}: the same machine"
+                if is_gpu_uuid(g.uuid) and mine.setdefault(g.uuid, s.node) != s.node:
+                    return f"GPU {i} of {s.node} ({g.uuid}) is also this replica's on {mine[g.uuid]}: the same machine"
             if prof.nodes > 1 and rep.fabric not in node.attachments:
                 return f"node {s.node} has no Active port on fabric {rep.fabric}"
         return ""

@@ -161,24 +161,33 @@ class Breaker:
 
     # ---------------------------------------------------------------- active health
     def on_health(self, ok: bool) -> None:
-        self._tick()
         if ok:
+            self._tick()
             self.health_failures = 0
             if self.state is State.OPEN and self.opened_by_health:
                 self._set(State.HALF_OPEN)
             return
         self.health_failures += 1
-        if self.state is State.OPEN:  # down by its health too: its recovery will show there first
+        if self.state is State.OPEN and self._clock() - self.opened_at >= self.open_for():
+            # Its open time is over, yet its health still fails: open for another period.
+            # No probe failed, so it is no new opening (the open time does not grow), the
+            # same whether or not something looked (and half-opened it) in between.
+            self.opened_at = self._clock()
             self.opened_by_health = True
+        elif self.state is State.OPEN:  # down by its health too: its recovery will show there first
+            self.opened_by_health = True
+        elif self.state is State.HALF_OPEN and self.probes == 0:
+            self._open(by_health=True, new_opening=False)
         elif self.state is State.HALF_OPEN or (
             self.state is State.CLOSED and self.health_failures >= self.cfg.health_failure_threshold
         ):
             self._open(by_health=True)
 
     # ---------------------------------------------------------------- transitions
-    def _open(self, by_health: bool = False) -> None:
+    def _open(self, by_health: bool = False, new_opening: bool = True) -> None:
         self.opened_by_health = by_health
-        self.openings += 1
+        if new_opening:
+            self.openings += 1
         self.opened_at = self._clock()
         self._set(State.OPEN)
 

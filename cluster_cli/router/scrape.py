@@ -72,6 +72,7 @@ async def scrape_one(w: Worker, timeout: float, now: Callable[[], float]) -> Non
     gen = w.engine_gen
     if mapping.running is None and mapping.waiting is None and mapping.kv_cache_usage is None:
         return
+    started = now()
     try:
         status, body = await fetch(w.view.host, w.view.port, "/metrics", timeout)
         if status != 200:
@@ -83,7 +84,7 @@ async def scrape_one(w: Worker, timeout: float, now: Callable[[], float]) -> Non
         return
     if w.engine_gen != gen:
         return  # a reload changed the engine while this scrape ran: its numbers are the old engine's
-    w.on_scrape(running, waiting, kv, now())
+    w.on_scrape(running, waiting, kv, now(), started)
 
 
 async def scrape_loop(

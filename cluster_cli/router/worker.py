@@ -35,6 +35,7 @@ from cluster_cli.router.config import EndpointView
 
 CAP_WINDOW_S = 30.0
 ADMIT_WINDOW_S = 0.15  # a request sent this recently may still wait for its engine's next step (10-100 ms)
+SENDS_KEPT_S = ADMIT_WINDOW_S + 2.0  # the window before a scrape's start, plus its longest timeout
 KV_FULL = 0.9  # KV-cache use, projected to the estimate, from which the engine counts as full there
 
 
@@ -166,15 +167,19 @@ class Worker:
     def acquire(self) -> None:
         self.inflight += 1
         now = self._clock()
-        self._sent.append(now)
-        self.sent_since(now - ADMIT_WINDOW_S)  # forget older sends: the deque stays short
+        sent = self._sent
+        sent.append(now)
+        while sent[0] < now - SENDS_KEPT_S:
+            sent.popleft()
 
     def sent_since(self, since: float) -> int:
-        """Requests the router sent here at or after ``since`` (within ``ADMIT_WINDOW_S``)."""
-        sent = self._sent
-        while sent and sent[0] < since:
-            sent.popleft()
-        return len(sent)
+        """Requests the router sent here at or after ``since`` (at most ``SENDS_KEPT_S`` ago)."""
+        n = 0
+        for t in reversed(self._sent):
+            if t < since:
+                break
+            n += 1
+        return n
 
     def release(self, ok: bool | None) -> None:
         """One request left this endpoint: ok True/False feeds drain stats, None = abandoned."""
@@ -194,7 +199,10 @@ class Worker:
         self.drain_rate = rate if self.drain_rate == 0 else (1 - alpha) * self.drain_rate + alpha * rate
         self._rate_mark = (now, self.completed)
 
-    def on_scrape(self, running: float | None, waiting: float | None, kv: float | None, now: float) -> None:
+    def on_scrape(
+        self, running: float | None, waiting: float | None, kv: float | None, now: float, started: float | None = None
+    ) -> None:
+        """A scrape's readings, taken between ``started`` (when it was asked for) and ``now``."""
         self.scraped = Scraped(running, waiting, kv, now, self.inflight, None)
         if running is None or waiting is None:
             return
@@ -207,17 +215,19 @@ class Worker:
         # be probed past every ``probe_s``), unless the KV cache, where the engine exports
         # it, says the estimate would leave it well short of full: an estimate learned too
         # low must still be probed upwards.
-        recent = self.sent_since(now - ADMIT_WINDOW_S)
+        recent = self.sent_since((now if started is None else started) - ADMIT_WINDOW_S)
         ours = min(waiting, recent)
         cap = self.cap
         at_estimate = (
             cap is not None and running + ours >= cap and (kv is None or running <= 0 or kv * cap >= KV_FULL * running)
         )
-        if running >= 1 and (waiting > recent or (waiting > 0 and at_estimate)):
-            # Full at ``running``. A single low reading must not shrink the estimate: it is
-            # the highest such reading over the last CAP_WINDOW_S seconds. A probe above
-            # what the engine now shows did not hold: drop it.
-            r = int(running)
+        full = running >= 1 and waiting > recent
+        if full or (running >= 1 and waiting > 0 and at_estimate):
+            # Full at ``running`` (or, confirmed, at the estimate: what runs plus what was
+            # just sent). A single low reading must not shrink the estimate: it is the highest
+            # such reading over the last CAP_WINDOW_S seconds. A probe above what the engine
+            # now shows did not hold: drop it.
+            r = int(running) if full else min(cap, int(running + ours))  # type: ignore[type-var]
             if any(probe and c > r for _, c, probe in obs):
                 self._cap_obs = obs = deque(o for o in obs if not (o[2] and o[1] > r))
             obs.append((now, r, False))
