@@ -133,6 +133,26 @@ def test_a_full_engine_at_its_estimate_is_not_probed_past_it():
     assert m.cap == 8
 
 
+def test_a_probe_holds_only_once_the_engine_runs_that_many() -> None:
+    c = Clock()
+    w = worker(0, c)
+    w.on_scrape(8, 1, None, c())
+    assert w.cap == 8
+    c.t += 6
+    w.on_scrape(8, 0, None, c())  # ran at the estimate, nothing waiting: probe one more
+    assert w.cap == 9
+    c.t += 0.5
+    send(w, 1)
+    w.on_scrape(8, 1, None, c())  # the ninth waits (for a step, or a slot): not shown to hold
+    assert w.cap == 8
+    c.t += 0.5
+    w.on_scrape(9, 0, None, c())  # it ran nine at once: it can
+    assert w.cap == 9
+    c.t += 1
+    w.on_scrape(8, 2, None, c())  # nine was its most: a full reading of 8 does not undo that
+    assert w.cap == 9
+
+
 def test_the_send_window_starts_when_the_scrape_was_asked_for() -> None:
     """A scrape reads the engine when it asks; its answer may come later. A request sent just
     before the scrape started is excused by when the scrape started, not by when it ended."""

@@ -10,16 +10,19 @@ Load signals:
   ``None`` (unknown), never 0. A scrape older than ``stale_s`` is ignored: the load
   falls back to the in-flight count.
 - ``capacity``: learned, not configured. When a scrape shows more requests waiting than
-  the router sent the engine in the last ``ADMIT_WINDOW_S`` seconds, the engine is full
-  at its ``running`` count. Requests sent that recently may only be waiting for the
+  the router sent the engine from ``ADMIT_WINDOW_S`` before the scrape on, the engine is
+  full at its ``running`` count. Requests sent that recently may only be waiting for the
   engine's next scheduler step (an engine admits new requests between steps, so at
   moderate load a scrape often shows one or two waiting with slots free); counting them
   made a busy engine look full at whatever it ran, and the router then held requests back
-  from it. Once they would take the engine to the estimate they confirm it, unless the
-  engine's KV-cache use, projected to the estimate, is well short of full. The estimate is
-  the highest "full" reading of the last ``CAP_WINDOW_S`` seconds (a momentary low reading
-  must not shrink it). When the engine runs at the estimate with nothing else waiting for
-  ``probe_s`` after the last confirmation, the estimate grows by one. ``max_inflight``
+  from it. When those fresh requests would take the engine to the estimate, they confirm
+  it (no probe past it) without being a reading (unless the engine's KV-cache use,
+  projected to the estimate, is well short of full: an estimate learned too low must
+  still be probed). The estimate is the highest "full" reading of the last
+  ``CAP_WINDOW_S`` seconds, and at least what the engine was seen running at once. When
+  the engine runs at the estimate with nothing else waiting for ``probe_s`` after the
+  last confirmation, the estimate grows by one; the probe holds once the engine runs
+  that many, and is dropped when it shows fewer with requests waiting. ``max_inflight``
   caps it; a reload that changes ``max_inflight`` restarts the estimate from the new limit.
 """
 
@@ -221,17 +224,25 @@ class Worker:
         at_estimate = (
             cap is not None and running + ours >= cap and (kv is None or running <= 0 or kv * cap >= KV_FULL * running)
         )
-        full = running >= 1 and waiting > recent
-        if full or (running >= 1 and waiting > 0 and at_estimate):
-            # Full at ``running`` (or, confirmed, at the estimate: what runs plus what was
-            # just sent). A single low reading must not shrink the estimate: it is the highest
-            # such reading over the last CAP_WINDOW_S seconds. A probe above what the engine
-            # now shows did not hold: drop it.
-            r = int(running) if full else min(cap, int(running + ours))  # type: ignore[type-var]
+        if running >= 1 and waiting > recent:
+            # Full at ``running``. A single low reading must not shrink the estimate: it is
+            # the highest such reading over the last CAP_WINDOW_S seconds. A probe above
+            # what the engine now shows did not hold: drop it.
+            r = int(running)
             if any(probe and c > r for _, c, probe in obs):
                 self._cap_obs = obs = deque(o for o in obs if not (o[2] and o[1] > r))
             obs.append((now, r, False))
             self.cap_confirmed_at = now
+        elif running >= 1 and waiting > 0 and at_estimate:
+            # Held at the estimate, only fresh requests waiting: no reason to probe past it.
+            # What runs is the estimate minus those just sent, so it is no reading to keep
+            # (the estimate would creep down), but a probe above it has not been shown to hold.
+            r = int(running)
+            if any(probe and c > r for _, c, probe in obs):
+                self._cap_obs = obs = deque(o for o in obs if not (o[2] and o[1] > r))
+            self.cap_confirmed_at = now
+        elif cap is not None and running > cap:
+            obs.append((now, int(running), False))  # it ran that many at once: it can
         elif cap is not None and running + ours >= cap and now - self.cap_confirmed_at >= self.probe_s:
             # Ran at the estimate with nothing waiting but what was just sent: try one more.
             obs.append((now, max(int(running), cap) + 1, True))
