@@ -93,8 +93,11 @@ class Breaker:
         # The same arithmetic as _tick's, so that 0 here means a probe is let through now.
         return max(0.0, self.open_for() - (self._clock() - self.opened_at))
 
+    def _open_time_over(self) -> bool:
+        return self.state is State.OPEN and self._clock() - self.opened_at >= self.open_for()
+
     def _tick(self) -> None:
-        if self.state is State.OPEN and self._clock() - self.opened_at >= self.open_for():
+        if self._open_time_over():
             self._set(State.HALF_OPEN)
 
     def allows(self) -> bool:
@@ -168,7 +171,7 @@ class Breaker:
                 self._set(State.HALF_OPEN)
             return
         self.health_failures += 1
-        if self.state is State.OPEN and self._clock() - self.opened_at >= self.open_for():
+        if self._open_time_over():
             # Its open time is over, yet its health still fails: open for another period.
             # No probe failed, so it is no new opening (the open time does not grow), the
             # same whether or not something looked (and half-opened it) in between.

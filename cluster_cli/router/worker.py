@@ -101,7 +101,7 @@ class Worker:
         self.cap: int | None = view.max_inflight
         self.cap_confirmed_at = -1e18
         self._cap_obs: deque[tuple[float, int, bool]] = deque()
-        self._sent: deque[float] = deque()  # when the router sent requests here, the last ADMIT_WINDOW_S
+        self._sent: deque[float] = deque()  # when the router sent requests here, the last SENDS_KEPT_S
         self.stale_s = stale_s
         self.probe_s = probe_s
         self.removed = False
@@ -213,11 +213,9 @@ class Worker:
         while obs and now - obs[0][0] > CAP_WINDOW_S:
             obs.popleft()
         # Requests the router sent in the last moment may be waiting only for the engine's
-        # next scheduler step: waiting beyond them is what shows the engine full. Once they
-        # would take the engine to the estimate, they confirm it (or a right estimate would
-        # be probed past every ``probe_s``), unless the KV cache, where the engine exports
-        # it, says the estimate would leave it well short of full: an estimate learned too
-        # low must still be probed upwards.
+        # next scheduler step: waiting beyond them is what shows the engine full. Fresh ones
+        # taking it to the estimate are "at the estimate", unless the KV cache, where the
+        # engine exports it, says the estimate would leave it well short of full.
         recent = self.sent_since((now if started is None else started) - ADMIT_WINDOW_S)
         ours = min(waiting, recent)
         cap = self.cap
@@ -228,29 +226,32 @@ class Worker:
             # Full at ``running``. A single low reading must not shrink the estimate: it is
             # the highest such reading over the last CAP_WINDOW_S seconds. A probe above
             # what the engine now shows did not hold: drop it.
-            r = int(running)
-            if any(probe and c > r for _, c, probe in obs):
-                self._cap_obs = obs = deque(o for o in obs if not (o[2] and o[1] > r))
-            obs.append((now, r, False))
+            obs = self._drop_probes_above(int(running))
+            obs.append((now, int(running), False))
             self.cap_confirmed_at = now
         elif running >= 1 and waiting > 0 and at_estimate:
             # Held at the estimate, only fresh requests waiting: no reason to probe past it.
             # What runs is the estimate minus those just sent, so it is no reading to keep
             # (the estimate would creep down), but a probe above it has not been shown to hold.
-            r = int(running)
-            if any(probe and c > r for _, c, probe in obs):
-                self._cap_obs = obs = deque(o for o in obs if not (o[2] and o[1] > r))
+            obs = self._drop_probes_above(int(running))
             self.cap_confirmed_at = now
         elif cap is not None and running > cap:
             obs.append((now, int(running), False))  # it ran that many at once: it can
         elif cap is not None and running + ours >= cap and now - self.cap_confirmed_at >= self.probe_s:
             # Ran at the estimate with nothing waiting but what was just sent: try one more.
-            obs.append((now, max(int(running), cap) + 1, True))
+            obs.append((now, cap + 1, True))  # (running <= cap here)
             self.cap_confirmed_at = now
         if obs:
             cap = max(c for _, c, _ in obs)
             mi = self.view.max_inflight
             self.cap = cap if mi is None else min(cap, mi)
+
+    def _drop_probes_above(self, running: int) -> deque[tuple[float, int, bool]]:
+        """Probes above what the engine now runs, with requests waiting, did not hold."""
+        obs = self._cap_obs
+        if any(probe and c > running for _, c, probe in obs):
+            self._cap_obs = obs = deque(o for o in obs if not (o[2] and o[1] > running))
+        return obs
 
     def on_scrape_error(self, error: str) -> None:
         self.scraped.error = error
