@@ -84,11 +84,12 @@ class Gpu:
         return not self.problems
 
     def to_dict(self) -> dict[str, Any]:
+        unread = self.lost and self.product == UNREAD  # nvidia-smi could not say what it is
         return {
             "index": self.index,
             "uuid": self.uuid or None,  # a lost GPU has none
-            "product": self.product,
-            "class": self.gpu_class,
+            "product": None if unread else self.product,
+            "class": None if unread else self.gpu_class,
             "memory_total_mib": self.memory_total_mib,
             "memory_used_mib": self.memory_used_mib,
             "pci_bus_id": self.pci_bus_id,
@@ -111,11 +112,12 @@ class Gpu:
         ``problems``: a fault in the fields still makes the GPU not free."""
         if _num(d, "index") is None:
             raise KeyError("index")
+        lost = _bool(d, "lost", False)
         g = cls(
             index=int(d["index"]),
             uuid=str(d.get("uuid") or ""),
-            product=str(d.get("product") or ""),
-            gpu_class=str(d.get("class") or d.get("gpu_class") or ""),
+            product=str(d.get("product") or (UNREAD if lost else "")),
+            gpu_class=str(d.get("class") or d.get("gpu_class") or (UNREAD if lost else "")),
             memory_total_mib=_num(d, "memory_total_mib"),
             memory_used_mib=_num(d, "memory_used_mib"),
             pci_bus_id=d.get("pci_bus_id"),
@@ -123,7 +125,7 @@ class Gpu:
             retired_pages_pending=_bool(d, "retired_pages_pending", None),
             remapped_rows_pending=_bool(d, "remapped_rows_pending", None),
             mig_mode=_bool(d, "mig_mode", None),
-            lost=_bool(d, "lost", False),
+            lost=lost,
             processes=tuple(
                 GpuProcess(int(p["pid"]), str(p.get("name", "")), str(p.get("gpu_uuid", "")), p.get("used_mib"))
                 for p in d.get("processes") or ()
@@ -143,6 +145,9 @@ class Gpu:
 
 
 # Problem keys that make a GPU unhealthy (as opposed to merely busy).
+# The product and class of a GPU that fell off the bus: nvidia-smi cannot read them. The JSON
+# says null; inside, the placeholder keeps a lost GPU apart from a class of its own.
+UNREAD = "unknown"
 _HEALTH_KEYS = frozenset({"lost", "ecc", "retired-pages", "remap"})
 
 

@@ -171,6 +171,7 @@ def test_faulty_gpus_are_not_free(testbed_factory, tmp_path: Path) -> None:
     assert gpus[3]["problems"][0].startswith("remap") and gpus[4]["problems"][0].startswith("retired-pages")
     lost = [g for g in n["f2"]["gpus"] if g["lost"]]
     assert len(lost) == 1 and not lost[0]["healthy"] and lost[0]["uuid"] is None  # nvidia-smi gave none
+    assert lost[0]["product"] is None and lost[0]["class"] is None  # nor what it is: null, never a made-up class
     assert sum(g["free"] for g in n["f2"]["gpus"]) == 3  # the survivors stay usable
     for name, word in (("f3", "driver"), ("f4", "mismatch"), ("f5", "unreadable")):
         assert n[name]["gpus"] == [] and n[name]["nvlink_domains"] is None

@@ -441,6 +441,12 @@ def test_build_gpus_lost_gpu_on_h200x8() -> None:
     )
     assert not gone.healthy
     assert all(g.free for g in gpus if not g.lost)
+    # In the JSON (discover -o json, the state store) what nvidia-smi could not read is null,
+    # and it reads back as the same GPU.
+    d = gone.to_dict()
+    assert (d["product"], d["class"], d["uuid"]) == (None, None, None)
+    assert Gpu.from_dict(d) == gone
+    assert gpus[2].to_dict()["class"] == gpus[2].gpu_class != "unknown"
 
 
 def test_build_gpus_lost_variants_index_assignment() -> None:

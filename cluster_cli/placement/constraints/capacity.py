@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from cluster_cli.facts import Gpu, problem_key
+from cluster_cli.facts import UNREAD, Gpu, problem_key
 from cluster_cli.placement.constraints.base import NodeState, Request
 from cluster_cli.placement.verdict import Kind, Verdict
 
@@ -90,13 +90,13 @@ class Capacity:
         # A GPU that fell off the bus has no readable product, so no class. On a node whose
         # other GPUs are all of this class it is one of them (as discover's table counts it);
         # elsewhere it may have been.
-        unknown = len({g.index for g in node.facts.gpus if g.lost and g.gpu_class == "unknown"})
+        unknown = len({g.index for g in node.facts.gpus if g.lost and g.gpu_class == UNREAD})
         mixed = unknown and {g.gpu_class for g in node.facts.gpus if not g.lost} != {cls}
         if unknown and not mixed:
             total += unknown
             why = ", ".join(filter(None, [why, f"{unknown} lost"]))
         detail = f"{free} of {total} {cls} free" + (f" ({why})" if why else "") + f", profile needs {req.gpus}"
-        if mixed and cls != "unknown":
+        if mixed and cls != UNREAD:
             detail += f"; also {unknown} lost GPU{'s' if unknown > 1 else ''} of unknown class"
         return Verdict.exhausted(self.name, "gpus", "insufficient gpus", detail)
 

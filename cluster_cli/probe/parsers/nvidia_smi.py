@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from cluster_cli.facts import Gpu, GpuProcess
+from cluster_cli.facts import UNREAD, Gpu, GpuProcess
 from cluster_cli.probe.commands import APP_FIELDS, GPU_FIELDS
 
 __all__ = [
@@ -415,8 +415,8 @@ def build_gpus(
             Gpu(
                 index=index,
                 uuid="",
-                product="unknown",
-                gpu_class="unknown",
+                product=UNREAD,
+                gpu_class=UNREAD,
                 pci_bus_id=g.pci_bus_id,
                 lost=True,
                 problems=(f"lost: {g.message}",),
