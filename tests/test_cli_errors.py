@@ -417,3 +417,83 @@ def test_discover_warns_of_one_machine_under_two_names(tmp_path: Path) -> None:
     )
     assert r.exit_code == 1  # the nodes do not answer; the inventory itself is fine
     assert "inventory.yaml: line 4 (b): nodes.1.host: 198.18.0.77:22 is also node a's" in " ".join(r.output.split())
+
+
+def test_ssh_config_loops_and_the_implicit_user_config_are_configuration_errors(tmp_path: Path) -> None:
+    """Exit 2 before any node is contacted, one line, no state: an Include loop (asyncssh
+    recurses until Python gives up), and a bad line in ~/.ssh/config, which SSH reads when
+    the inventory names no ssh_config (it would otherwise fail every node, exit 1)."""
+    write_key(tmp_path / "id")
+    (tmp_path / "kh").write_text("")
+    (tmp_path / "cfg").write_text(f"Include {tmp_path / 'cfg'}\nHost *\n  User root\n")
+    body = "defaults: {identity_file: id, known_hosts: kh}\nnodes:\n  - {name: a, host: 198.18.0.250}\n"
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, "ssh_config: cfg\n" + body)), "--timeout", "1")
+    assert r.exit_code == 2, r.output
+    (line,) = error_lines(r)
+    assert "ssh_config: Include loop" in line and "Traceback" not in r.output
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text("Host *\n  Port notanumber\n")
+    r = runner.invoke(
+        app, ["--state", str(tmp_path / "state.db"), "discover", "-i", str(inv(tmp_path, body)), "--timeout", "1"],
+        env={"HOME": str(home)},
+    )  # fmt: skip
+    assert r.exit_code == 2, r.output
+    (line,) = error_lines(r)
+    assert line.startswith(f"error: {home}/.ssh/config (read since ") and "Invalid Port" in line, line
+    assert not (tmp_path / "state.db").exists()
+
+
+def test_ssh_config_dev_null_means_none(tmp_path: Path) -> None:
+    """`ssh -F /dev/null`: the usual way to read no ssh_config at all is accepted."""
+    from cluster_cli.cli.common import check_ssh_files
+    from cluster_cli.config.inventory import load_inventory
+
+    write_key(tmp_path / "id")
+    (tmp_path / "kh").write_text("")
+    p = inv(
+        tmp_path,
+        "ssh_config: /dev/null\ndefaults: {identity_file: id, known_hosts: kh}\nnodes:\n  - {name: a, host: h}\n",
+    )
+    check_ssh_files(load_inventory(p), p)
+    (tmp_path / "d").mkdir()
+    p = inv(tmp_path, p.read_text().replace("/dev/null", str(tmp_path / "d")))
+    with pytest.raises(Exception, match="not a readable file"):
+        check_ssh_files(load_inventory(p), p)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() != 0, reason="needs root")
+def test_a_read_only_state_file_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """Found when the state is opened (before discover probes the fleet), not when it saves."""
+    import os
+    import shutil
+    import tempfile
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv not installed")
+    code = (
+        "import sys; from cluster_cli.errors import ClusterctlError; from cluster_cli.state.store import Store\n"
+        "try: Store(sys.argv[1])\nexcept ClusterctlError as e: sys.exit(f'error: {e}')"
+    )
+
+    def as_nobody(state: Path) -> subprocess.CompletedProcess[str]:
+        argv = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code, str(state)]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+
+    d = Path(tempfile.mkdtemp())  # not under pytest's folder, which only root may enter
+    try:
+        d.chmod(0o777)
+        state = d / "state.db"
+        Store(state).close()
+        state.chmod(0o444)
+        r = as_nobody(state)
+        assert (
+            r.returncode == 1 and r.stderr == f"error: {state}: the state file is read-only (check its permissions)\n"
+        )
+        r = as_nobody(tmp_path / "state.db")  # a folder on the way it may not enter: one line too
+        assert r.returncode == 1 and r.stderr.startswith(f"error: {tmp_path / 'state.db'}: cannot reach the state: ")
+        assert len(r.stderr.splitlines()) == 1, r.stderr
+    finally:
+        shutil.rmtree(d)

@@ -59,6 +59,19 @@ def test_good_inventory_resolves_paths_and_defaults(tmp_path: Path) -> None:
         ("nodes:\n  - name: a\n    host: h\n\n    colour: red\n", "line 5 (a): nodes.0.colour: unknown key"),
         ("nodes:\n  - {name: a}\n", "line 2 (a): nodes.0.host: Field required"),
         ("nodes:\n  - {name: a, host: h, port: 70000}\n", "nodes.0.port"),
+        # Not coerced: `true` would be port 1, "22" and 22.0 are typos of a number.
+        ("nodes:\n  - {name: a, host: h, port: true}\n", "line 2 (a): nodes.0.port: Input should be a valid integer"),
+        ("nodes:\n  - {name: a, host: h, port: '22'}\n", "nodes.0.port: Input should be a valid integer"),
+        ("defaults: {port: 22.0}\nnodes: []\n", "line 1: defaults.port: Input should be a valid integer"),
+        (
+            "defaults: {connect_timeout_s: yes}\nnodes: []\n",
+            "defaults.connect_timeout_s: Input should be a valid number",
+        ),
+        # A merge key may be overridden, but a key written twice is still a duplicate.
+        (
+            "nodes:\n  - &b {name: a, host: h}\n  - <<: *b\n    name: b\n    name: c\n",
+            "line 5: duplicate key 'name'",
+        ),
         ("fabrics: {ib-a: {}}\nnodes:\n  - {name: a, host: h, fabric: ib-z}\n", "unknown fabric 'ib-z'"),
         ("nodes:\n  - {name: 'bad name', host: h}\n", "invalid node name"),
         ("- just\n- a list\n", "expected a mapping"),
@@ -82,6 +95,16 @@ def test_bad_inventory_is_one_located_line(tmp_path: Path, text: str, needle: st
     assert needle in msg
     assert msg.startswith(str(p))
     assert "\n" not in msg
+
+
+def test_yaml_merge_keys_share_settings_and_the_written_keys_win(tmp_path: Path) -> None:
+    p = write(
+        tmp_path,
+        "nodes:\n  - &base {name: a, host: h1, port: 2222, labels: {rack: r1}}\n  - <<: *base\n    name: b\n    host: h2\n",
+    )
+    a, b = load_inventory(p).nodes
+    assert (a.name, a.host, a.port, a.labels) == ("a", "h1", 2222, {"rack": "r1"})
+    assert (b.name, b.host, b.port, b.labels) == ("b", "h2", 2222, {"rack": "r1"})
 
 
 def test_missing_file(tmp_path: Path) -> None:

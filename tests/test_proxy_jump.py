@@ -117,9 +117,15 @@ def test_accept_new_pins_jump_hosts_and_nodes_then_verifies(testbed_factory, tmp
 def test_a_proxy_jump_loop_is_an_error_not_a_hang(testbed_factory, tmp_path: Path) -> None:
     c = testbed_factory("jump=cpu-only,n1=cpu-only")
     inv = behind_jump(c, ["jump"], ["n1"], pattern="*")  # `Host *` sends the jump host through itself
-    code, doc, _ = discover(tmp_path / "s.db", inv, "--timeout", "20")
-    assert code == 1
-    assert doc["nodes"][0]["error"] == "ProxyJump loops through jump (ssh_config: ProxyJump jump)"
+    code, doc, err = discover(tmp_path / "s.db", inv, "--timeout", "20")
+    # A loop is the local configuration's fault, found before any node is contacted: exit 2,
+    # one line naming the node, and no state written.
+    assert code == 2 and doc == {}
+    (line,) = err.strip().splitlines()
+    assert line.endswith(
+        "ssh_config (node n1, host node-n1): ProxyJump loops through jump (ssh_config: ProxyJump jump)"
+    )
+    assert not (tmp_path / "s.db").exists()
 
 
 def test_two_jump_hosts_that_go_through_each_other_are_a_loop_not_a_hang(testbed_factory, tmp_path: Path) -> None:
@@ -133,13 +139,16 @@ def test_two_jump_hosts_that_go_through_each_other_are_a_loop_not_a_hang(testbed
         .replace("Host ja\n", "Host ja\n  ProxyJump jb\n")
     )
     cfg.write_text(text + "Host node-n2\n  ProxyJump jb\n")
-    code, doc, _ = discover(tmp_path / "s.db", inv, "--timeout", "20")
-    assert code == 1
-    errors = {n["name"]: n["error"] for n in doc["nodes"]}
-    assert errors == {
-        "n1": "ProxyJump loops through ja (ssh_config: ProxyJump ja)",
-        "n2": "ProxyJump loops through jb (ssh_config: ProxyJump jb)",
-    }
+    code, doc, err = discover(tmp_path / "s.db", inv, "--timeout", "20")
+    assert code == 2 and doc == {} and not (tmp_path / "s.db").exists()
+    (line,) = err.strip().splitlines()
+    assert line.endswith("(node n1, host node-n1): ProxyJump loops through ja (ssh_config: ProxyJump ja)")
+    # Each node's own loop, once the first is fixed (the route as connect time reads it).
+    from cluster_cli.probe.runner import _route, _RouteError
+
+    for host, hop in (("node-n1", "ja"), ("node-n2", "jb")):
+        with pytest.raises(_RouteError, match=f"^ProxyJump loops through {hop} \\(ssh_config: ProxyJump {hop}\\)$"):
+            _route([str(cfg)], host, None, "root")
 
 
 def test_a_broken_chain_names_the_hop_that_could_not_reach_the_next(testbed_factory, tmp_path: Path) -> None:

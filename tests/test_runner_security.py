@@ -202,3 +202,96 @@ def test_output_up_to_the_cap_comes_back_whole(tmp_path: Path, monkeypatch: pyte
                 return await s.run_raw("x", timeout=5)
 
     assert asyncio.run(main()) == (3, b"o" * 1000, b"e" * 1000)
+
+
+def test_a_revoked_host_key_is_named_as_revoked_not_as_changed(tmp_path: Path) -> None:
+    """A key listed and also marked @revoked is refused; the advice must not be to re-trust it."""
+    _client(tmp_path)
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    kh = tmp_path / "kh"
+
+    async def main() -> None:
+        async with _serve(tmp_path, key) as port:
+            kh.write_text(f"[127.0.0.1]:{port} {_public(key)}\n@revoked * {_public(key)}\n")
+            with pytest.raises(SSHError) as e:
+                await _hi(AsyncsshConnector(), _target(tmp_path, "n1", "127.0.0.1", port, str(kh)))
+            msg = e.value.message
+            assert msg.startswith(f"n1: host key not verifiable in {kh}: the node offered a key marked @revoked")
+            assert "ssh-keygen -R" not in msg and "remove that key" not in msg
+
+    asyncio.run(main())
+
+
+def test_a_pin_file_without_a_final_newline_gets_the_new_pin_on_its_own_line(tmp_path: Path) -> None:
+    _client(tmp_path)
+    key, other = (asyncssh.generate_private_key("ssh-ed25519") for _ in range(2))
+    pins = tmp_path / "state.known_hosts"
+    pins.write_text(f"n0 {_public(other)}")  # edited by hand: no newline at the end
+
+    async def main() -> None:
+        async with _serve(tmp_path, key) as port:
+            for _ in range(2):  # first contact pins it; the second connection verifies the pin
+                assert (
+                    await _hi(AsyncsshConnector(pins), _target(tmp_path, "n1", "127.0.0.1", port, ACCEPT_NEW)) == "hi"
+                )
+
+    asyncio.run(main())
+    assert pins.read_text() == f"n0 {_public(other)}\nn1 {_public(key)}\n"
+
+
+def test_an_ssh_config_identity_file_that_does_not_exist_is_skipped_as_openssh_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _client(tmp_path)
+    home = tmp_path / "home"  # no default keys, no agent: only what ssh_config lists
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    kh = tmp_path / "kh"
+    gone = tmp_path / "no-such-key"
+
+    async def main() -> None:
+        async with _serve(tmp_path, key) as port:
+            kh.write_text(f"[127.0.0.1]:{port} {_public(key)}\n")
+            t = _target(tmp_path, "n1", "127.0.0.1", port, str(kh)).model_copy(update={"identity_file": None})
+            (tmp_path / "ssh_config").write_text(f"Host *\n  IdentityFile {gone}\n  IdentityFile {tmp_path / 'id'}\n")
+            assert await _hi(AsyncsshConnector(), t) == "hi"
+            (tmp_path / "ssh_config").write_text(f"Host *\n  IdentityFile {gone}\n")
+            with pytest.raises(SSHError) as e:  # none left: the failure names the missing file
+                await _hi(AsyncsshConnector(), t)
+            assert e.value.message.startswith("n1: authentication failed")
+            assert e.value.message.endswith(f"(ssh_config IdentityFile not found: {gone})")
+
+    asyncio.run(main())
+
+
+def test_reading_ssh_config_off_the_loop_never_holds_up_the_exit() -> None:
+    """A `Match exec` that hangs: the node's deadline ends the wait, and asyncio.run returns
+    while the command still runs (the default executor would make it wait for the thread)."""
+    import threading
+
+    release = threading.Event()
+    started = threading.Event()
+
+    def hangs() -> str:
+        started.set()
+        release.wait(60)
+        return "late"
+
+    async def main() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(runner._off_loop(hangs), 0.2)
+
+    try:
+        asyncio.run(main())
+        assert started.is_set() and not release.is_set()  # returned while hangs() was still running
+    finally:
+        release.set()
+    assert asyncio.run(_value(runner._off_loop(lambda: 42))) == 42
+    with pytest.raises(ZeroDivisionError):
+        asyncio.run(_value(runner._off_loop(lambda: 1 // 0)))
+
+
+async def _value(aw: Awaitable[int]) -> int:
+    return await aw

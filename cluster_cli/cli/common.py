@@ -65,9 +65,16 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
     """Local SSH mistakes are configuration errors (exit 2, nothing saved), not 64 unreachable nodes."""
     if inv.ssh_config:
         cfg = inv.resolve_path(inv.ssh_config)
-        if not os.path.isfile(cfg):
+        if not os.path.isfile(cfg) and cfg != os.devnull:  # `ssh -F /dev/null`: no ssh_config at all
             raise ConfigError(f"{_where(path, ('ssh_config',))}: not a readable file: {cfg}")
-        _check_ssh_config(inv, path, cfg)
+        _check_ssh_config(inv, path, cfg, _where(path, ("ssh_config",)))
+    elif inv.nodes:
+        from cluster_cli.probe.runner import _config_paths
+
+        # No ssh_config in the inventory: SSH's own ~/.ssh/config applies, as it would to ssh.
+        (implicit,) = _config_paths(inv.ssh_target(inv.nodes[0])) or [None]
+        if implicit is not None:
+            _check_ssh_config(inv, path, implicit, f"{implicit} (read since {path} sets no ssh_config)")
     keys_ok: set[str] = set()
     hosts_ok: set[str] = set()
     accept_new = False
@@ -143,9 +150,13 @@ def _known_hosts_problem(file: str) -> str | None:
     return None
 
 
-def _check_ssh_config(inv: Inventory, path: Path, cfg: str) -> None:
-    """Parse ``ssh_config`` as asyncssh will for each node's host: a bad line is exit 2 now."""
+def _check_ssh_config(inv: Inventory, path: Path, cfg: str, where: str) -> None:
+    """Parse ``ssh_config`` as asyncssh will for each node's host, and follow each node's
+    ProxyJump: a bad line, an Include loop or a ProxyJump loop is exit 2 now, not N
+    unreachable nodes."""
     import asyncssh
+
+    from cluster_cli.probe.runner import _route, _RouteError
 
     try:
         from asyncssh.config import SSHClientConfig
@@ -154,7 +165,7 @@ def _check_ssh_config(inv: Inventory, path: Path, cfg: str) -> None:
     try:
         text = Path(cfg).read_text(errors="replace")
     except OSError as e:
-        raise ConfigError(f"{_where(path, ('ssh_config',))}: {cfg}: {e.strerror or e}") from None
+        raise ConfigError(f"{where}: {cfg}: {e.strerror or e}") from None
     if re.search(r"(?im)^\s*match\b.*\bexec\b", text):
         return  # `Match exec` runs a command per host: leave it to connect time, not N times up front
     for host in sorted({n.host for n in inv.nodes}):
@@ -162,8 +173,16 @@ def _check_ssh_config(inv: Inventory, path: Path, cfg: str) -> None:
             SSHClientConfig.load(None, [cfg], False, False, False, "", "", host, 22)
         except TypeError:  # pragma: no cover - another asyncssh signature: leave it to connect time
             return
+        except RecursionError:
+            raise ConfigError(f"{where}: Include loop: a file includes itself ({cfg})") from None
         except (ValueError, OSError, asyncssh.Error) as e:
-            raise ConfigError(f"{_where(path, ('ssh_config',))}: {_printable(e)}") from None
+            raise ConfigError(f"{where}: {_printable(e)}") from None
+    for n in inv.nodes:
+        t = inv.ssh_target(n)
+        try:
+            _route([cfg], t.host, t.port, t.user)
+        except _RouteError as e:
+            raise ConfigError(f"{where} (node {n.name}, host {t.host}): {e}") from None
 
 
 def _check_pin_file(pinned: Path) -> None:

@@ -37,11 +37,11 @@ class SSHDefaults(_Strict):
     # Unset user/port/identity_file leave the choice to ssh_config (if any), then to SSH's
     # own defaults (the local user, port 22, the usual ~/.ssh keys).
     user: str | None = None
-    port: int | None = Field(default=None, ge=1, le=65535)
+    port: int | None = Field(default=None, ge=1, le=65535, strict=True)  # not `true` read as 1
     identity_file: str | None = None
     known_hosts: str = "~/.ssh/known_hosts"
-    connect_timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
-    command_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    connect_timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False, strict=True)
+    command_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False, strict=True)
 
 
 class Fabric(_Strict):
@@ -69,7 +69,7 @@ class Fabric(_Strict):
 class Node(_Strict):
     name: str
     host: str
-    port: int | None = Field(default=None, ge=1, le=65535)
+    port: int | None = Field(default=None, ge=1, le=65535, strict=True)  # not `true` read as 1
     user: str | None = None
     identity_file: str | None = None
     known_hosts: str | None = None

@@ -15,17 +15,19 @@ import getpass
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator, Iterator
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from cluster_cli.config.inventory import ACCEPT_NEW, SSHTarget
 from cluster_cli.errors import SSHError
 from cluster_cli.probe.libsearch import import_asyncssh
 
 asyncssh = import_asyncssh()  # asyncssh's liboqs lookup would otherwise run ldconfig, gcc and ld
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,7 @@ class _Dest:
     user: str | None
     real: tuple[str, int]  # HostName and Port after ssh_config, for messages
     jump: bool = False
-    own_key: bool = False  # ssh_config names an IdentityFile for it (jump hosts only)
+    keys: tuple[str, ...] = ()  # its IdentityFile lines in ssh_config (tokens expanded, ~ not)
 
 
 class _RouteError(ValueError):
@@ -192,11 +194,10 @@ class AsyncsshConnector:
         paths = _config_paths(target)
         route: tuple[_Dest, ...] = ()
         real = (target.host, target.port or 22)
+        keys: tuple[str, ...] = ()
         if paths:  # ssh_config may run `Match exec` commands: read it off the event loop
             try:
-                route, real = await asyncio.get_running_loop().run_in_executor(
-                    None, _route, paths, target.host, target.port, target.user
-                )
+                route, real, keys = await _off_loop(_route, paths, target.host, target.port, target.user)
             except _RouteError as e:
                 raise SSHError(f"{target.name}: {e}") from None
         via: asyncssh.SSHClientConnection | None = None
@@ -205,7 +206,7 @@ class AsyncsshConnector:
                 via = await self._hop(route[: i + 1], via, target, paths)
         except SSHError as e:  # shared by every node behind the hop: name this one
             raise SSHError(f"{target.name}: {e}") from e
-        node = _Dest(target.name, f"{target.name}: ", target.host, target.port, target.user, real)
+        node = _Dest(target.name, f"{target.name}: ", target.host, target.port, target.user, real, keys=keys)
         conn = await self._connect(target, node, paths, via, route[-1].label if route else "")
         try:
             yield AsyncsshSession(conn, target.name)
@@ -266,11 +267,16 @@ class AsyncsshConnector:
         trust = self._trust(dest.alias, where) if pinned else _Lookup.of(self._parse(file), file)
         key = target.identity_file
         keys: object = [key] if key else ()
-        if dest.jump:
-            # Its own IdentityFile from ssh_config if any (as in OpenSSH), else the node's
-            # key and then SSH's default keys (and ssh-agent).
-            keys = () if dest.own_key or not key else [key, *_default_keys()]
-        shown = _shown(target, dest, None if keys == () else key)
+        listed = _existing(dest.keys)  # as OpenSSH, an IdentityFile that does not exist is skipped
+        from_config = bool(dest.keys) and (dest.jump or not key)
+        if from_config:
+            # ssh_config's IdentityFile for it (the inventory's identity_file comes first for a
+            # node; a jump host's own comes first): the ones that exist; none: SSH's defaults.
+            keys = listed
+        elif dest.jump:
+            # No IdentityFile of its own: the node's key and then SSH's default keys (and ssh-agent).
+            keys = [key, *_default_keys()] if key else ()
+        shown = _shown(target, dest, ", ".join(listed) if from_config else None if keys == () else key)
         try:
             return await asyncio.wait_for(
                 asyncssh.connect(
@@ -280,7 +286,7 @@ class AsyncsshConnector:
                     username=dest.user or (),
                     client_keys=keys,
                     agent_path=None if key and not dest.jump else (),
-                    ignore_encrypted=True if dest.jump and keys != () else (),
+                    ignore_encrypted=True if from_config or (dest.jump and keys != ()) else (),
                     known_hosts=trust,
                     config=paths or (),
                     tunnel=_tunnel(dest, via),
@@ -299,7 +305,11 @@ class AsyncsshConnector:
         except asyncssh.HostKeyNotVerifiable as e:
             raise SSHError(f"{where}{_host_key_error(e, trust, file, dest)}") from e
         except (asyncssh.Error, OSError, ValueError) as e:
-            raise SSHError(f"{where}{_connect_error(e, shown, via_label, dest)}") from e
+            why = _connect_error(e, shown, via_label, dest)
+            if from_config and len(listed) < len(dest.keys) and isinstance(e, asyncssh.PermissionDenied):
+                gone = ", ".join(k for k in dest.keys if k not in listed)
+                why += f" (ssh_config IdentityFile not found: {gone})"
+            raise SSHError(f"{where}{why}") from e
 
     def _trust(self, alias: str, where: str) -> tuple[list[asyncssh.SSHKey], list[object], list[object]]:
         """The keys pinned for exactly ``alias``, as asyncssh's explicit trust lists. Not the
@@ -382,17 +392,20 @@ class AsyncsshConnector:
                 with self.pinned.open("a+") as f:
                     fcntl.flock(f, fcntl.LOCK_EX)
                     f.seek(0)
-                    if not any(dest.alias in names for names, _ in _pin_lines(f.read())):
-                        f.write(f"{dest.alias} {key.export_public_key('openssh').decode().strip()}\n")
+                    text = f.read()
+                    if not any(dest.alias in names for names, _ in _pin_lines(text)):
+                        sep = "\n" if text and not text.endswith("\n") else ""  # a file edited by hand
+                        f.write(f"{sep}{dest.alias} {key.export_public_key('openssh').decode().strip()}\n")
             except OSError as e:
                 raise SSHError(f"{where}cannot pin its host key in {self.pinned}: {e.strerror or e}") from None
         return str(self.pinned)
 
 
 class _Lookup(asyncssh.SSHKnownHosts):
-    """A parsed known_hosts file, matched as asyncssh (and OpenSSH) match it, host name and
-    address, that notes what it was asked and whether it had a key: a refused key is then
-    told apart as unknown or changed."""
+    """A parsed known_hosts file, matched as asyncssh matches it (host name and address; on
+    a port other than 22, ``[host]:port`` first, then, unlike OpenSSH, the plain host), that
+    notes what it was asked and whether it had a key: a refused key is then told apart as
+    unknown, changed or revoked."""
 
     def __init__(self, parsed: asyncssh.SSHKnownHosts) -> None:
         super().__init__()
@@ -451,6 +464,11 @@ def _host_key_error(e: asyncssh.HostKeyNotVerifiable, trust: object, file: str, 
         host, peer, port = trust.asked
         name = host if port in (None, 22) else f"[{host}]:{port}"
         seen = f" ({peer})" if peer and peer != host else ""
+        if "revoked" in str(e.reason).lower():
+            return (
+                f"host key not verifiable in {file}: the {what} offered a key marked @revoked there for "
+                f"{name}{seen} ({e.reason}); do not trust it again until you know why it was revoked"
+            )
         if trust.found:
             return (
                 f"host key not verifiable in {file}: it does not match the key there for {name}{seen}; "
@@ -521,14 +539,51 @@ def _host_config(paths: list[str], host: str, port: int | None, user: str | None
 
 def _route(
     paths: list[str], host: str, port: int | None, user: str | None
-) -> tuple[tuple[_Dest, ...], tuple[str, int]]:
+) -> tuple[tuple[_Dest, ...], tuple[str, int], tuple[str, ...]]:
     """The jump hosts on the way to ``host`` (ssh_config ``ProxyJump``; a first hop's own
-    ProxyJump comes before it, as with OpenSSH), and ``host``'s own HostName and Port.
-    Raises _RouteError for a hop it cannot read, or a loop."""
+    ProxyJump comes before it, as with OpenSSH), ``host``'s own HostName and Port, and its
+    IdentityFile lines. Raises _RouteError for a hop it cannot read, or a loop."""
     cfg = _host_config(paths, host, port, user)
     real = _real(cfg, host, port)
     spec = _proxy_jump(cfg)
-    return (_hops(paths, spec, frozenset({host})) if spec else ()), real
+    return (_hops(paths, spec, frozenset({host})) if spec else ()), real, _identity_files(cfg)
+
+
+def _identity_files(cfg: object | None) -> tuple[str, ...]:
+    files = cfg.get("IdentityFile") if cfg is not None else None  # type: ignore[attr-defined]
+    return tuple(str(f) for f in files) if isinstance(files, (list, tuple)) else ()
+
+
+def _existing(keys: tuple[str, ...]) -> list[str]:
+    return [k for k in keys if os.path.isfile(os.path.expanduser(k))]
+
+
+async def _off_loop(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` in a daemon thread: reading ssh_config may run a ``Match exec`` command
+    that hangs, and a thread of the loop's default executor would hold up the command's exit
+    (``asyncio.run`` waits for it) long after the node's deadline, or a Ctrl-C."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[_T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def work() -> None:
+        try:
+            result: Any = fn(*args)
+            ok = True
+        except BaseException as e:  # handed to the awaiting task
+            result, ok = e, False
+        with suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, ok, result)
+
+    threading.Thread(target=work, name="clusterctl-ssh-config", daemon=True).start()
+    return await fut
 
 
 def _hops(paths: list[str], spec: str, seen: frozenset[str]) -> tuple[_Dest, ...]:
@@ -549,8 +604,7 @@ def _hops(paths: list[str], spec: str, seen: frozenset[str]) -> tuple[_Dest, ...
         real = _real(cfg, host, port)
         # Pinned by the name written in ProxyJump and the port it resolves to (b and b:2222 differ).
         alias = f"jump:{host}" if real[1] == 22 else f"jump:[{host}]:{real[1]}"
-        own_key = bool(cfg is not None and cfg.get("IdentityFile"))  # type: ignore[attr-defined]
-        out.append(_Dest(alias, f"jump host {name}: ", host, port, user, real, True, own_key))
+        out.append(_Dest(alias, f"jump host {name}: ", host, port, user, real, True, _identity_files(cfg)))
     return tuple(out)
 
 

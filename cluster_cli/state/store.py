@@ -79,7 +79,11 @@ class Store:
     ) -> None:
         """Open (by default create) the state. ``readonly`` never writes: for commands that only read."""
         self.path = Path(path)
-        if not self.path.exists():
+        try:
+            exists = self.path.exists()
+        except OSError as e:  # a folder on the way that this user may not enter
+            raise StateError(f"{self.path}: cannot reach the state: {e.strerror or e}") from None
+        if not exists:
             if not create or readonly:
                 raise StateError(f"{self.path}: no state yet (run 'clusterctl discover' first)")
             try:
@@ -91,6 +95,8 @@ class Store:
         if readonly:
             self._db = self._open_readonly(timeout_s)
             return
+        if exists and not os.access(self.path, os.W_OK):  # now, not after probing the fleet
+            raise StateError(f"{self.path}: the state file is read-only (check its permissions)")
         try:
             self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
