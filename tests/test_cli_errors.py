@@ -497,3 +497,16 @@ def test_a_read_only_state_file_is_refused_before_anything_runs(tmp_path: Path) 
         assert len(r.stderr.splitlines()) == 1, r.stderr
     finally:
         shutil.rmtree(d)
+
+
+def test_a_private_key_open_to_other_users_is_warned_about(tmp_path: Path) -> None:
+    key = write_key(tmp_path / "id")
+    (tmp_path / "kh").write_text("")
+    body = "defaults: {identity_file: id, known_hosts: kh}\nnodes:\n  - {name: a, host: 127.0.0.1, port: 1}\n"
+    warning = f"warning: identity file {key} is open to other users (mode 0644): chmod 600 it"
+    key.chmod(0o600)
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)), "--timeout", "2")
+    assert r.exit_code == 1 and warning not in r.output  # port 1 refuses: the node is unreachable
+    key.chmod(0o644)
+    r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)), "--timeout", "2")
+    assert r.exit_code == 1 and warning in r.output, r.output

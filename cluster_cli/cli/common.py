@@ -86,6 +86,9 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
             if why:  # where it was set is looked up only now: that parses the file again
                 raise ConfigError(f"{_setting(path, i, n, 'identity_file')}: {why}")
             keys_ok.add(key)
+            mode = os.stat(key).st_mode & 0o777
+            if mode & 0o077:  # OpenSSH refuses such a key ("UNPROTECTED PRIVATE KEY FILE")
+                ui.warn(f"identity file {key} is open to other users (mode {mode:04o}): chmod 600 it")
         if t.known_hosts == ACCEPT_NEW:
             accept_new = True
         elif t.known_hosts not in hosts_ok:
