@@ -154,7 +154,18 @@ def error_response(
 class Request:
     """One parsed client request (body complete)."""
 
-    __slots__ = ("body", "expect_continue", "forward", "headers", "keep_alive", "method", "path", "target", "version")
+    __slots__ = (
+        "body",
+        "expect_continue",
+        "forward",
+        "has_host",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "target",
+        "version",
+    )
 
     def __init__(
         self,
@@ -173,6 +184,7 @@ class Request:
         self.body = b""
         self.expect_continue = False
         self.forward = b""  # raw header lines to pass upstream, each followed by CRLF
+        self.has_host = False  # a Host header came (HTTP/1.1 requires one: RFC 9112 3.2)
 
     def header(self, name: bytes) -> bytes | None:
         for k, v in self.headers:
@@ -181,13 +193,47 @@ class Request:
         return None
 
 
+_PLAIN_CONNECTION = frozenset({b"keep-alive", b"close"})
+
+
+def connection_tokens(values: list[bytes]) -> set[bytes]:
+    """The options of the Connection header lines ``values``: one comma-separated list of
+    case-insensitive tokens across all of them (RFC 9110 7.6.1)."""
+    return {t for v in values for t in (x.strip(b" \t").lower() for x in v.split(b",")) if t}
+
+
+def drop_nominated(lines: list[bytes], tokens: set[bytes]) -> list[bytes]:
+    """``lines`` (raw NAME:VALUE header lines) without those that the Connection options
+    ``tokens`` name: they are hop-by-hop for this connection only."""
+    return [line for line in lines if line.partition(b":")[0].lower() not in tokens]
+
+
+def origin_form(target: bytes) -> bytes | None:
+    """The origin-form (path and query) of an absolute-form target ``http://host/path?q``
+    (RFC 9112 3.2.2); None when ``target`` is not one."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return None
+    cut = len(rest)
+    for c in (b"/", b"?"):
+        i = rest.find(c)
+        if 0 <= i < cut:
+            cut = i
+    if cut == 0:  # no authority
+        return None
+    path = rest[cut:]
+    return path if path.startswith(b"/") else b"/" + path
+
+
 def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
     """Parse a request head (without the blank line). Returns (request, content_length, chunked).
 
     Strict where a lenient parse would let a request mean one thing here and another to the
     engine behind (smuggling): bare CR/LF, NUL and other controls, header names that are not
     tokens (which covers obs-fold continuation lines and "Name :"), targets with spaces or
-    controls, signed or padded lengths.
+    controls, signed or padded lengths, more than one Host. An absolute-form target is taken
+    as its origin-form (path and query). Whether an HTTP/1.1 request lacks Host is left to
+    the caller (``Request.has_host``).
     """
     eol = head.find(b"\r\n")
     if not header_lines_ok(head, eol if eol >= 0 else len(head)):
@@ -201,17 +247,24 @@ def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
         raise BadRequest(400, "unsupported HTTP version", "bad_request")
     if not is_token(method) or not _TARGET.fullmatch(target):
         raise BadRequest(400, "malformed request line", "bad_request")
+    if not target.startswith(b"/"):
+        origin = origin_form(target)
+        if origin is not None:
+            target = origin
     headers: list[tuple[bytes, bytes]] = []
     forward: list[bytes] = []
     clen: int | None = None
     chunked = False
-    conn = b""
+    conns: list[bytes] | None = None
     expect = False
+    hosts = 0
     for line in lines[1:]:  # each is NAME:VALUE (header_lines_ok)
         name, _, value = line.partition(b":")
         name = name.lower()
         value = value.strip(b" \t")
-        if name == b"content-length":
+        if name not in REQUEST_DROP:
+            forward.append(line)
+        elif name == b"content-length":
             try:
                 n = parse_length(value)
             except ValueError:
@@ -219,6 +272,8 @@ def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
             if clen is not None and n != clen:
                 raise BadRequest(400, "bad Content-Length", "bad_request")
             clen = n
+        elif name == b"host":
+            hosts += 1
         elif name == b"transfer-encoding":
             if chunked:  # chunked twice is not a body anyone can agree on
                 raise BadRequest(400, "repeated Transfer-Encoding", "bad_request")
@@ -226,19 +281,35 @@ def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
                 raise BadRequest(501, "unsupported Transfer-Encoding", "bad_request")
             chunked = True
         elif name == b"connection":
-            conn = value.lower()
+            if conns is None:
+                conns = [value]
+            else:
+                conns.append(value)
         elif name == b"expect":
             expect = value.lower() == b"100-continue"
-        elif name not in REQUEST_DROP:
-            forward.append(line)
         headers.append((name, value))
     if chunked and clen is not None:
         raise BadRequest(400, "both Content-Length and chunked", "bad_request")
+    if hosts > 1:
+        raise BadRequest(400, "more than one Host header", "bad_request")
+    close = False
+    if conns is not None:
+        if len(conns) == 1 and (only := conns[0].lower()) in _PLAIN_CONNECTION:  # the usual case
+            close = only == b"close"
+        else:
+            tokens = connection_tokens(conns)
+            close = b"close" in tokens
+            tokens.discard(b"close")
+            tokens.discard(b"keep-alive")
+            if tokens and forward:  # headers the client meant for this hop only
+                forward = drop_nominated(forward, tokens)
     # HTTP/1.0's keep-alive is an extension a server may decline: declined (the response says
     # "Connection: close" and the connection closes after it), never half-kept.
-    keep = b"close" not in conn if version == b"HTTP/1.1" else False
-    req = Request(method, target, version, headers, keep)
-    req.expect_continue = expect
+    http11 = version == b"HTTP/1.1"
+    req = Request(method, target, version, headers, http11 and not close)
+    req.has_host = hosts == 1
+    # An HTTP/1.0 client knows no 100 Continue: the expectation is ignored (RFC 9110 10.1.1).
+    req.expect_continue = expect and http11
     if forward:
         forward.append(b"")
         req.forward = b"\r\n".join(forward)
@@ -333,7 +404,9 @@ async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int 
                     clen = parse_length(v.strip())
                 elif k == b"transfer-encoding" and v.strip().lower().endswith(b"chunked"):
                     chunked = True
-            if clen is not None:
+            if status in (204, 304):
+                body = b""
+            elif clen is not None:
                 if clen > max_bytes:
                     raise ValueError("response too large")
                 body = await reader.readexactly(clen)
@@ -351,8 +424,18 @@ async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int 
                     if size > max_bytes:
                         raise ValueError("response too large")
                 body = b"".join(parts)
-            else:
-                body = await reader.read(max_bytes)
+            else:  # no length: the body ends with the connection (HTTP/1.0 servers, prometheus_client)
+                parts = []
+                size = 0
+                while True:
+                    data = await reader.read(65536)
+                    if not data:
+                        break
+                    size += len(data)
+                    if size > max_bytes:
+                        raise ValueError("response too large")
+                    parts.append(data)
+                body = b"".join(parts)
             return status, body
         finally:
             writer.close()

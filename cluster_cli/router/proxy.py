@@ -11,10 +11,12 @@ and terminating chunk, and tells the waiting coroutine how the attempt ended.
 from __future__ import annotations
 
 import asyncio
+import re
+from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from cluster_cli.router.http import REASONS, sse_error_event
-from cluster_cli.router.upstream import LENGTH, UpstreamConn, UpstreamError
+from cluster_cli.router.upstream import LENGTH, UNTIL_CLOSE, UpstreamConn, UpstreamError
 
 if TYPE_CHECKING:
     from cluster_cli.router.server import ClientConn
@@ -24,6 +26,10 @@ OK = 0  # response relayed completely
 RETRY_5XX = 1  # upstream answered 5xx, nothing relayed: may retry
 FAIL_BEFORE = 2  # upstream failed before any byte reached the client: may retry
 FAIL_AFTER = 3  # upstream failed after bytes reached the client: stream closed cleanly or connection aborted
+
+# The reason phrase of a relayed status: the standard one (the engine's own for a code that has none).
+PHRASES = {s.value: s.phrase.encode() for s in HTTPStatus} | REASONS
+_PHRASE = re.compile(rb"[\t\x20-\x7e]*")  # what a relayed reason phrase may hold (no CR/LF: no response splitting)
 
 
 class Exchange:
@@ -35,6 +41,7 @@ class Exchange:
         "done_seen",
         "error",
         "first_at",
+        "framing",
         "fut",
         "http10",
         "may_retry",
@@ -62,6 +69,7 @@ class Exchange:
         self.abort_client = False  # set when the client must see a cut: the waiting coroutine aborts it
         self.sse = False
         self.chunked = False
+        self.framing = 0  # how the upstream frames the body (upstream.LENGTH, CHUNKED, UNTIL_CLOSE)
         self.tail = b""
         self.error: UpstreamError | None = None
         self.first_at = 0.0
@@ -80,9 +88,14 @@ class Exchange:
             self._resolve(RETRY_5XX)
             return
         self.sse = ctype.startswith(b"text/event-stream")
-        head = [b"HTTP/1.1 %d %s" % (status, REASONS.get(status, b"Upstream")), *lines]
+        self.framing = framing
+        phrase = PHRASES.get(status)
+        if phrase is None:
+            phrase = _engine_phrase(self.conn)
+        head = [b"HTTP/1.1 %d %s" % (status, phrase), *lines]
         if framing == LENGTH:
-            head.append(b"Content-Length: %d" % self.conn._remaining)
+            if status != 204 and status != 304:  # a 204 carries no Content-Length (RFC 9110 8.6), a 304 no 0
+                head.append(b"Content-Length: %d" % self.conn._remaining)
         elif self.http10:
             self.client.keep_alive = False  # the close marks the end of the body
         else:
@@ -116,9 +129,19 @@ class Exchange:
         self.out.append(data)
 
     def on_end(self) -> None:
-        if self.tail:
-            self.out.append(b"%x\r\n%b\r\n" % (len(self.tail), self.tail))
+        tail = self.tail
+        if tail:
+            if self.framing == UNTIL_CLOSE:
+                # The body ended with the connection in the middle of an event: it was cut.
+                self.tail = b""
+                self.on_error(UpstreamError("reset", "upstream closed the connection mid-event"))
+                return
             self.tail = b""
+            if tail[-24:].rstrip(b"\r\n").endswith(b"data: [DONE]"):
+                self.done_seen = True
+            # The body is complete (its length or its chunks said so): its last event is relayed
+            # as it is, framed the way the client's response is.
+            self.out.append(b"%x\r\n%b\r\n" % (len(tail), tail) if self.chunked else tail)
         if self.chunked:
             self.out.append(b"0\r\n\r\n")
         if self.pending is not None:
@@ -168,6 +191,12 @@ class Exchange:
     def cancel(self) -> None:
         """The client went away: drop the upstream request now so the engine frees the slot."""
         self.conn.abort()
+
+
+def _engine_phrase(conn: UpstreamConn) -> bytes:
+    """The engine's own reason phrase, for a status code without a standard one (if it is clean)."""
+    phrase = conn.status_line[13:]
+    return phrase if _PHRASE.fullmatch(phrase) else b""
 
 
 def _event_end(data: bytes) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import time
 from collections.abc import Awaitable
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from cluster_cli.router.proxy import Exchange
 
 log = logging.getLogger("clusterctl.router")
+_EMPTY_LINES = re.compile(rb"(?:\r\n)*")
 _monotonic = time.monotonic
 
 
@@ -143,6 +145,11 @@ class ClientConn(asyncio.Protocol):
             buf = self._buf
             req = self._req
             if req is None:
+                if buf.startswith(b"\r\n"):
+                    # Empty lines before a request line are ignored (RFC 9112 2.2): a client's
+                    # stray CRLF after a body, say.
+                    buf = self._buf = _skip_empty_lines(buf)
+                    self._scan = 0
                 if not buf:
                     self.reading_since = 0.0
                     return
@@ -159,6 +166,9 @@ class ClientConn(asyncio.Protocol):
                     req, clen, chunked = parse_request_head(bytes(buf[:idx]))
                 except BadRequest as e:
                     self._reject(None, e.status, e.message, e.code)
+                    return
+                if not req.has_host and req.version == b"HTTP/1.1":
+                    self._reject(req, 400, "an HTTP/1.1 request needs a Host header", "bad_request")
                     return
                 buf = self._buf = buf[idx + 4 :]
                 self.keep_alive = req.keep_alive
@@ -284,6 +294,11 @@ class ClientConn(asyncio.Protocol):
             self.h.conns.discard(self)
             if self.tr is not None:
                 self.tr.abort()
+
+
+def _skip_empty_lines(buf: bytes | bytearray) -> bytes | bytearray:
+    """``buf`` without the CRLFs at its start."""
+    return buf[_EMPTY_LINES.match(buf).end() :]  # type: ignore[union-attr]
 
 
 def raise_fd_limit(max_connections: int) -> int:

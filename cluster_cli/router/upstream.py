@@ -17,7 +17,14 @@ import socket
 import time
 from typing import Protocol
 
-from cluster_cli.router.http import RESPONSE_DROP, ChunkedDecoder, header_lines_ok, parse_length
+from cluster_cli.router.http import (
+    RESPONSE_DROP,
+    ChunkedDecoder,
+    connection_tokens,
+    drop_nominated,
+    header_lines_ok,
+    parse_length,
+)
 
 _monotonic = time.monotonic
 
@@ -60,6 +67,7 @@ class UpstreamConn(asyncio.Protocol):
         "pool",
         "reused",
         "sink",
+        "status_line",
         "tr",
     )
 
@@ -75,6 +83,7 @@ class UpstreamConn(asyncio.Protocol):
         self._keep = True
         self.got_bytes = False
         self.reused = False
+        self.status_line = b""  # the last response's status line (its reason phrase, for codes the router has none for)
         self.last_io = _monotonic()
         self.paused_at: float | None = None
         self.paused_backlog = -1  # the client's unsent bytes at the last sweep while paused
@@ -94,7 +103,8 @@ class UpstreamConn(asyncio.Protocol):
         if sink is None:
             return
         self.sink = None
-        if self._mode == UNTIL_CLOSE:
+        if self._mode == UNTIL_CLOSE and exc is None:
+            # A close-delimited body ends with a clean close; a reset cuts it (RFC 9112 8).
             sink.on_end()
             sink.flush()
             return
@@ -166,6 +176,7 @@ class UpstreamConn(asyncio.Protocol):
         clen = -1
         chunked = False
         ctype = b""
+        conns: list[bytes] | None = None
         kept: list[bytes] = []
         for line in lines[1:]:  # each is NAME:VALUE (header_lines_ok)
             name, _, value = line.partition(b":")
@@ -181,18 +192,36 @@ class UpstreamConn(asyncio.Protocol):
                         return b""
                     clen = n
                 elif lname == b"transfer-encoding":
-                    chunked = value.strip().lower().endswith(b"chunked")
+                    # Only plain chunked: de-chunking "gzip, chunked" would hand the client a
+                    # compressed body with nothing saying so, and engines never send one.
+                    if chunked or value.strip(b" \t").lower() != b"chunked":
+                        self._fail("protocol", "unsupported upstream Transfer-Encoding")
+                        return b""
+                    chunked = True
                 elif lname == b"connection":
-                    v = value.strip().lower()
-                    if b"close" in v:
-                        keep = False
-                    elif b"keep-alive" in v:
-                        keep = True
+                    if conns is None:
+                        conns = [value]
+                    else:
+                        conns.append(value)
                 continue
             if lname == b"content-type":
                 ctype = value.strip().lower()
             kept.append(line)
+        if conns is not None:
+            if len(conns) == 1 and (only := conns[0].strip(b" \t").lower()) in (b"close", b"keep-alive"):
+                keep = only == b"keep-alive"  # the usual case
+            else:
+                tokens = connection_tokens(conns)
+                if b"close" in tokens:
+                    keep = False
+                elif b"keep-alive" in tokens:
+                    keep = True
+                tokens.discard(b"close")
+                tokens.discard(b"keep-alive")
+                if tokens and kept:  # headers the engine meant for this hop only (RFC 9110 7.6.1)
+                    kept = drop_nominated(kept, tokens)
         self._keep = keep
+        self.status_line = lines[0]
         if status in (204, 304):
             mode = LENGTH
             self._remaining = 0
@@ -208,6 +237,8 @@ class UpstreamConn(asyncio.Protocol):
         self._mode = mode
         self.sink.on_head(status, kept, ctype, mode)  # type: ignore[union-attr]
         if self.sink is not None and mode == LENGTH and self._remaining == 0:
+            if buf:  # bytes after a response that has no body: the connection is out of step
+                self._keep = False
             self._finish()
             return b""
         return buf
