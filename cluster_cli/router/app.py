@@ -22,7 +22,7 @@ from urllib.parse import unquote
 
 from cluster_cli.router.accesslog import AccessLog
 from cluster_cli.router.admission import Rejected
-from cluster_cli.router.balancer import Balancer, Lease
+from cluster_cli.router.balancer import Balancer, Lease, no_endpoint
 from cluster_cli.router.config import LimitsSpec, RouterConfig
 from cluster_cli.router.health import health_loop
 from cluster_cli.router.http import Request, error_response, response
@@ -526,7 +526,7 @@ class Router:
                 except Rejected as r:
                     attempts -= 1  # this one never reached an engine
                     trace.attempts = attempts
-                    extra = b"Retry-After: %d\r\n" % int(r.retry_after + 0.999) if r.retry_after else b""
+                    extra = _retry_after(r)
                     if r.reason != "no_endpoint" or not last_error:
                         self.metrics.rejection(model, r.reason)
                         return self._fail(conn, r.status, r.message, r.reason, model, endpoint, attempts, extra)
@@ -539,7 +539,8 @@ class Router:
                     return self._fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts)
                 w = lease.worker
                 endpoint = trace.endpoint = w.view.replica
-                may_retry = attempts < rp.max_attempts
+                # Retries go to another endpoint: with one, the engine's own answer is relayed.
+                may_retry = attempts < rp.max_attempts and len(entry.workers) > 1
                 ex: Exchange | None = None
                 try:
                     up = w.pool.get_idle()  # type: ignore[union-attr]
@@ -547,6 +548,8 @@ class Router:
                         up = await w.pool.connect()  # type: ignore[union-attr]
                     fut: asyncio.Future[int] = loop.create_future()
                     ex = Exchange(conn, up, may_retry, fut, http10=req.version == b"HTTP/1.0")
+                    if lease.gen:
+                        ex.probe = lease
                     conn.exchange = trace.exchange = ex
                     up.send(start_line + w.host_header + head_tail + req.body, ex)
                     code = await fut
@@ -558,13 +561,13 @@ class Router:
                     if ex is not None:
                         ex.cancel()
                     served = ex is not None and ex.done_seen and not ex.stalled
-                    lease.release(ex.status < 500 if served else None)  # type: ignore[union-attr]
+                    lease.release(_verdict(ex.status) if served else None)  # type: ignore[union-attr]
                     raise
                 finally:
                     conn.exchange = None
 
                 if code == OK:
-                    lease.release(ex.status < 500)  # type: ignore[union-attr]
+                    lease.release(_verdict(ex.status))  # type: ignore[union-attr]
                     return ex.status, model, endpoint, attempts, ex.first_at - t0, ""  # type: ignore[union-attr]
                 cut_by_stop = ex is not None and ex.error is not None and ex.error.kind == "shutdown"
                 if code == FAIL_AFTER:
@@ -574,7 +577,11 @@ class Router:
                     err = ex.error.message if ex and ex.error else "upstream failed"
                     return ex.status, model, endpoint, attempts, ex.first_at - t0, f"cut: {err}"  # type: ignore[union-attr]
                 reason = "connect"
-                if code == RETRY_5XX:
+                if code == RETRY_5XX and ex.status == 429:  # type: ignore[union-attr]
+                    lease.release(None)  # too busy: no failure of the endpoint, nor a request served
+                    last_error, last_status = f"{w.view.replica} answered HTTP 429 (too busy)", 429
+                    reason = "429"
+                elif code == RETRY_5XX:
                     lease.release(False)
                     last_error, last_status = f"{w.view.replica} answered HTTP {ex.status}", 502  # type: ignore[union-attr]
                     reason = "5xx"
@@ -594,7 +601,21 @@ class Router:
                 tried.append(w)
                 if self._stopping is not None:
                     continue  # answered at the top of the loop
-                if attempts >= rp.max_attempts:
+                now_entry = self.table.models.get(model)  # a reload may have replaced its endpoints
+                last_try = attempts >= rp.max_attempts
+                if not last_try and now_entry is not None and not self.balancer.has_untried(now_entry, tried):
+                    if not self.balancer.any_eligible(now_entry):
+                        # Its failures took the whole model down (breakers open): unavailable, and
+                        # Retry-After says when the first endpoint is probed again.
+                        r = no_endpoint(now_entry.workers)
+                        self.metrics.rejection(model, r.reason)
+                        msg = f"{last_error} ({r.message})"
+                        return self._fail(conn, 503, msg, "no_endpoint", model, endpoint, attempts, _retry_after(r))
+                    last_error += " (no other endpoint to retry on)"
+                    last_try = True
+                if last_try:
+                    if last_status == 429:
+                        return self._fail(conn, 429, last_error, "engine_busy", model, endpoint, attempts, _RETRY_1S)
                     return self._fail(conn, last_status, last_error, "upstream_error", model, endpoint, attempts)
                 if not holding_budget:
                     if not self.budget.try_acquire(self._inflight_total):
@@ -611,6 +632,16 @@ class Router:
 
 
 _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})
+_RETRY_1S = b"Retry-After: 1\r\n"
+
+
+def _retry_after(r: Rejected) -> bytes:
+    return b"Retry-After: %d\r\n" % int(r.retry_after + 0.999) if r.retry_after else b""
+
+
+def _verdict(status: int) -> bool | None:
+    """What a relayed answer tells the breaker and the drain rate: 5xx a failure, 429 nothing."""
+    return None if status == 429 else status < 500
 
 
 _DEFAULT_MAX_CONNECTIONS = LimitsSpec.model_fields["max_connections"].default

@@ -37,6 +37,17 @@ class Lease:
     def probe(self) -> bool:
         return self.gen > 0
 
+    def answered(self) -> None:
+        """A probe's engine answered (a status line below 500, not 429): that is all a probe
+        asks, so the breaker hears it now, not after a generation that may take a minute,
+        and the requests queued behind the probe go on at once."""
+        gen = self.gen
+        if gen and not self.released:
+            self.gen = 0  # judged: its end only tells the breaker something if it fails
+            w = self.worker
+            w.breaker.on_result(True, gen)
+            self._balancer.on_probe_answered(w)
+
     def release(self, outcome: bool | None) -> None:
         """outcome: True = the endpoint served it, False = the endpoint failed, None = no verdict."""
         if self.released:
@@ -166,9 +177,19 @@ class Balancer:
                 return False  # nothing is free for a waiter with no exclusions: nor for any behind it
         return False
 
+    def has_untried(self, entry: ModelEntry, tried: Collection[Worker]) -> bool:
+        """Whether an endpoint not in ``tried`` may take a retry (now or once it has room)."""
+        return any(w not in tried and w.unavailable_reason() is None for w in entry.workers)
+
+    def on_probe_answered(self, w: Worker) -> None:
+        self._dispatch_for(w)
+
     def on_release(self, w: Worker) -> None:
         if self.active_leases > 0:
             self.active_leases -= 1
+        self._dispatch_for(w)
+
+    def _dispatch_for(self, w: Worker) -> None:
         models = self.table.models
         for name in w.view.models:
             entry = models.get(name)

@@ -19,11 +19,12 @@ from cluster_cli.router.http import REASONS, sse_error_event
 from cluster_cli.router.upstream import LENGTH, UNTIL_CLOSE, UpstreamConn, UpstreamError
 
 if TYPE_CHECKING:
+    from cluster_cli.router.balancer import Lease
     from cluster_cli.router.server import ClientConn
 
 # How an attempt ended.
 OK = 0  # response relayed completely
-RETRY_5XX = 1  # upstream answered 5xx, nothing relayed: may retry
+RETRY_5XX = 1  # upstream answered 5xx (or 429: too busy), nothing relayed: may retry
 FAIL_BEFORE = 2  # upstream failed before any byte reached the client: may retry
 FAIL_AFTER = 3  # upstream failed after bytes reached the client: stream closed cleanly or connection aborted
 
@@ -47,6 +48,7 @@ class Exchange:
         "may_retry",
         "out",
         "pending",
+        "probe",
         "sent",
         "sse",
         "stalled",
@@ -61,6 +63,7 @@ class Exchange:
         self.http10 = http10  # an HTTP/1.0 client knows no chunked encoding: the body ends with the connection
         self.conn = conn
         self.may_retry = may_retry
+        self.probe: Lease | None = None  # set when this request is its breaker's half-open probe
         self.fut = fut
         self.status = 0
         self.sent = False
@@ -83,10 +86,13 @@ class Exchange:
     # ---------------------------------------------------------------- Sink
     def on_head(self, status: int, lines: list[bytes], ctype: bytes, framing: int) -> None:
         self.status = status
-        if status >= 500 and self.may_retry:
+        if (status >= 500 or status == 429) and self.may_retry:
+            # Failed, or too busy (429), before any byte reached the client: another endpoint may serve it.
             self.conn.abort()
             self._resolve(RETRY_5XX)
             return
+        if self.probe is not None and status < 500 and status != 429:
+            self.probe.answered()
         self.sse = ctype.startswith(b"text/event-stream")
         self.framing = framing
         phrase = PHRASES.get(status)

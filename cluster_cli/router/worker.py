@@ -89,7 +89,9 @@ class Worker:
         self._clock = clock
         self.url = view.url
         self.view = view
-        self.host_header = f"{view.host}:{view.port}".encode()
+        # An IPv6 literal goes in brackets (RFC 3986 3.2.2): "Host: ::1:8000" is refused by nginx.
+        host = f"[{view.host}]" if ":" in view.host else view.host
+        self.host_header = f"{host}:{view.port}".encode()
         self.breaker = Breaker(breaker_cfg, clock=clock, name=view.replica)
         self.inflight = 0
         self.completed = 0
@@ -138,9 +140,9 @@ class Worker:
             return "removed"
         if self.view.draining:
             return "draining"
-        if not self.breaker.allows():
-            return "circuit open" if self.breaker.state is State.OPEN else "half-open probe busy"
-        return None
+        if self.breaker.current() is State.OPEN:
+            return "circuit open"
+        return None  # half-open with its probe out counts as full (``saturated``): requests wait for it
 
     def fresh(self, now: float) -> bool:
         return now - self.scraped.at <= self.stale_s
@@ -160,7 +162,10 @@ class Worker:
         return self.scraped.kv if self.fresh(now) else None
 
     def saturated(self, now: float) -> bool:
-        """Full: a new request would wait inside the engine rather than start."""
+        """Full: a new request would wait inside the engine rather than start (or, half-open,
+        the breaker's probe is out: requests wait in the admission queue for its answer)."""
+        if self.breaker.state is State.HALF_OPEN and not self.breaker.allows():
+            return True
         mi = self.view.max_inflight
         if mi is not None and self.inflight >= mi:
             return True
@@ -254,7 +259,10 @@ class Worker:
         return obs
 
     def on_scrape_error(self, error: str) -> None:
-        self.scraped.error = error
+        """A failed scrape: its engine's load is unknown from now on (the balancer falls back to
+        in-flight counts at once, not when the last good reading goes stale)."""
+        s = self.scraped
+        self.scraped = Scraped(None, None, None, s.at, s.inflight_then, error)
 
     def snapshot(self, now: float) -> dict[str, object]:
         s = self.scraped

@@ -1,0 +1,140 @@
+"""Control-plane edges found by review: half-open probes, an engine's own 429, retries that
+have nowhere else to go, IPv6 endpoints, failed scrapes. Simulated engines, real sockets."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+from simengine import Fleet
+
+from cluster_cli.router.breaker import State
+from cluster_cli.router.config import RouterConfig, endpoint_views
+from cluster_cli.router.worker import Worker
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+def chat(f: Fleet, **kw: object) -> httpx.Response:
+    return httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG, **kw}, timeout=30)
+
+
+def test_a_half_open_probe_is_judged_when_the_engine_answers_and_requests_wait_behind_it() -> None:
+    """One endpoint, streams of about a second: once its breaker half-opens, requests that
+    come while the probe is out wait in the queue (they were refused with 503, for as long
+    as two whole generations took), and the probe counts once the engine answers."""
+    f = Fleet(1, capacity=8, token_delay_s=0.05, tokens=20).start(
+        router={
+            "breaker": {"failure_threshold": 1, "open_for_s": 0.2, "success_threshold": 2},
+            "health_interval_s": 60,
+            "admission": {"max_wait_s": 20},
+        }
+    )
+    (e,) = f.engines
+    try:
+        f.lt.call(lambda: setattr(e, "fail_status", 500))
+        assert chat(f).status_code == 500  # the engine's own answer: nowhere else to retry
+        w = f.router.table.workers[e.url]
+        assert w.breaker.state is State.OPEN
+        f.lt.call(lambda: setattr(e, "fail_status", None))
+        f.lt.wait_for(lambda: w.breaker.current() is State.HALF_OPEN, what="the breaker to half-open")
+        codes: list[int] = []
+        seen: list[tuple[State, int]] = []  # at each client's first token: the breaker, streams done
+
+        def one() -> None:
+            with httpx.stream(
+                "POST", f.base + "/chat/completions", json={"model": "sim", "messages": MSG, "stream": True}, timeout=30
+            ) as r:
+                codes.append(r.status_code)
+                if r.status_code == 200:
+                    for i, _ in enumerate(r.iter_lines()):
+                        if i == 0:
+                            seen.append((w.breaker.state, e.served))
+
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert codes == [200, 200, 200, 200], codes
+        # The probes' answers closed it while every stream was still running.
+        assert (State.CLOSED, 0) in seen, seen
+        assert w.breaker.state is State.CLOSED and e.served >= 4
+    finally:
+        f.close()
+
+
+def test_an_engine_s_429_is_retried_elsewhere_and_is_no_success_or_failure() -> None:
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(router={"breaker": {"failure_threshold": 2}})
+    busy, good = f.engines
+    f.lt.call(lambda: setattr(busy, "fail_status", 429))
+    try:
+        codes = [chat(f).status_code for _ in range(20)]
+        assert codes == [200] * 20
+        w = f.router.table.workers[busy.url]
+        assert busy.requests > 0, "the busy engine was never tried: the test shows nothing"
+        assert w.breaker.state is State.CLOSED and w.failed == 0 and w.completed == 0
+        assert good.served == 20
+    finally:
+        f.close()
+
+
+def test_a_single_endpoint_s_429_and_5xx_reach_the_client_as_the_engine_sent_them() -> None:
+    """Nowhere else to go: no retry back to the engine that said no (an engine shedding load
+    with 503 got three times the requests), and its own answer, not a made-up 502."""
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=2).start(router={"breaker": {"failure_threshold": 50}})
+    (e,) = f.engines
+    try:
+        for status in (429, 503):
+            f.lt.call(lambda s=status: setattr(e, "fail_status", s))
+            before = e.requests
+            r = chat(f)
+            assert r.status_code == status and r.json()["error"]["message"] == "simulated failure"
+            assert e.requests - before == 1
+        w = f.router.table.workers[e.url]
+        assert (w.failed, w.completed) == (1, 0)  # the 503 is a failure, the 429 neither
+    finally:
+        f.close()
+
+
+def test_a_retry_never_goes_back_to_an_endpoint_that_just_failed() -> None:
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(
+        router={"breaker": {"failure_threshold": 50}, "retry": {"max_attempts": 5}}
+    )
+    try:
+        for e in f.engines:
+            f.lt.call(lambda e=e: setattr(e, "fail_status", 500))
+        r = chat(f)
+        assert r.status_code == 502
+        assert r.json()["error"]["message"].endswith("answered HTTP 500 (no other endpoint to retry on)")
+        assert [e.requests for e in f.engines] == [1, 1]  # one try each, not five in all
+    finally:
+        f.close()
+
+
+def _worker(url: str) -> Worker:
+    cfg = RouterConfig.model_validate(
+        {"engines": {"vllm": {"metrics": {}}}, "models": {"m": {"endpoints": [{"url": url, "engine": "vllm"}]}}}
+    )
+    (view,) = endpoint_views(cfg).values()
+    return Worker(view)
+
+
+def test_an_ipv6_endpoint_is_asked_with_its_address_in_brackets() -> None:
+    assert _worker("http://[::1]:8000").host_header == b"[::1]:8000"
+    assert _worker("http://[fe80::1]:8000").view.host == "fe80::1"  # what the socket connects to
+    assert _worker("http://10.0.0.1:8000").host_header == b"10.0.0.1:8000"
+    assert _worker("http://gpu-01:8000").host_header == b"gpu-01:8000"
+
+
+def test_a_failed_scrape_drops_the_engine_s_load_at_once() -> None:
+    """The contract: a failed scrape falls back to the in-flight count, not to the last
+    reading until it goes stale (an engine restarting kept its old load for seconds)."""
+    w = _worker("http://10.0.0.1:8000")
+    now = w._clock()
+    w.on_scrape(40.0, 3.0, 0.8, now, now)
+    assert w.load(now) == 43.0 and w.kv(now) == 0.8
+    w.acquire()
+    w.on_scrape_error("ValueError: HTTP 500")
+    assert w.load(now) == 1.0 and w.kv(now) is None  # only the router's own request
+    assert w.scraped.error == "ValueError: HTTP 500" and w.scraped.at == now  # its age still counts
