@@ -1,13 +1,19 @@
-"""Active health checks: GET the engine's health path and feed the breaker."""
+"""Active health checks: GET the engine's health path and feed the breaker.
+
+Every endpoint is checked on its own schedule (``scrape.poll_each``): one whose health path
+hangs neither delays nor thins out the checks of the others.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
 
 from cluster_cli.router.breaker import State
 from cluster_cli.router.http import fetch
+from cluster_cli.router.scrape import poll_each
 from cluster_cli.router.worker import Worker
 
 
@@ -33,10 +39,10 @@ async def health_loop(
     interval: Callable[[], float],
     after: Callable[[], None] = lambda: None,
 ) -> None:
-    while True:
-        iv = interval()
-        ws = [w for w in workers() if not w.removed]
-        if ws:
-            await asyncio.gather(*(check_one(w, max(0.5, min(iv, 5.0)), iv) for w in ws), return_exceptions=True)
-            after()
-        await asyncio.sleep(iv)
+    """Check every (not removed) worker each ``interval()`` seconds, each on its own schedule,
+    each check bounded by the interval (0.5 to 5 s)."""
+
+    def one(w: Worker, iv: float) -> Coroutine[Any, Any, bool]:
+        return check_one(w, max(0.5, min(iv, 5.0)), iv)
+
+    await poll_each("health check", lambda: [w for w in workers() if not w.removed], interval, one, after)

@@ -382,6 +382,17 @@ class ChunkedDecoder:
         return b"".join(out) if len(out) != 1 else out[0], b""
 
 
+def host_header(host: str, port: int) -> bytes:
+    """The Host header value for ``host`` (a name, an IPv4 or an IPv6 literal) and ``port``.
+
+    An IPv6 literal goes in brackets, as in a URI (RFC 9112 3.2, RFC 3986 3.2.2): "::1" and
+    8000 give "[::1]:8000"; a zone ID ("fe80::1%eth0") has only local meaning and is left
+    out (RFC 6874 4)."""
+    if ":" in host and not host.startswith("["):
+        host = "[" + host.partition("%")[0] + "]"
+    return b"%s:%d" % (host.encode(), port)
+
+
 async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int = 4 << 20) -> tuple[int, bytes]:
     """A small GET (health checks, metric scrapes): returns (status, body). Raises OSError/TimeoutError/ValueError."""
 
@@ -389,8 +400,8 @@ async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int 
         reader, writer = await asyncio.open_connection(host, port)
         try:
             writer.write(
-                b"GET %s HTTP/1.1\r\nHost: %s:%d\r\nAccept: */*\r\nConnection: close\r\n\r\n"
-                % (path.encode(), host.encode(), port)
+                b"GET %s HTTP/1.1\r\nHost: %s\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+                % (path.encode(), host_header(host, port))
             )
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head[:-4].split(b"\r\n")

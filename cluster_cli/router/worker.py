@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from cluster_cli.router.breaker import Breaker, BreakerConfig, State
 from cluster_cli.router.config import EndpointView
+from cluster_cli.router.http import host_header
 
 CAP_WINDOW_S = 30.0
 ADMIT_WINDOW_S = 0.15  # a request sent this recently may still wait for its engine's next step (10-100 ms)
@@ -89,9 +90,7 @@ class Worker:
         self._clock = clock
         self.url = view.url
         self.view = view
-        # An IPv6 literal goes in brackets (RFC 3986 3.2.2): "Host: ::1:8000" is refused by nginx.
-        host = f"[{view.host}]" if ":" in view.host else view.host
-        self.host_header = f"{host}:{view.port}".encode()
+        self.host_header = host_header(view.host, view.port)  # "[::1]:8000": "::1:8000" is refused by nginx
         self.breaker = Breaker(breaker_cfg, clock=clock, name=view.replica)
         self.inflight = 0
         self.completed = 0
