@@ -23,6 +23,7 @@ def write_key(path: Path, passphrase: str | None = None) -> Path:
         key.write_private_key(path, format_name="pkcs8-pem", passphrase=passphrase)
     else:
         key.write_private_key(path)
+    path.chmod(0o600)  # as ssh-keygen leaves it (a key open to others is warned about)
     return path
 
 
