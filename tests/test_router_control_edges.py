@@ -57,9 +57,35 @@ def test_a_half_open_probe_is_judged_when_the_engine_answers_and_requests_wait_b
         for t in threads:
             t.join(60)
         assert codes == [200, 200, 200, 200], codes
-        # The probes' answers closed it while every stream was still running.
-        assert (State.CLOSED, 0) in seen, seen
+        # Each went on as soon as the probe before it was answered, not a generation later;
+        # only streams served whole closed the breaker.
+        assert seen == [(State.HALF_OPEN, 0)] * 4, seen
         assert w.breaker.state is State.CLOSED and e.served >= 4
+    finally:
+        f.close()
+
+
+def test_a_probe_that_is_answered_and_then_cut_reopens_the_breaker_for_longer() -> None:
+    """An engine that answers at once and then cuts its streams must not close its breaker
+    on the answer: its open time would never grow while each cycle let a burst through."""
+    f = Fleet(1, capacity=8, token_delay_s=0.01, tokens=20).start(
+        router={"breaker": {"failure_threshold": 1, "open_for_s": 0.2, "success_threshold": 1}, "health_interval_s": 60}
+    )
+    (e,) = f.engines
+    try:
+        f.lt.call(lambda: setattr(e, "cut_after", 2))
+        w = f.router.table.workers[e.url]
+        with httpx.stream(
+            "POST", f.base + "/chat/completions", json={"model": "sim", "messages": MSG, "stream": True}, timeout=30
+        ) as r:
+            assert r.status_code == 200 and "upstream_stream_cut" in r.read().decode()
+        assert w.breaker.state is State.OPEN and w.breaker.openings == 1
+        f.lt.wait_for(lambda: w.breaker.current() is State.HALF_OPEN, what="the breaker to half-open")
+        with httpx.stream(
+            "POST", f.base + "/chat/completions", json={"model": "sim", "messages": MSG, "stream": True}, timeout=30
+        ) as r:
+            assert r.status_code == 200 and "upstream_stream_cut" in r.read().decode()
+        assert w.breaker.state is State.OPEN and w.breaker.openings == 2  # a failed probe: the open time grows
     finally:
         f.close()
 
@@ -97,6 +123,21 @@ def test_a_single_endpoint_s_429_and_5xx_reach_the_client_as_the_engine_sent_the
         f.close()
 
 
+def test_with_the_other_endpoints_unusable_the_engine_s_own_answer_is_relayed() -> None:
+    """Two endpoints, one draining: nowhere else to retry, so the client gets the engine's
+    own error, not a 502 made up by the router."""
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2)
+    f.start(cfg=f.config(router={"breaker": {"failure_threshold": 50}}, endpoint_extra={1: {"draining": True}}))
+    bad, _ = f.engines
+    try:
+        f.lt.call(lambda: setattr(bad, "fail_status", 500))
+        r = chat(f)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "simulated failure"
+        assert bad.requests == 1
+    finally:
+        f.close()
+
+
 def test_a_retry_never_goes_back_to_an_endpoint_that_just_failed() -> None:
     f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(
         router={"breaker": {"failure_threshold": 50}, "retry": {"max_attempts": 5}}
@@ -105,8 +146,8 @@ def test_a_retry_never_goes_back_to_an_endpoint_that_just_failed() -> None:
         for e in f.engines:
             f.lt.call(lambda e=e: setattr(e, "fail_status", 500))
         r = chat(f)
-        assert r.status_code == 502
-        assert r.json()["error"]["message"].endswith("answered HTTP 500 (no other endpoint to retry on)")
+        # The last endpoint it could try answered: that answer is the client's.
+        assert r.status_code == 500 and r.json()["error"]["message"] == "simulated failure"
         assert [e.requests for e in f.engines] == [1, 1]  # one try each, not five in all
     finally:
         f.close()

@@ -563,3 +563,45 @@ def test_a_transfer_coding_other_than_chunked_is_refused_as_502(router) -> None:
         line, _, body = Reader(c).response()
     assert line.startswith(b"HTTP/1.1 502 ")
     assert "Transfer-Encoding" in json.loads(body)["error"]["message"]
+
+
+def test_a_close_delimited_sse_stream_that_ends_with_done_is_complete(router) -> None:
+    """``data: [DONE]`` then the close, without the event's blank line: the stream was served
+    whole (as with a length or chunks), not cut."""
+
+    def script(s: socket.socket, head: bytes, n: int) -> bool:
+        s.sendall(b'HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: {"i":0}\n\ndata: [DONE]\n')
+        s.shutdown(socket.SHUT_WR)
+        return False
+
+    f, eng = router(script)
+    with connect(f.port) as c:
+        c.sendall(post())
+        raw = Reader(c).until(b"\r\n0\r\n\r\n")
+    assert [e.strip() for e in sse_events(raw)] == [b'data: {"i":0}', b"data: [DONE]"]  # relayed as sent
+    assert worker_counts(f, eng) == (1, 0)
+
+
+def test_blank_lines_alone_do_not_hold_a_connection_open() -> None:
+    """Empty lines before a request are skipped (RFC 9112 2.2), but the request's read deadline
+    keeps running: a client sending nothing else is answered 408 and dropped."""
+    f = Fleet(1).start(router={"limits": {"request_read_timeout_s": 0.5, "idle_timeout_s": 60}})
+    try:
+        with connect(f.port) as c:
+            got = b""
+            for _ in range(int(HANG_GUARD / 0.1)):
+                try:
+                    c.sendall(b"\r\n")
+                except OSError:
+                    break  # closed by the router
+                c.settimeout(0.1)
+                try:
+                    chunk = c.recv(65536)
+                except TimeoutError:
+                    continue
+                got += chunk
+                if not chunk or b"\r\n\r\n" in got:
+                    break
+        assert got.startswith(b"HTTP/1.1 408 "), got
+    finally:
+        f.close()

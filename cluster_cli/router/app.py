@@ -364,8 +364,9 @@ class Router:
     def _health_body(self) -> bytes:
         """The router's state. ``status`` is "draining" (answered with 503) while it shuts down,
         "degraded" while some model has no endpoint that would take a request now, by the
-        balancer's own test (each one draining, its breaker open, or half-open with its probe
-        in flight: a request would get 503), such models listed in ``unavailable_models``, or
+        balancer's own test (each one draining, removed or with its breaker open: a request
+        would get 503; a half-open one whose probe is out still counts, requests wait for it),
+        such models listed in ``unavailable_models``, or
         after a rejected config reload (``last_reload_error``); else "ok". Only draining changes
         the HTTP status: /health is the router's liveness, and a degraded router still works.
         """
@@ -540,7 +541,11 @@ class Router:
                 w = lease.worker
                 endpoint = trace.endpoint = w.view.replica
                 # Retries go to another endpoint: with one, the engine's own answer is relayed.
-                may_retry = attempts < rp.max_attempts and len(entry.workers) > 1
+                may_retry = (
+                    attempts < rp.max_attempts
+                    and len(entry.workers) > 1
+                    and self.balancer.has_untried(entry, (*tried, w))
+                )
                 ex: Exchange | None = None
                 try:
                     up = w.pool.get_idle()  # type: ignore[union-attr]

@@ -25,27 +25,28 @@ from cluster_cli.router.worker import Worker
 
 
 class Lease:
-    __slots__ = ("_balancer", "gen", "released", "worker")
+    __slots__ = ("_balancer", "answered_at_head", "gen", "released", "worker")
 
     def __init__(self, balancer: Balancer, worker: Worker, gen: int) -> None:
         self._balancer = balancer
         self.worker = worker
         self.gen = gen  # the breaker's half-open generation when this is a probe, else 0
         self.released = False
+        self.answered_at_head = False
 
     @property
     def probe(self) -> bool:
         return self.gen > 0
 
     def answered(self) -> None:
-        """A probe's engine answered (a status line below 500, not 429): that is all a probe
-        asks, so the breaker hears it now, not after a generation that may take a minute,
-        and the requests queued behind the probe go on at once."""
-        gen = self.gen
-        if gen and not self.released:
-            self.gen = 0  # judged: its end only tells the breaker something if it fails
+        """A probe's engine answered (a status line below 500, not 429): its probe slot goes
+        to the next request at once (one waiting behind it would otherwise wait for a whole
+        generation). Whether the engine serves it whole is still what its release tells the
+        breaker: an engine that answers and then cuts its streams must not close it."""
+        if self.gen and not self.released and not self.answered_at_head:
+            self.answered_at_head = True
             w = self.worker
-            w.breaker.on_result(True, gen)
+            w.breaker.on_answered(self.gen)
             self._balancer.on_probe_answered(w)
 
     def release(self, outcome: bool | None) -> None:
@@ -54,10 +55,11 @@ class Lease:
             return
         self.released = True
         w = self.worker
+        holds = not self.answered_at_head
         if outcome is None:
-            w.breaker.on_abandon(self.gen)
+            w.breaker.on_abandon(self.gen, holds)
         else:
-            w.breaker.on_result(outcome, self.gen)
+            w.breaker.on_result(outcome, self.gen, holds)
         w.release(outcome)
         self._balancer.on_release(w)
 

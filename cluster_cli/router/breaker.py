@@ -129,11 +129,12 @@ class Breaker:
     def _current_probe(self, probe: int) -> bool:
         return bool(probe) and self.state is State.HALF_OPEN and probe == self.generation
 
-    def on_result(self, ok: bool, probe: int = 0) -> None:
-        """``probe``: what ``on_send`` returned for this request."""
+    def on_result(self, ok: bool, probe: int = 0, holds_slot: bool = True) -> None:
+        """``probe``: what ``on_send`` returned for this request; ``holds_slot`` False once
+        ``on_answered`` has given its probe slot back."""
         self._tick()  # an open time that is over counts whether or not anyone has looked since
         current = self._current_probe(probe)
-        if current and self.probes > 0:
+        if current and holds_slot and self.probes > 0:
             self.probes -= 1
         if ok:
             if self.state is not State.HALF_OPEN or current:  # stale results cannot close it
@@ -141,8 +142,15 @@ class Breaker:
         else:
             self._failure()
 
-    def on_abandon(self, probe: int) -> None:
+    def on_abandon(self, probe: int, holds_slot: bool = True) -> None:
         """The request ended without telling anything about the endpoint (client went away)."""
+        if holds_slot and self._current_probe(probe) and self.probes > 0:
+            self.probes -= 1
+
+    def on_answered(self, probe: int) -> None:
+        """A probe's engine answered (its status line came): its slot goes to the next probe,
+        so requests are not held back for as long as a whole generation takes; the probe
+        still counts towards closing only when it has been served whole."""
         if self._current_probe(probe) and self.probes > 0:
             self.probes -= 1
 

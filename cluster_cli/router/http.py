@@ -413,7 +413,9 @@ async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int 
                 k = k.strip().lower()
                 if k == b"content-length":
                     clen = parse_length(v.strip())
-                elif k == b"transfer-encoding" and v.strip().lower().endswith(b"chunked"):
+                elif k == b"transfer-encoding":
+                    if chunked or v.strip().lower() != b"chunked":  # as upstream.py: nothing but plain chunked
+                        raise ValueError("unsupported Transfer-Encoding")
                     chunked = True
             if status in (204, 304):
                 body = b""

@@ -137,13 +137,13 @@ class Exchange:
     def on_end(self) -> None:
         tail = self.tail
         if tail:
-            if self.framing == UNTIL_CLOSE:
+            self.tail = b""
+            done = tail[-24:].rstrip(b"\r\n").endswith(b"data: [DONE]")
+            if self.framing == UNTIL_CLOSE and not done:
                 # The body ended with the connection in the middle of an event: it was cut.
-                self.tail = b""
                 self.on_error(UpstreamError("reset", "upstream closed the connection mid-event"))
                 return
-            self.tail = b""
-            if tail[-24:].rstrip(b"\r\n").endswith(b"data: [DONE]"):
+            if done:
                 self.done_seen = True
             # The body is complete (its length or its chunks said so): its last event is relayed
             # as it is, framed the way the client's response is.

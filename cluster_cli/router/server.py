@@ -150,6 +150,9 @@ class ClientConn(asyncio.Protocol):
                     # stray CRLF after a body, say.
                     buf = self._buf = _skip_empty_lines(buf)
                     self._scan = 0
+                    self._reading()  # blank lines are no request: its read deadline keeps running
+                    if not buf:
+                        return
                 if not buf:
                     self.reading_since = 0.0
                     return

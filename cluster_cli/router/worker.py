@@ -280,7 +280,7 @@ class Worker:
             "capacity_estimate": self.cap,
             "scrape": {
                 "age_s": None if s.at < -1e17 else round(now - s.at, 3),
-                "fresh": self.fresh(now),
+                "fresh": self.fresh(now) and s.error is None,  # a failed last scrape: nothing is known
                 "running": s.running,
                 "waiting": s.waiting,
                 "kv_cache_usage": s.kv,
