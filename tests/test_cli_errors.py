@@ -511,3 +511,21 @@ def test_a_private_key_open_to_other_users_is_warned_about(tmp_path: Path) -> No
     key.chmod(0o644)
     r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)), "--timeout", "2")
     assert r.exit_code == 1 and warning in r.output, r.output
+
+
+def test_a_match_exec_in_an_included_file_is_not_run_up_front(tmp_path: Path) -> None:
+    """The up-front check of ssh_config never runs `Match exec` commands (asyncssh runs them
+    when it connects), not even from a file the config includes."""
+    from cluster_cli.cli.common import check_ssh_files
+    from cluster_cli.config.inventory import load_inventory
+
+    write_key(tmp_path / "id")
+    (tmp_path / "kh").write_text("")
+    marker = tmp_path / "ran"
+    (tmp_path / "conf.d").mkdir()
+    (tmp_path / "conf.d" / "50-exec").write_text(f'Match exec "touch {marker}"\n  Port 2222\n')
+    (tmp_path / "cfg").write_text(f"Include {tmp_path / 'conf.d'}/*\nHost *\n  User root\n")
+    nodes = "".join(f"  - {{name: n{i}, host: h{i}}}\n" for i in range(3))
+    p = inv(tmp_path, f"ssh_config: cfg\ndefaults: {{identity_file: id, known_hosts: kh}}\nnodes:\n{nodes}")
+    check_ssh_files(load_inventory(p), p)
+    assert not marker.exists()

@@ -169,7 +169,7 @@ def _check_ssh_config(inv: Inventory, path: Path, cfg: str, where: str) -> None:
         text = Path(cfg).read_text(errors="replace")
     except OSError as e:
         raise ConfigError(f"{where}: {cfg}: {e.strerror or e}") from None
-    if re.search(r"(?im)^\s*match\b.*\bexec\b", text):
+    if _runs_commands(cfg, text):
         return  # `Match exec` runs a command per host: leave it to connect time, not N times up front
     for host in sorted({n.host for n in inv.nodes}):
         try:
@@ -180,12 +180,55 @@ def _check_ssh_config(inv: Inventory, path: Path, cfg: str, where: str) -> None:
             raise ConfigError(f"{where}: Include loop: a file includes itself ({cfg})") from None
         except (ValueError, OSError, asyncssh.Error) as e:
             raise ConfigError(f"{where}: {_printable(e)}") from None
+    routed: set[tuple[str, int | None, str | None]] = set()
     for n in inv.nodes:
         t = inv.ssh_target(n)
+        if (t.host, t.port, t.user) in routed:
+            continue
+        routed.add((t.host, t.port, t.user))
         try:
             _route([cfg], t.host, t.port, t.user)
         except _RouteError as e:
             raise ConfigError(f"{where} (node {n.name}, host {t.host}): {e}") from None
+
+
+_MATCH_EXEC = re.compile(r"(?im)^\s*match\b.*\bexec\b")
+_INCLUDE = re.compile(r"(?im)^\s*include\s*=?\s*(.+?)\s*$")
+
+
+def _runs_commands(cfg: str, text: str, depth: int = 0, seen: set[str] | None = None) -> bool:
+    """Whether ``cfg`` (text ``text``), or a file it includes, has a ``Match exec``. Include
+    paths are tried as absolute, in ~/.ssh and beside the file (any of them may be meant);
+    a file that cannot be read is asyncssh's to report."""
+    import glob
+    import shlex
+
+    if _MATCH_EXEC.search(text):
+        return True
+    seen = seen if seen is not None else {os.path.realpath(cfg)}
+    if depth >= 16:
+        return False
+    bases = [os.path.expanduser("~/.ssh"), os.path.dirname(os.path.abspath(cfg))]
+    for line in _INCLUDE.findall(text):
+        try:
+            patterns = shlex.split(line)
+        except ValueError:
+            continue
+        for pattern in patterns:
+            pattern = os.path.expanduser(pattern)
+            candidates = [pattern] if os.path.isabs(pattern) else [os.path.join(b, pattern) for b in bases]
+            for path in (p for c in candidates for p in sorted(glob.glob(c))):
+                real = os.path.realpath(path)
+                if real in seen or not os.path.isfile(real):
+                    continue
+                seen.add(real)
+                try:
+                    inner = Path(real).read_text(errors="replace")
+                except OSError:
+                    continue
+                if _runs_commands(real, inner, depth + 1, seen):
+                    return True
+    return False
 
 
 def _check_pin_file(pinned: Path) -> None:

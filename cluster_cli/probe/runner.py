@@ -464,7 +464,7 @@ def _host_key_error(e: asyncssh.HostKeyNotVerifiable, trust: object, file: str, 
         host, peer, port = trust.asked
         name = host if port in (None, 22) else f"[{host}]:{port}"
         seen = f" ({peer})" if peer and peer != host else ""
-        if "revoked" in str(e.reason).lower():
+        if str(e.reason).startswith(("Host key is revoked", "Host CA key is revoked")):
             return (
                 f"host key not verifiable in {file}: the {what} offered a key marked @revoked there for "
                 f"{name}{seen} ({e.reason}); do not trust it again until you know why it was revoked"
