@@ -175,3 +175,49 @@ def test_gid_records_give_the_subnet_prefix_of_active_ib_ports() -> None:
     }
     f = facts_from_outputs(INV, NODE, {**outputs(), **gids})
     assert {h.ca: h.subnet_prefix for h in f.hcas} == {"mlx5_0": 0xFEC0_0000_0000_0001, "mlx5_1": None, "mlx5_2": None}
+
+
+LOST = (
+    "Unable to determine the device handle for GPU 0000:C3:00.0: GPU is lost. Reboot the system to recover this GPU\n"
+)
+
+
+@pytest.mark.parametrize("rc", [124, None, 137])
+def test_a_lost_gpu_does_not_excuse_a_gpu_list_cut_short(rc: int | None) -> None:
+    """A lost GPU makes nvidia-smi exit non-zero after a whole list; killed by the probe
+    timeout, a signal or a cut connection, the list may lack GPUs: nothing in it is free."""
+    gpus = LOST + GPUS.splitlines(keepends=True)[0]
+    f = facts_from_outputs(INV, NODE, outputs(gpus=CommandResult(rc, gpus, ""), apps=ok("")))
+    assert not any(g.free for g in f.gpus) and f.nvlink_domains is None
+    assert any(
+        p.startswith("nvidia-smi: ") and "after listing 1 GPU(s); the list may be incomplete" in p for p in f.problems
+    )
+    whole = facts_from_outputs(INV, NODE, outputs(gpus=CommandResult(15, gpus, ""), apps=ok("")))  # ended on its own
+    assert [g.free for g in whole.gpus] == [True, False]  # the listed GPU, and the lost one
+
+
+@pytest.mark.parametrize("rc", [124, None])
+def test_a_process_list_cut_short_frees_no_gpu_even_with_a_lost_gpu(rc: int | None) -> None:
+    gpus = CommandResult(15, GPUS.splitlines(keepends=True)[0] + LOST + GPUS.splitlines(keepends=True)[1], "")
+    f = facts_from_outputs(INV, NODE, outputs(gpus=gpus, apps=CommandResult(rc, LOST, "")))
+    assert "nvidia-smi: could not list compute processes; GPUs treated as busy" in f.problems
+    assert not any(g.free for g in f.gpus)
+
+
+def test_a_process_on_a_gpu_the_list_does_not_show_makes_every_gpu_busy() -> None:
+    stranger = "GPU-ffff0000-0000-0000-0000-00000000000f, 555, 100, python3\n"
+    f = facts_from_outputs(INV, NODE, outputs(apps=ok(APPS + stranger)))
+    assert not any(g.free for g in f.gpus)
+    assert any(
+        "runs on GPU-ffff0000-0000-0000-0000-00000000000f, which the GPU list does not show" in p for p in f.problems
+    )
+
+
+def test_a_topology_of_other_gpus_than_the_list_is_unknown() -> None:
+    two = CommandResult(0, "".join(GPUS.splitlines(keepends=True)[:2]), "")
+    f = facts_from_outputs(INV, NODE, outputs(gpus=two, apps=ok("")))  # the topology shows four GPUs
+    assert [g.index for g in f.gpus] == [0, 1] and f.nvlink_domains is None
+    assert facts_from_outputs(INV, NODE, outputs()).nvlink_domains == (
+        (0, 1),
+        (2, 3),
+    )  # the same matrix, all four listed

@@ -29,6 +29,7 @@ from cluster_cli.probe.parsers.ibstat import parse_gid_prefix, parse_ibstat, par
 from cluster_cli.probe.parsers.nvidia_smi import (
     build_gpus,
     classify_failure,
+    killed,
     parse_compute_apps,
     parse_query_gpu,
     unreadable_app_gpus,
@@ -91,12 +92,23 @@ def facts_from_outputs(
         else:
             apps = outputs.get("apps")
             # A lost GPU makes the process query exit non-zero while still listing the rest.
-            apps_ok = apps is not None and (apps.rc == 0 or classify_failure(apps.rc, apps.output) is None)
+            # Killed (timed out, cut), its list may lack the very process that holds a GPU.
+            apps_ok = apps is not None and (
+                apps.rc == 0 or (not killed(apps.rc) and classify_failure(apps.rc, apps.output) is None)
+            )
             procs = parse_compute_apps(apps.stdout) if apps is not None and apps_ok else []
             gpus = build_gpus(rows, procs, lost, gpu_class=inv.gpu_class, own_pids=own_pids)
             if apps is not None and not apps_ok:
                 problems.append("nvidia-smi: could not list compute processes; GPUs treated as busy")
                 gpus = _with_problem(gpus, "foreign-process: unknown (query failed)")
+            elif strangers := sorted({p.gpu_uuid for p in procs} - {g.uuid for g in gpus if g.uuid}, key=str.lower):
+                # A process on a GPU the list does not show (a row cut from it, another
+                # spelling): someone computes on one of this node's GPUs, which is unknown.
+                problems.append(
+                    f"nvidia-smi: a compute process runs on {strangers[0]}, which the GPU list does not show; "
+                    "GPUs treated as busy"
+                )
+                gpus = _with_problem(gpus, f"foreign-process: on {strangers[0]} (not in the GPU list)")
             elif apps is not None and (hidden := unreadable_app_gpus(apps.stdout)):
                 # A process row we cannot read is still someone computing on that GPU.
                 known = {g.uuid for g in gpus if g.uuid}
@@ -111,14 +123,21 @@ def facts_from_outputs(
             if not gpus:
                 nvlink = ()
             elif topo is not None and topo.rc == 0:
-                nvlink = parse_topo(topo.stdout)
+                nvlink = parse_topo(topo.stdout, gpus={g.index for g in gpus})
             # A list that may be cut short frees nothing until a discover reads it whole: rows,
             # but nvidia-smi failed or timed out; or rc 0 with rows cut short or repeated.
             incomplete = None
-            if smi.rc not in (0, None):
-                if not lost:
-                    why = "timed out" if smi.rc == 124 else f"exited with rc {smi.rc}"
-                    incomplete = f"{why} after listing {len(rows)} GPU(s)"
+            if smi.rc != 0 and (not lost or killed(smi.rc)):
+                # Lost GPUs make nvidia-smi exit non-zero after a whole list; killed, it may
+                # not have got to the end of it, lost GPUs or not.
+                why = (
+                    "timed out"
+                    if smi.rc == 124
+                    else "gave no exit status"
+                    if smi.rc is None
+                    else f"exited with rc {smi.rc}"
+                )
+                incomplete = f"{why} after listing {len(rows)} GPU(s)"
             elif garbled := unreadable_gpu_rows(smi.output, rows):
                 incomplete = f"{garbled} GPU row(s) cut short or repeated"
             if incomplete:

@@ -20,6 +20,7 @@ __all__ = [
     "SmiFailure",
     "build_gpus",
     "classify_failure",
+    "killed",
     "normalize_pci_bus_id",
     "parse_compute_apps",
     "parse_query_gpu",
@@ -275,6 +276,13 @@ _DEFAULT_MESSAGES = {
 }
 
 
+def killed(rc: int | None) -> bool:
+    """nvidia-smi did not end on its own: killed by the probe timeout (124) or a signal
+    (128 + its number, as the shell reports it; 255 is nvidia-smi's own exit(-1)), or no
+    exit status at all (the connection or the batch was cut)."""
+    return rc is None or rc == 124 or 128 < rc < 192
+
+
 def classify_failure(rc: int | None, output: str) -> SmiFailure | None:
     """Decide whether an nvidia-smi run failed as a whole, and how.
 
@@ -302,8 +310,8 @@ def classify_failure(rc: int | None, output: str) -> SmiFailure | None:
     for kind, pattern in _FATAL_PATTERNS:
         if any(pattern.search(ln) for ln in lines):
             return fail(kind)
-    if any(_LOST.search(ln) for ln in lines):
-        return None
+    if any(_LOST.search(ln) for ln in lines) and not killed(rc):
+        return None  # it ended on its own: what it printed besides the lost GPUs is whole
     if rc in _RC_KINDS:
         return fail(_RC_KINDS[rc])
     if rc is None:

@@ -7,6 +7,7 @@ complete, consistent matrix gives ``None`` (unknown), never a guess.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 __all__ = ["parse_topo"]
 
@@ -28,11 +29,13 @@ def _gpu_index(cell: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def parse_topo(text: str) -> tuple[tuple[int, ...], ...] | None:
+def parse_topo(text: str, gpus: Collection[int] | None = None) -> tuple[tuple[int, ...], ...] | None:
     """NVLink domains (connected components of >= 2 GPUs joined by ``NV#`` cells).
 
     ``()`` when the matrix is known but has no NVLink (PCIe only, single GPU);
-    ``None`` when the text is empty, an error, or not a complete GPU matrix.
+    ``None`` when the text is empty, an error, or not a complete GPU matrix, or, given the
+    indices of the GPUs nvidia-smi listed (``gpus``), a matrix of other GPUs than those:
+    which one is right is not known, so neither is the topology.
     """
     if not isinstance(text, str):
         return None
@@ -65,7 +68,7 @@ def parse_topo(text: str) -> tuple[tuple[int, ...], ...] | None:
     columns = {idx: pos for pos, c in enumerate(header) if (idx := _gpu_index(c)) is not None}
     if len(columns) != sum(1 for c in header if _gpu_index(c) is not None):
         return None  # duplicate GPU column
-    if set(columns) != set(rows):
+    if set(columns) != set(rows) or (gpus is not None and set(columns) != set(gpus)):
         return None
 
     parent = {g: g for g in columns}
