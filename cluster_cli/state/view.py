@@ -7,6 +7,7 @@ facts back from the state (discover's fabric cross-check, place) look through th
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from dataclasses import replace
@@ -15,7 +16,7 @@ from cluster_cli.config.inventory import Inventory
 from cluster_cli.facts import Gpu, NodeFacts, problem_key
 from cluster_cli.machines import mark_duplicate_gpus
 
-__all__ = ["for_inventory", "note_changes", "note_lost_ports", "note_vanished_gpus"]
+__all__ = ["for_inventory", "note_changes", "note_lost_ports", "note_unlisted_gpus", "note_vanished_gpus"]
 
 
 def for_inventory(inv: Inventory, facts: list[NodeFacts], *, from_state: bool = False) -> list[NodeFacts]:
@@ -61,40 +62,95 @@ def _reclass(g: Gpu, inv: Inventory) -> Gpu:
 
 
 VANISHED = "gpus-gone"
+UNLISTED = "gpus-unlisted"
+_FAILED = ("gpu", "nvidia-smi")  # keys of the problems that say nvidia-smi could not list the GPUs
+# The end of a gpus-gone or gpus-unlisted problem: when the GPUs were last listed, and what they were.
+_SEEN = re.compile(r"discover(?P<when> \(\d{4}-\d\d-\d\d \d\d:\d\d UTC\))? saw (?P<had>.+)$")
+
+
+def _when(t: float | None) -> str:
+    return f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t))})" if t is not None else ""
+
+
+def _had(old: NodeFacts) -> str:
+    seen = Counter(g.gpu_class for g in old.gpus if not g.lost)
+    return ", ".join(f"{n} {cls}" for cls, n in sorted(seen.items())) or f"{len(old.gpus)} GPUs"
+
+
+def _remembered(old: NodeFacts) -> tuple[str, str] | None:
+    """``(when, had)`` of the GPUs an earlier discover listed, as a ``gpus-gone`` or
+    ``gpus-unlisted`` problem of ``old`` keeps them; None when it keeps none."""
+    for p in old.problems:
+        if problem_key(p) in (VANISHED, UNLISTED):
+            m = _SEEN.search(p)
+            return (m["when"] or "", m["had"]) if m else ("", "GPUs")
+    return None
 
 
 def note_vanished_gpus(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
     """``new``, with a ``gpus-gone`` problem when it answered with no GPU and no GPU problem
     (nvidia-smi not found, or listing nothing) although the last discover (``old``) saw GPUs
-    on it: a driver removed or a PATH changed must not turn a GPU node into a CPU-only one
-    without a word. The problem stays, run after run, until GPUs show again. Pure."""
+    on it, or could not list them but remembered an earlier discover that did (a
+    ``gpus-unlisted`` problem): a driver removed or a PATH changed must not turn a GPU node
+    into a CPU-only one without a word. The problem stays, run after run, until GPUs show
+    again. Pure."""
     if old is None or not new.reachable or new.gpus:
         return new
-    if any(problem_key(p) in ("gpu", "nvidia-smi", VANISHED) for p in new.problems):
+    if any(problem_key(p) in (*_FAILED, VANISHED) for p in new.problems):
         return new  # nvidia-smi failing already says why
     carried = next((p for p in old.problems if problem_key(p) == VANISHED), None)
     if carried is not None:  # still gone: said again on every discover until they come back
         return replace(new, problems=(*new.problems, carried))
     if not old.gpus:
-        return new
-    seen = Counter(g.gpu_class for g in old.gpus if not g.lost)
-    had = ", ".join(f"{n} {cls}" for cls, n in sorted(seen.items())) or f"{len(old.gpus)} GPUs"
-    when = f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(old.probed_at))})" if old.probed_at is not None else ""
+        remembered = _remembered(old)  # nvidia-smi failed last time: what was listed before that
+        if remembered is None:
+            return new  # never seen with GPUs: a CPU node
+        when, had = remembered
+        problem = (
+            f"{VANISHED}: nvidia-smi shows no GPU here (not installed, or not on PATH, or no driver), "
+            f"but an earlier discover{when} saw {had}"
+        )
+        return replace(new, problems=(*new.problems, problem))
     problem = (
         f"{VANISHED}: nvidia-smi shows no GPU here (not installed, or not on PATH, or no driver), "
-        f"but the last discover{when} saw {had}"
+        f"but the last discover{_when(old.probed_at)} saw {_had(old)}"
     )
     return replace(new, problems=(*new.problems, problem))
 
 
+def note_unlisted_gpus(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
+    """``new``, with a ``gpus-unlisted`` problem when nvidia-smi failed (a ``gpu`` or
+    ``nvidia-smi`` problem, no GPU listed) on a node that had GPUs at the last discover, or
+    still remembers them (``gpus-gone``, ``gpus-unlisted``): the stored facts then hold no
+    GPU, and this keeps what was seen, so that a next discover that finds no nvidia-smi at
+    all says ``gpus-gone`` instead of taking the node for a CPU-only one. Said on every
+    discover until GPUs are listed again. A node never seen with GPUs gets nothing. Pure."""
+    if old is None or not new.reachable or new.gpus:
+        return new
+    if not any(problem_key(p) in _FAILED for p in new.problems):
+        return new
+    if old.gpus:
+        seen = f"the last discover{_when(old.probed_at)} saw {_had(old)}"
+    else:
+        remembered = _remembered(old)
+        if remembered is None:
+            return new
+        when, had = remembered
+        seen = f"an earlier discover{when} saw {had}"
+    return replace(new, problems=(*new.problems, f"{UNLISTED}: nvidia-smi cannot list the GPUs now, but {seen}"))
+
+
 PORT_DOWN = "ib-port-down"
+_PORT = re.compile(rf"{PORT_DOWN}: (?P<ca>\S+) port (?P<port>\d+) ")
 
 
 def note_lost_ports(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
     """``new``, with an ``ib-port-down`` problem for each InfiniBand port that was Active at
     the last discover and is not now (a cable, a switch port, a rail gone: placement quietly
-    uses one HCA fewer). Said on every discover until the port is Active again. Ports that
-    were never Active (unused ports of a dual-port card) are not a problem. Pure."""
+    uses one HCA fewer). Said on every discover until the port is Active again, also through
+    discovers where ibstat lists no port at all (failing: ``old`` then holds no port, only
+    the problems carried). Ports that were never Active (unused ports of a dual-port card)
+    are not a problem. Pure."""
     if old is None or not new.reachable:
         return new
     now = {(h.ca, h.port): h for h in new.hcas}
@@ -111,11 +167,22 @@ def note_lost_ports(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
             state = "missing from ibstat" if cur is None else f"{cur.state} ({cur.physical_state or 'unknown'})"
             fabric = f" on {h.fabric}" if h.fabric else ""
             problems.append(f"{PORT_DOWN}: {h.ca} port {h.port} was Active{fabric} at the last discover, now {state}")
+    # A port down at the last discover that it did not list at all (ibstat failed, or the card
+    # vanished from it): still down until ibstat shows it Active again.
+    known = {(h.ca, h.port) for h in old.hcas}
+    for p in carried:
+        m = _PORT.match(p)
+        if m is None or (m["ca"], int(m["port"])) in known or p in problems:
+            continue
+        cur = now.get((m["ca"], int(m["port"])))
+        if cur is None or not cur.is_ib_attachment:
+            problems.append(p)
     if not problems:
         return new
     return replace(new, problems=(*new.problems, *problems))
 
 
 def note_changes(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
-    """What went missing since the last discover (GPUs, InfiniBand ports), as problems."""
-    return note_lost_ports(note_vanished_gpus(new, old), old)
+    """What went missing since the last discover (GPUs, InfiniBand ports), as problems; and
+    the GPUs seen before, kept while nvidia-smi cannot list them."""
+    return note_lost_ports(note_unlisted_gpus(note_vanished_gpus(new, old), old), old)
