@@ -165,6 +165,8 @@ def serve_router(
             flag = flags.get(tuple(first["loc"]), ".".join(map(str, first["loc"])))
             raise ConfigError(f"{flag} {first.get('input')}: {first['msg']}") from None
 
+    if not host.strip():  # an unset $HOST in a script: that would listen on every interface
+        ui.abort("--host is empty: give an address (0.0.0.0 to listen on every interface)")
     if access_log == "off":
         alog = AccessLog(None)
     elif access_log == "-":
@@ -176,7 +178,8 @@ def serve_router(
             ui.abort(f"--access-log: cannot open {access_log}: {e.strerror or e}")
 
     def ready(bound: int) -> None:
-        ui.info(f"clusterctl router listening on http://{host}:{bound} (config {config})")
+        shown = f"[{host}]" if ":" in host else host
+        ui.info(f"clusterctl router listening on http://{shown}:{bound} (config {config})")
 
     install_uvloop()
     try:

@@ -9,7 +9,10 @@ API keys never appear.
 from __future__ import annotations
 
 import time
-from json.encoder import encode_basestring as _q  # C-accelerated JSON string quoting
+
+# C-accelerated JSON string quoting, to ASCII: a lone surrogate a client put in its JSON (which
+# json.loads accepts) cannot fail the write of the whole batch its line is in.
+from json.encoder import encode_basestring_ascii as _q
 from typing import TextIO
 
 

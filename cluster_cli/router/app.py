@@ -290,6 +290,7 @@ class Router:
             return self.proxy(conn, req)
         t0 = time.monotonic()
         status = self._answer(conn, req)
+        self.metrics.answered(status)
         self._log_direct(conn, req, status, time.monotonic() - t0)
         return None
 
@@ -304,7 +305,7 @@ class Router:
 
     def refused(self, conn: ClientConn, req: Request | None, status: int, code: str) -> None:
         """A request refused while it was being read (head too large, malformed, body over the limit)."""
-        self.metrics.request("", "", status, None, 0.0)
+        self.metrics.answered(status)
         self._log_direct(conn, req, status, 0.0, code)
 
     def _log_direct(self, conn: ClientConn, req: Request | None, status: int, took: float, note: str = "") -> None:
@@ -465,8 +466,10 @@ class Router:
         self, conn: ClientConn, status: int, message: str, code: str,
         model: str = "", endpoint: str = "", attempts: int = 0, extra: bytes = b"",
     ) -> tuple[int, str, str, int, float | None, str]:  # fmt: skip
-        """Reply with an error and return ``_proxy``'s result tuple for the access log."""
-        return self._reply_error(conn, status, message, code, extra), model, endpoint, attempts, None, ""
+        """Reply with an error and return ``_proxy``'s result tuple for the access log (whose
+        note says why: the client's answer is not the only place to find it)."""
+        note = f"{code}: {message}"[:300]
+        return self._reply_error(conn, status, message, code, extra), model, endpoint, attempts, None, note
 
     async def _proxy(
         self, conn: ClientConn, req: Request, t0: float, trace: _Trace
@@ -487,7 +490,11 @@ class Router:
             return self._fail(conn, 400, "request body is not valid JSON", "invalid_json")
         except RecursionError:
             return self._fail(conn, 400, "request body is nested too deeply", "invalid_json")
-        model = obj.get("model") if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            return self._fail(
+                conn, 400, f"the request body must be a JSON object, not {type(obj).__name__}", "invalid_json"
+            )
+        model = obj.get("model")
         if not isinstance(model, str) or not model:
             if model is None or model == "":
                 return self._fail(conn, 400, "you must provide a model parameter", "missing_model")

@@ -30,7 +30,9 @@ class ApiKeys:
         """Keys from ``path`` (or ``data``, its bytes already read)."""
         path = Path(path)
         try:
-            text = (path.read_bytes() if data is None else data).decode("utf-8")
+            text = (path.read_bytes() if data is None else data).decode(
+                "utf-8-sig"
+            )  # an editor's BOM is not part of the first key
         except OSError as e:
             raise ConfigError(f"{path}: cannot read API keys: {e.strerror or e}") from None
         except UnicodeDecodeError as e:

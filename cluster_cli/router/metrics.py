@@ -181,6 +181,13 @@ class RouterMetrics:
             h = r.latency[model] = _Hist()
         h.observe(total)
 
+    def answered(self, status: int) -> None:
+        """A request the router answered itself (a route of its own, a refusal): counted under
+        ``model=""`` and ``endpoint=""``, with no latency (it measures the engines)."""
+        key = ("", "", status)
+        r = self._req
+        r.requests[key] = r.requests.get(key, 0) + 1
+
     def retry(self, model: str, reason: str) -> None:
         self.retries.labels(model, reason).inc()
 
