@@ -123,7 +123,7 @@ def test_defaults_and_tie_order(tmp_path: Path) -> None:
             "finite number",
         ),
         (
-            one_model("      - {name: a, engine: llamacpp, memory_gib: 1e400}\n"),
+            one_model("      - {name: a, engine: llamacpp, memory_gib: 1.0e+400}\n"),
             "models.0.profiles.0.memory_gib",
             "finite number",
         ),

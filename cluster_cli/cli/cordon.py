@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -67,18 +68,35 @@ def cordon(
     ),
 ) -> None:
     """Cordon a node: placement puts nothing new on it. Survives re-discovery."""
-    if not reason.strip():
-        ui.abort("--reason must not be empty")
+    reason = check_reason(reason)
     state: App = ctx.obj
     # A cordon may come before the first discover (keep a node out from the start), so a
     # missing state is created, and said so: a typo in --state shows at once.
     _check_node(recorded_inventory(inventory, state.state_path), node)
     with open_store(state.state_path, say_new=True) as store:
         try:
-            was = store.cordon(node, reason.strip())
+            was = store.cordon(node, reason)
         except ClusterctlError as e:
             ui.fail(e)
-    ui.info(cordon_message(node, reason.strip(), was))
+    ui.info(cordon_message(node, reason, was))
+
+
+MAX_REASON = 500  # characters: it is printed on every explanation line of the node
+
+
+def check_reason(reason: str) -> str:
+    """The reason, trimmed; a one-line error (exit 2, before anything is written) when it is
+    empty, holds a control character (newline, tab, ESC...) or is longer than ``MAX_REASON``.
+    It is shown by discover and place, so it must be one line of plain text."""
+    reason = reason.strip()
+    if not reason:
+        ui.abort("--reason must not be empty")
+    bad = next((c for c in reason if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+    if bad is not None:
+        ui.abort(f"--reason: control character U+{ord(bad):04X} not allowed: give one line of plain text")
+    if len(reason) > MAX_REASON:
+        ui.abort(f"--reason: {len(reason)} characters, at most {MAX_REASON}")
+    return reason
 
 
 def cordon_message(node: str, reason: str, was: dict[str, Any] | None) -> str:

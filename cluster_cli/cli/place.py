@@ -147,7 +147,7 @@ def _inputs(
     store = Store(state_path, readonly=True) if facts_path is None or state_path.exists() else None
     try:
         with store.snapshot() if store is not None else nullcontext():
-            raw, current, version, source = _read(store, facts_path, state_path)
+            raw, current, version, source, cordons = _read(store, facts_path, state_path)
     finally:
         if store is not None:
             store.close()
@@ -162,7 +162,8 @@ def _inputs(
             )
         if extra := sorted(named - {n.name for n in inv.nodes}):
             ui.warn(f"{facts_path}: ignoring facts of nodes not in the inventory: {', '.join(extra)}")
-    return for_inventory(inv, raw, from_state=facts_path is None), current, version, source
+    # A node cordoned before its first discover has no facts: its placeholder carries the cordon.
+    return for_inventory(inv, raw, from_state=facts_path is None, cordons=cordons), current, version, source
 
 
 def _some(names: list[str], most: int = 5) -> str:
@@ -173,15 +174,15 @@ def _some(names: list[str], most: int = 5) -> str:
 
 def _read(
     store: Store | None, facts_path: Path | None, state_path: Path
-) -> tuple[list[NodeFacts], list[Replica], int | None, str]:
+) -> tuple[list[NodeFacts], list[Replica], int | None, str, dict[str, str | None]]:
+    """Facts, current allocations, state version, where the facts came from, and the
+    state's cordons (node -> reason; none without a state store)."""
+    cordons = {n: c.get("reason") for n, c in store.cordons().items()} if store is not None else {}
     if facts_path is not None:
         raw = read_facts(facts_path)
         if store is not None:
             # Cordons live in the state store: a file's stale "cordoned" never outlives an uncordon.
-            cordons = store.cordons()
-            raw = [
-                replace(f, cordoned=f.name in cordons, cordon_reason=cordons.get(f.name, {}).get("reason")) for f in raw
-            ]
+            raw = [replace(f, cordoned=f.name in cordons, cordon_reason=cordons.get(f.name)) for f in raw]
         source = str(facts_path)
     else:
         assert store is not None
@@ -189,7 +190,7 @@ def _read(
         source = str(state_path)
     current = store.replicas() if store else []
     version = store.version() if store else None
-    return raw, current, version, source
+    return raw, current, version, source, cordons
 
 
 def read_facts(path: Path) -> list[NodeFacts]:

@@ -19,7 +19,9 @@ is the number of nodes of one multi-node replica. A profile without ``gpu_class`
 runs on the CPU; only engines that can serve without a card accept that, so a
 vLLM profile that forgot its class is an error here rather than a replica on a
 machine with no GPU. ``cpus``/``memory_gib`` are what a CPU replica reserves on its
-node. Profiles of equal priority are tried in the order they are written.
+node; a GPU profile may not set them (they would not be checked). Numbers are strict
+(``replicas: true`` or ``'2'`` is an error), and ``gpu_class: unknown`` is refused: it is
+the placeholder class of a lost GPU. Profiles of equal priority are tried in the order they are written.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster_cli.config.load import load_model
 from cluster_cli.engines import ENGINES, get_engine
+from cluster_cli.facts import UNREAD
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -58,11 +61,12 @@ class Profile(_Strict):
     name: str
     engine: str
     gpu_class: str | None = None
-    gpus: int | None = Field(default=None, gt=0)
-    nodes: int = Field(default=1, gt=0)
-    cpus: int | None = Field(default=None, gt=0)
-    memory_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    priority: int = 0
+    # Numbers are numbers: strict, so `true` is not read as 1 nor '2' as 2 (as in the inventory).
+    gpus: int | None = Field(default=None, gt=0, strict=True)
+    nodes: int = Field(default=1, gt=0, strict=True)
+    cpus: int | None = Field(default=None, gt=0, strict=True)
+    memory_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False, strict=True)
+    priority: int = Field(default=0, strict=True)
     model: str | None = None  # path or hub id the engine loads: required (the catalog checks it)
     args: list[str] = Field(default_factory=list)
 
@@ -83,6 +87,10 @@ class Profile(_Strict):
     def _class_not_blank(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
             raise ValueError("gpu_class must not be empty (omit it for a CPU profile)")
+        if v == UNREAD:
+            raise ValueError(
+                f"{UNREAD!r} is reserved: it marks lost GPUs whose product could not be read, which are never placeable"
+            )
         return v
 
     # ---- derived ----------------------------------------------------------
@@ -116,7 +124,7 @@ class Profile(_Strict):
 
 class Model(_Strict):
     name: str
-    replicas: int = Field(default=1, gt=0)
+    replicas: int = Field(default=1, gt=0, strict=True)
     profiles: list[Profile] = Field(min_length=1)
 
     @field_validator("name")
@@ -166,6 +174,15 @@ class Catalog(_Strict):
                     raise ValueError(f"{where}{_field_of(problem, p)}: {problem}")
                 if p.gpus is not None and not p.gpu_class:
                     raise ValueError(f"{where}.gpus: a profile that asks for GPUs must name its gpu_class")
+                if p.gpu_class:
+                    # Reserved only on the CPU: a GPU profile's host CPUs and memory are not
+                    # checked nor reserved, so accepting them would promise what is not done.
+                    for key in ("cpus", "memory_gib"):
+                        if getattr(p, key) is not None:
+                            raise ValueError(
+                                f"{where}.{key}: only a CPU profile (no gpu_class) reserves {key}; "
+                                f"a GPU profile ({p.gpu_class}) is placed by its GPUs alone: remove {key}"
+                            )
                 if not (p.model or "").strip():
                     # What the engine loads: vllm serve MODEL, llama-server -m FILE. A catalog name
                     # (no '/') is neither a GGUF file nor a hub id with its organisation.

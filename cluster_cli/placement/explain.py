@@ -2,7 +2,7 @@
 
 * ``explain_request`` runs the full constraint chain over every node for one profile
   and returns the counts plus one exact reason per node. The placer calls it only
-  for profiles that failed, once each, against the plan's final allocations.
+  for profiles that failed, once each, against the allocations at the moment it failed.
 * ``fit_message`` is the one-line summary ("0/12 nodes are available: ...").
 * ``filter_lines`` is the Nomad-style breakdown ("3 nodes filtered: cordoned 1, gpu-class 2").
 * ``render_plan`` prints a plan like ``nomad job plan``: a diff, then a dry-run block.

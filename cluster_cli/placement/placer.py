@@ -27,8 +27,9 @@ Order of work
    enough, then name); multi-node replicas take, on one fabric, the emptiest nodes;
    CPU replicas spread. GPUs inside a node are chosen NVLink-aware.
 4. **Explain.** A profile that did not fit will not fit later in the same plan
-   (allocations only grow), so it is skipped afterwards and explained once, at the
-   end, by the full constraint chain over every node. Successes get cheap counts
+   (allocations only grow), so it is skipped afterwards and explained once, when it
+   failed, by the full constraint chain over every node (against the allocations of
+   that moment: replicas placed later are not blamed for it). Successes get cheap counts
    from the index (filtered exactly, exhausted from bucket sizes).
 
 Cost: O(N·G) to index, O(log N) per placed GPU replica, and O(N) per distinct
@@ -475,7 +476,9 @@ class _Planner:
                     if placed is not None:
                         break
                     dead.add(_sig(req))
-                    self.dead_profiles.setdefault(_sig(req), req)
+                    # Explained now, against the allocations it failed on: replicas placed
+                    # later (by other profiles) must not be blamed for it.
+                    self.explained[_sig(req)] = explain_request(self.states, req)
                 if placed is None:
                     failed.append((model, r, profiles))
                 else:
@@ -677,13 +680,12 @@ class _Planner:
         self.trace: list[Considered] = []
         self.notes: dict[tuple[str, int], str] = {}  # (model, replica) -> a note on its start
         self.tried: dict[tuple[str, int], list[tuple[Profile, Request, PlacementMetrics | None]]] = {}
-        self.dead_profiles: dict[tuple[Any, ...], Request] = {}
+        # Signature of a profile that did not fit -> its explanation, taken when it failed.
+        self.explained: dict[tuple[Any, ...], tuple[PlacementMetrics, tuple[Reason, ...]]] = {}
         self.apply_current(current)
         self.index()
         starts, failed = self.place_all()
-        explained: dict[tuple[Any, ...], tuple[PlacementMetrics, tuple[Reason, ...]]] = {}
-        for sig, req in self.dead_profiles.items():
-            explained[sig] = explain_request(self.states, req)
+        explained = self.explained
 
         labelled: dict[tuple[Any, ...], tuple[PlacementMetrics, tuple[Reason, ...]]] = {}
 

@@ -340,9 +340,13 @@ class Store:
     # ---- cordons ----------------------------------------------------------
     def cordon(self, node: str, reason: str) -> dict[str, Any] | None:
         """Cordon ``node`` with ``reason``; a cordon already there keeps its start time and
-        takes the new reason. Returns the cordon it found (``reason``, ``created_at``), if any."""
-        with self.write() as db:
+        takes the new reason. Returns the cordon it found (``reason``, ``created_at``), if any.
+        The same reason again changes nothing: no write, no new state version."""
+        with self._tx() as db:
             row = db.execute("SELECT reason, created_at FROM cordons WHERE node=?", (node,)).fetchone()
+            if row is not None and row[0] == reason:
+                return {"reason": row[0], "created_at": row[1]}
+            _bump(db)
             db.execute(
                 "INSERT INTO cordons(node, reason, created_at) VALUES (?,?,?) "
                 "ON CONFLICT(node) DO UPDATE SET reason=excluded.reason",
@@ -352,9 +356,12 @@ class Store:
         return None if row is None else {"reason": row[0], "created_at": row[1]}
 
     def uncordon(self, node: str) -> bool:
-        with self.write() as db:
+        """Lift ``node``'s cordon. False, and no write nor new state version, when it had none."""
+        with self._tx() as db:
             n = db.execute("DELETE FROM cordons WHERE node=?", (node,)).rowcount
-            self._event(db, "uncordon", node, "cordon lifted" if n else "was not cordoned")
+            if n:
+                _bump(db)
+                self._event(db, "uncordon", node, "cordon lifted")
         return n > 0
 
     def cordons(self) -> dict[str, dict[str, Any]]:

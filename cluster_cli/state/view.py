@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import replace
 
 from cluster_cli.config.inventory import Inventory
@@ -19,7 +20,13 @@ from cluster_cli.machines import mark_duplicate_gpus
 __all__ = ["for_inventory", "note_changes", "note_lost_ports", "note_unlisted_gpus", "note_vanished_gpus"]
 
 
-def for_inventory(inv: Inventory, facts: list[NodeFacts], *, from_state: bool = False) -> list[NodeFacts]:
+def for_inventory(
+    inv: Inventory,
+    facts: list[NodeFacts],
+    *,
+    from_state: bool = False,
+    cordons: Mapping[str, str | None] | None = None,
+) -> list[NodeFacts]:
     """Only the inventory's nodes, with its fabric assignments, GPU classes and labels applied.
 
     The inventory is the source of truth for fabrics: on a node it puts on a fabric, every
@@ -30,7 +37,9 @@ def for_inventory(inv: Inventory, facts: list[NodeFacts], *, from_state: bool = 
     Labels: ``from_state``, the inventory's alone; else both, the inventory winning a key both give.
 
     A node the inventory names but that has no facts is listed as unreachable, so
-    explanations say so instead of leaving it out. A node showing a GPU UUID that a node
+    explanations say so instead of leaving it out; when ``cordons`` (node -> reason, from
+    the state store) cordons it, it is listed cordoned too, with its reason, and placement
+    says that first. A node showing a GPU UUID that a node
     earlier in the inventory shows is the same machine under a second name: it gets a
     ``duplicate-gpu`` problem, and placement leaves it out.
     """
@@ -40,7 +49,10 @@ def for_inventory(inv: Inventory, facts: list[NodeFacts], *, from_state: bool = 
     for n in inv.nodes:
         f = by_name.get(n.name)
         if f is None:
-            out.append(NodeFacts(n.name, host=n.host, reachable=False, error="no facts (not discovered yet)"))
+            cordoned = cordons is not None and n.name in cordons
+            reason = cordons.get(n.name) if cordons is not None else None
+            placeholder = NodeFacts(n.name, host=n.host, reachable=False, error="no facts (not discovered yet)")
+            out.append(replace(placeholder, cordoned=cordoned, cordon_reason=reason) if cordoned else placeholder)
             continue
         # The inventory says which fabric a port is on, now: a fabric stored with the facts is
         # what the inventory said when the node was probed, and a node may have moved since.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from cluster_cli.facts import UNREAD
 from cluster_cli.placement.constraints.base import NodeState, Request
 from cluster_cli.placement.verdict import Verdict
 
@@ -15,7 +16,8 @@ def _rejection(gpu_class: str, have: tuple[tuple[str, int], ...], gpu_problem: s
     if not have:
         why = f" ({gpu_problem})" if gpu_problem else ""
         return Verdict.reject(GpuClass.name, reason, f"no GPU{why}, profile needs {gpu_class}")
-    listed = ", ".join(f"{n} {c}" for c, n in have)
+    # A lost GPU whose product could not be read has the placeholder class: it is "lost".
+    listed = ", ".join(f"{n} {'lost' if c == UNREAD else c}" for c, n in have)
     return Verdict.reject(GpuClass.name, reason, f"no {gpu_class} GPU (has {listed})")
 
 
