@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_cli_place import write_inputs
 from test_placement_clusters import catalog, dgx, ib, profile
 from typer.testing import CliRunner
 
@@ -22,14 +23,7 @@ runner = CliRunner()
 
 
 def _write(tmp_path: Path, nodes: list[NodeFacts], cat: str, names: list[str] | None = None) -> tuple[Path, Path, Path]:
-    inv = tmp_path / "inventory.yaml"
-    names = names if names is not None else [n.name for n in nodes]
-    inv.write_text("nodes:\n" + "".join(f"  - {{name: {n}, host: 10.0.0.{i + 1}}}\n" for i, n in enumerate(names)))
-    c = tmp_path / "catalog.yaml"
-    c.write_text(cat)
-    facts = tmp_path / "facts.json"
-    facts.write_text(json.dumps({"nodes": [n.to_dict() for n in nodes]}))
-    return inv, c, facts
+    return write_inputs(tmp_path, nodes, inventory_nodes=names, catalog=cat)
 
 
 def _cli(tmp_path: Path, *args: str):
