@@ -67,3 +67,24 @@ def test_an_empty_listen_address_is_refused(tmp_path: Path) -> None:
     assert r.exit_code == 2
     (line,) = [ln for ln in r.output.splitlines() if ln.strip()]
     assert line == "error: --host is empty: give an address (0.0.0.0 to listen on every interface)"
+
+
+def test_the_access_log_is_reopened_for_log_rotation(tmp_path: Path) -> None:
+    """logrotate moves the file away and sends SIGHUP: what was buffered goes to the old
+    file, what follows to a new one at the path; a path that cannot be opened keeps the old."""
+    path = tmp_path / "access.log"
+    log = AccessLog.to_file(str(path))
+    log.log(1, "c", "GET", "/health", "", "", 200, 0, None, 0.001)
+    path.rename(tmp_path / "access.log.1")
+    log.log(2, "c", "GET", "/health", "", "", 200, 0, None, 0.001)
+    log.reopen()
+    log.log(3, "c", "GET", "/health", "", "", 200, 0, None, 0.001)
+    log.flush()
+    ids = [[json.loads(line)["id"] for line in p.read_text().splitlines()] for p in (tmp_path / "access.log.1", path)]
+    assert ids == [[1, 2], [3]]
+    path.rename(tmp_path / "access.log.2")
+    (tmp_path / "access.log").mkdir()  # cannot be opened as a file: the old one is kept
+    log.reopen()
+    log.log(4, "c", "GET", "/health", "", "", 200, 0, None, 0.001)
+    log.flush()
+    assert [json.loads(line)["id"] for line in (tmp_path / "access.log.2").read_text().splitlines()] == [3, 4]

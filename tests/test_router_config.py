@@ -371,13 +371,15 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
 
 
 def test_cli_serves_reloads_on_sighup_and_stops(tmp_path):
-    """The real command: listens on 127.0.0.1, answers /v1/models, reloads on SIGHUP, exits on SIGTERM."""
+    """The real command: listens on 127.0.0.1, answers /v1/models, reloads on SIGHUP (and
+    reopens its access log, rotated away meanwhile), exits on SIGTERM."""
     p = write(tmp_path, "models: {a: {endpoints: [{url: 'http://127.0.0.1:9'}]}}")
+    alog = tmp_path / "access.log"
     with socket_port() as port:
         pass
     proc = subprocess.Popen(
         [*CLI, "serve-router", "--config", str(p), "--port", str(port),
-         "--watch-interval", "60", "--access-log", "off"],
+         "--watch-interval", "60", "--access-log", str(alog)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -386,9 +388,12 @@ def test_cli_serves_reloads_on_sighup_and_stops(tmp_path):
         url = f"http://127.0.0.1:{port}/v1/models"
         ids = _poll(lambda: [m["id"] for m in httpx.get(url, timeout=2).json()["data"]])
         assert ids == ["a"]
+        assert _poll(lambda: alog.stat().st_size > 0, until=True) is True  # its line, flushed
+        alog.rename(tmp_path / "access.log.1")  # log rotation
         p.write_text("models: {b: {endpoints: [{url: 'http://127.0.0.1:9'}]}}")
         os.kill(proc.pid, signal.SIGHUP)
         assert _poll(lambda: [m["id"] for m in httpx.get(url, timeout=2).json()["data"]], until=["b"]) == ["b"]
+        assert _poll(lambda: alog.exists() and '"path":"/v1/models"' in alog.read_text(), until=True) is True
     finally:
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=30)

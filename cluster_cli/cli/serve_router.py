@@ -173,7 +173,7 @@ def serve_router(
         alog = AccessLog(sys.stderr)
     else:
         try:
-            alog = AccessLog(open(access_log, "a", encoding="utf-8"))  # noqa: SIM115 - lives as long as the process
+            alog = AccessLog.to_file(access_log)
         except OSError as e:
             ui.abort(f"--access-log: cannot open {access_log}: {e.strerror or e}")
 

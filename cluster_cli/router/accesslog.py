@@ -8,6 +8,7 @@ API keys never appear.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 # C-accelerated JSON string quoting, to ASCII: a lone surrogate a client put in its JSON (which
@@ -17,10 +18,31 @@ from typing import TextIO
 
 
 class AccessLog:
-    def __init__(self, stream: TextIO | None, *, max_buffer: int = 256) -> None:
+    def __init__(self, stream: TextIO | None, *, max_buffer: int = 256, path: str | None = None) -> None:
         self.stream = stream
         self.max_buffer = max_buffer
+        self.path = path  # the file ``stream`` writes, reopened by ``reopen`` (log rotation)
         self._buf: list[str] = []
+
+    @classmethod
+    def to_file(cls, path: str) -> AccessLog:
+        """Appending to ``path`` (raises OSError)."""
+        return cls(open(path, "a", encoding="utf-8"), path=path)
+
+    def reopen(self) -> None:
+        """After a log rotation moved the file away (SIGHUP, as logrotate's postrotate sends):
+        what is buffered goes to the old file, what follows to a new one at ``path``. A file
+        that cannot be opened keeps the old one."""
+        if self.path is None or self.stream is None:
+            return
+        self.flush()
+        try:
+            new = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept as the log's stream
+        except OSError:
+            return
+        old, self.stream = self.stream, new
+        with contextlib.suppress(OSError):
+            old.close()
 
     @property
     def enabled(self) -> bool:

@@ -105,6 +105,8 @@ async def serve(
 
     def _hup() -> None:
         log.warning("SIGHUP: reloading %s", config_path)
+        if access_log is not None:
+            access_log.reopen()  # a rotated access log: write a new file at its path
         source.trigger()
         if keys_file is not None:
             keys_file.trigger()
