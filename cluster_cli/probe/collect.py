@@ -130,13 +130,7 @@ def facts_from_outputs(
             if smi.rc != 0 and (not lost or killed(smi.rc)):
                 # Lost GPUs make nvidia-smi exit non-zero after a whole list; killed, it may
                 # not have got to the end of it, lost GPUs or not.
-                why = (
-                    "timed out"
-                    if smi.rc == 124
-                    else "gave no exit status"
-                    if smi.rc is None
-                    else f"exited with rc {smi.rc}"
-                )
+                why = {124: "timed out", None: "gave no exit status"}.get(smi.rc, f"exited with rc {smi.rc}")
                 incomplete = f"{why} after listing {len(rows)} GPU(s)"
             elif garbled := unreadable_gpu_rows(smi.output, rows):
                 incomplete = f"{garbled} GPU row(s) cut short or repeated"

@@ -30,7 +30,7 @@ from cluster_cli.router.keys import ApiKeys
 from cluster_cli.router.metrics import RouterMetrics
 from cluster_cli.router.policy import make_policy
 from cluster_cli.router.proxy import FAIL_AFTER, FAIL_BEFORE, OK, RETRY_5XX, Exchange
-from cluster_cli.router.registry import Table, build_table, model_json
+from cluster_cli.router.registry import ModelEntry, Table, build_table, model_json
 from cluster_cli.router.retry import RetryBudget, RetryPolicy
 from cluster_cli.router.scrape import scrape_loop
 from cluster_cli.router.server import ClientConn, raise_fd_limit
@@ -471,6 +471,26 @@ class Router:
         note = f"{code}: {message}"[:300]
         return self._reply_error(conn, status, message, code, extra), model, endpoint, attempts, None, note
 
+    def _no_retry(
+        self, conn: ClientConn, r: Rejected, entry: ModelEntry, last_error: str, last_status: int,
+        model: str, endpoint: str, attempts: int,
+    ) -> tuple[int, str, str, int, float | None, str]:  # fmt: skip
+        """A failed request that no endpoint may retry (``r`` says why): 503 with Retry-After
+        when its failures took the whole model down (breakers open, Retry-After until the first
+        probe), else the last failure's answer."""
+        msg = f"{last_error} ({r.message})"
+        if not self.balancer.any_eligible(entry):
+            self.metrics.rejection(model, r.reason)
+            return self._fail(conn, 503, msg, "no_endpoint", model, endpoint, attempts, _retry_after(r))
+        return self._last_failure(conn, msg, last_status, model, endpoint, attempts)
+
+    def _last_failure(
+        self, conn: ClientConn, msg: str, last_status: int, model: str, endpoint: str, attempts: int
+    ) -> tuple[int, str, str, int, float | None, str]:
+        if last_status == 429:
+            return self._fail(conn, 429, msg, "engine_busy", model, endpoint, attempts, _RETRY_1S)
+        return self._fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts)
+
     async def _proxy(
         self, conn: ClientConn, req: Request, t0: float, trace: _Trace
     ) -> tuple[int, str, str, int, float | None, str]:
@@ -534,17 +554,11 @@ class Router:
                 except Rejected as r:
                     attempts -= 1  # this one never reached an engine
                     trace.attempts = attempts
-                    extra = _retry_after(r)
                     if r.reason != "no_endpoint" or not last_error:
                         self.metrics.rejection(model, r.reason)
+                        extra = _retry_after(r)
                         return self._fail(conn, r.status, r.message, r.reason, model, endpoint, attempts, extra)
-                    msg = f"{last_error} ({r.message})"
-                    if not self.balancer.any_eligible(entry):
-                        # The failures took the whole model down (breakers open): unavailable,
-                        # and Retry-After says when the first endpoint is probed again.
-                        self.metrics.rejection(model, r.reason)
-                        return self._fail(conn, 503, msg, "no_endpoint", model, endpoint, attempts, extra)
-                    return self._fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts)
+                    return self._no_retry(conn, r, entry, last_error, last_status, model, endpoint, attempts)
                 w = lease.worker
                 endpoint = trace.endpoint = w.view.replica
                 # Retries go to another endpoint: with one, the engine's own answer is relayed.
@@ -613,22 +627,12 @@ class Router:
                 tried.append(w)
                 if self._stopping is not None:
                     continue  # answered at the top of the loop
+                if attempts >= rp.max_attempts:
+                    return self._last_failure(conn, last_error, last_status, model, endpoint, attempts)
                 now_entry = self.table.models.get(model)  # a reload may have replaced its endpoints
-                last_try = attempts >= rp.max_attempts
-                if not last_try and now_entry is not None and not self.balancer.has_untried(now_entry, tried):
-                    if not self.balancer.any_eligible(now_entry):
-                        # Its failures took the whole model down (breakers open): unavailable, and
-                        # Retry-After says when the first endpoint is probed again.
-                        r = no_endpoint(now_entry.workers)
-                        self.metrics.rejection(model, r.reason)
-                        msg = f"{last_error} ({r.message})"
-                        return self._fail(conn, 503, msg, "no_endpoint", model, endpoint, attempts, _retry_after(r))
-                    last_error += " (no other endpoint to retry on)"
-                    last_try = True
-                if last_try:
-                    if last_status == 429:
-                        return self._fail(conn, 429, last_error, "engine_busy", model, endpoint, attempts, _RETRY_1S)
-                    return self._fail(conn, last_status, last_error, "upstream_error", model, endpoint, attempts)
+                if now_entry is not None and not self.balancer.has_untried(now_entry, tried):
+                    r = no_endpoint(now_entry.workers) if not self.balancer.any_eligible(now_entry) else _NOWHERE_ELSE
+                    return self._no_retry(conn, r, now_entry, last_error, last_status, model, endpoint, attempts)
                 if not holding_budget:
                     if not self.budget.try_acquire(self._inflight_total):
                         msg = f"{last_error}; retry budget exhausted"
@@ -645,6 +649,7 @@ class Router:
 
 _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})
 _RETRY_1S = b"Retry-After: 1\r\n"
+_NOWHERE_ELSE = Rejected(503, "no_endpoint", "no other endpoint to retry on")
 
 
 def _retry_after(r: Rejected) -> bytes:

@@ -47,7 +47,7 @@ class Lease:
             self.answered_at_head = True
             w = self.worker
             w.breaker.on_answered(self.gen)
-            self._balancer.on_probe_answered(w)
+            self._balancer.dispatch_for(w)
 
     def release(self, outcome: bool | None) -> None:
         """outcome: True = the endpoint served it, False = the endpoint failed, None = no verdict."""
@@ -183,15 +183,13 @@ class Balancer:
         """Whether an endpoint not in ``tried`` may take a retry (now or once it has room)."""
         return any(w not in tried and w.unavailable_reason() is None for w in entry.workers)
 
-    def on_probe_answered(self, w: Worker) -> None:
-        self._dispatch_for(w)
-
     def on_release(self, w: Worker) -> None:
         if self.active_leases > 0:
             self.active_leases -= 1
-        self._dispatch_for(w)
+        self.dispatch_for(w)
 
-    def _dispatch_for(self, w: Worker) -> None:
+    def dispatch_for(self, w: Worker) -> None:
+        """Dispatch the queues of every model ``w`` serves (a slot of it came free)."""
         models = self.table.models
         for name in w.view.models:
             entry = models.get(name)

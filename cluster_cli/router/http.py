@@ -196,16 +196,18 @@ class Request:
 _PLAIN_CONNECTION = frozenset({b"keep-alive", b"close"})
 
 
-def connection_tokens(values: list[bytes]) -> set[bytes]:
-    """The options of the Connection header lines ``values``: one comma-separated list of
-    case-insensitive tokens across all of them (RFC 9110 7.6.1)."""
-    return {t for v in values for t in (x.strip(b" \t").lower() for x in v.split(b",")) if t}
-
-
-def drop_nominated(lines: list[bytes], tokens: set[bytes]) -> list[bytes]:
-    """``lines`` (raw NAME:VALUE header lines) without those that the Connection options
-    ``tokens`` name: they are hop-by-hop for this connection only."""
-    return [line for line in lines if line.partition(b":")[0].lower() not in tokens]
+def connection_options(values: list[bytes], lines: list[bytes]) -> tuple[set[bytes], list[bytes]]:
+    """The options of the Connection header lines ``values``, and ``lines`` (raw NAME:VALUE
+    header lines) without the headers those options name: hop-by-hop, for this connection
+    only (RFC 9110 7.6.1). The usual single ``close`` or ``keep-alive`` costs one lookup."""
+    if len(values) == 1 and (only := values[0].strip(b" \t").lower()) in _PLAIN_CONNECTION:
+        return {only}, lines
+    # One comma-separated list of case-insensitive tokens across all the lines.
+    tokens = {t for v in values for t in (x.strip(b" \t").lower() for x in v.split(b",")) if t}
+    named = tokens - _PLAIN_CONNECTION
+    if named and lines:
+        lines = [line for line in lines if line.partition(b":")[0].lower() not in named]
+    return tokens, lines
 
 
 def origin_form(target: bytes) -> bytes | None:
@@ -294,15 +296,8 @@ def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
         raise BadRequest(400, "more than one Host header", "bad_request")
     close = False
     if conns is not None:
-        if len(conns) == 1 and (only := conns[0].lower()) in _PLAIN_CONNECTION:  # the usual case
-            close = only == b"close"
-        else:
-            tokens = connection_tokens(conns)
-            close = b"close" in tokens
-            tokens.discard(b"close")
-            tokens.discard(b"keep-alive")
-            if tokens and forward:  # headers the client meant for this hop only
-                forward = drop_nominated(forward, tokens)
+        options, forward = connection_options(conns, forward)  # what it names is for this hop only
+        close = b"close" in options
     # HTTP/1.0's keep-alive is an extension a server may decline: declined (the response says
     # "Connection: close" and the connection closes after it), never half-kept.
     http11 = version == b"HTTP/1.1"

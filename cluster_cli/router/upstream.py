@@ -20,8 +20,7 @@ from typing import Protocol
 from cluster_cli.router.http import (
     RESPONSE_DROP,
     ChunkedDecoder,
-    connection_tokens,
-    drop_nominated,
+    connection_options,
     header_lines_ok,
     parse_length,
 )
@@ -208,18 +207,11 @@ class UpstreamConn(asyncio.Protocol):
                 ctype = value.strip().lower()
             kept.append(line)
         if conns is not None:
-            if len(conns) == 1 and (only := conns[0].strip(b" \t").lower()) in (b"close", b"keep-alive"):
-                keep = only == b"keep-alive"  # the usual case
-            else:
-                tokens = connection_tokens(conns)
-                if b"close" in tokens:
-                    keep = False
-                elif b"keep-alive" in tokens:
-                    keep = True
-                tokens.discard(b"close")
-                tokens.discard(b"keep-alive")
-                if tokens and kept:  # headers the engine meant for this hop only (RFC 9110 7.6.1)
-                    kept = drop_nominated(kept, tokens)
+            options, kept = connection_options(conns, kept)  # what it names is for this hop only
+            if b"close" in options:
+                keep = False
+            elif b"keep-alive" in options:
+                keep = True
         self._keep = keep
         self.status_line = lines[0]
         if status in (204, 304):
