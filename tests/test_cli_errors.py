@@ -529,3 +529,30 @@ def test_a_match_exec_in_an_included_file_is_not_run_up_front(tmp_path: Path) ->
     p = inv(tmp_path, f"ssh_config: cfg\ndefaults: {{identity_file: id, known_hosts: kh}}\nnodes:\n{nodes}")
     check_ssh_files(load_inventory(p), p)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["discover", "--bogus"], "clusterctl discover: No such option: --bogus"),
+        (["place", "-o", "xml"], "clusterctl place: Invalid value for '--output'"),
+        (
+            ["serve-router", "--config", "r.yaml", "--port", "abc"],
+            "clusterctl serve-router: Invalid value for '--port'",
+        ),
+        (["cordon"], "clusterctl cordon: Missing argument"),
+        (["no-such-command"], "No such command 'no-such-command'"),
+    ],
+)
+def test_usage_errors_are_one_line(argv: list[str], needle: str) -> None:
+    """An unknown option, a bad value or a missing argument reads like every other error:
+    one line naming the command and what is wrong, exit 2 (not a usage block and a panel)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "cluster_cli", *argv], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
+    assert "-h)" in lines[0]  # where to look next

@@ -77,6 +77,9 @@ def test_good_inventory_resolves_paths_and_defaults(tmp_path: Path) -> None:
         ("- just\n- a list\n", "expected a mapping"),
         ("defaults: {user: a}\ndefaults: {user: b}\n", "duplicate key 'defaults'"),
         ("gpu_classes: {A: [X], B: [X]}\n", "listed under both"),
+        # "unknown" is what a lost GPU's class reads: no real class may take that name.
+        ("gpu_classes: {unknown: [X]}\nnodes:\n  - {name: a, host: h}\n", "gpu_classes.unknown: the class name"),
+        ("gpu_classes: {' ': [X]}\nnodes:\n  - {name: a, host: h}\n", "is empty"),
         ("defaults: {connect_timeout_s: .inf}\nnodes:\n  - {name: a, host: h}\n", "defaults.connect_timeout_s"),
         ("defaults: {command_timeout_s: .nan}\nnodes:\n  - {name: a, host: h}\n", "defaults.command_timeout_s"),
         ("nodes:\n  - {name: a, host: 2024-13-01}\n", "invalid YAML: month must be in 1..12"),

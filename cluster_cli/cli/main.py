@@ -7,6 +7,8 @@ the modules only wire the stages together and render results through ``ui``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +34,39 @@ def tidy_metavars(cmd: Any, ctx: Any) -> None:
             p.metavar = p.name.upper()
 
 
+# The click that Typer uses (its own copy since 0.16, the click package before).
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+@contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    """A usage error (unknown option, bad value, missing argument) as one ``error:`` line
+    naming the command, like every other error, instead of Typer's usage-and-panel block."""
+    try:
+        yield
+    except _ClickException as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # no arguments: the help is the answer
+            raise
+        from cluster_cli.cli import ui
+
+        ctx = getattr(e, "ctx", None)
+        path = getattr(ctx, "command_path", "") or "clusterctl"
+        message = " ".join(e.format_message().split())
+        ui.err.print(f"[bold red]error:[/] {ui.escape(f'{path}: {message} (see: {path} -h)')}", highlight=False)
+        raise typer.Exit(e.exit_code) from None
+
+
 class _Group(TyperGroup):
-    """The root command: its own help and every subcommand's get tidy metavars."""
+    """The root command: its own help and every subcommand's get tidy metavars; usage
+    errors on one line."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
 
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
         cmd = super().get_command(ctx, cmd_name)

@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from cluster_cli.config.load import load_model
-from cluster_cli.facts import prefix_text, prefix_value
+from cluster_cli.facts import UNREAD, prefix_text, prefix_value
 
 ACCEPT_NEW = "accept-new"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -121,6 +121,11 @@ class Inventory(_Strict):
                     )
         products: dict[str, str] = {}
         for cls_name, names in self.gpu_classes.items():
+            if cls_name.strip() == UNREAD or not cls_name.strip():
+                # "unknown" marks lost GPUs (nvidia-smi could not read them): a real class of
+                # that name would make a lost GPU look like one of its own.
+                what = "is reserved for lost GPUs" if cls_name.strip() else "is empty"
+                raise ValueError(f"gpu_classes.{cls_name}: the class name {cls_name!r} {what}")
             for p in names:
                 if p in products and products[p] != cls_name:
                     raise ValueError(f"gpu_classes: {p!r} is listed under both {products[p]!r} and {cls_name!r}")
