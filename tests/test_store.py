@@ -287,3 +287,105 @@ def test_an_unwritable_folder_is_read_as_a_snapshot_only_when_the_wal_is_empty(
     _unwritable_folder(monkeypatch, 5)  # SQLITE_BUSY: never a snapshot
     with pytest.raises(StateError, match="cannot read the state"):
         Store(tmp_path / "s.db", readonly=True)
+
+
+def test_a_full_disk_is_a_one_line_state_error_and_loses_nothing(tmp_path: Path) -> None:
+    """SQLite rolls a transaction back by itself when the disk fills up: the store must not
+    ROLLBACK a second time (that error, "no transaction is active", hid the real one)."""
+    path = tmp_path / "s.db"
+    with Store(path) as s:
+        s.cordon("a", "first")
+        version = s.version()
+        # A database that may not grow (what a full disk does to it); WAL pages count too.
+        s._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        pages = s._db.execute("PRAGMA page_count").fetchone()[0]
+        s._db.execute(f"PRAGMA max_page_count={pages}")
+        with pytest.raises(StateError, match=r"s\.db: cannot write the state: database or disk is full"):
+            s.cordon("b", "x" * 200_000)
+        assert s.version() == version  # nothing half-written
+    with Store(path) as s:
+        assert set(s.cordons()) == {"a"}
+
+
+def test_a_database_that_is_not_a_state_is_refused_and_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "other.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE users(id)")
+    db.commit()
+    db.close()
+    with pytest.raises(StateError, match=r"other\.db: not a clusterctl state database"):
+        Store(path)
+    db = sqlite3.connect(path)
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    mode = db.execute("PRAGMA journal_mode").fetchone()[0]
+    db.close()
+    assert (tables, mode) == ({"users"}, "delete")  # no tables added, not switched to WAL
+    # An empty file (as `touch` leaves it) is a new state, as a missing one is.
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    with Store(empty) as s:
+        assert s.version() == 0
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_schema_version_that_is_not_a_number_is_a_state_error(tmp_path: Path, readonly: bool) -> None:
+    path = tmp_path / "s.db"
+    Store(path).close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE meta SET value='1.0' WHERE key='schema_version'")
+    db.commit()
+    db.close()
+    with pytest.raises(StateError, match=r"s\.db: not a usable state database \(schema version '1.0'\)"):
+        Store(path, readonly=readonly)
+
+
+def test_discover_replaces_an_unreadable_row_and_warns_of_one_it_did_not_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stored row that cannot be read must not make every later discover fail (its error
+    advised a fresh state, losing every cordon), nor a --node run exit 2 after saving."""
+    from typer.testing import CliRunner
+
+    import cluster_cli.probe.collect as collect
+    from cluster_cli.cli.main import app
+
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(
+        "defaults: {known_hosts: accept-new}\nnodes:\n  - {name: n1, host: 198.18.0.11}\n  - {name: n2, host: 198.18.0.12}\n"
+    )
+    state = tmp_path / "s.db"
+    cpus = {"n1": 8, "n2": 4}
+
+    async def probed(inv, nodes, *, on_done, **_kw):  # type: ignore[no-untyped-def]
+        out = [NodeFacts(name=n.name, host=n.host, cpus=cpus[n.name], memory_mib=1024) for n in nodes]
+        for f in out:
+            on_done(f)
+        return out
+
+    monkeypatch.setattr(collect, "discover", probed)
+    run = CliRunner().invoke
+    assert run(app, ["--state", str(state), "discover", "-i", str(inv)]).exit_code == 0
+    with Store(state) as s:
+        s.cordon("n2", "keep me")
+
+    def spoil(name: str) -> None:
+        db = sqlite3.connect(state)
+        db.execute("""UPDATE nodes SET facts='{"name": "x", "gpus": [{"uuid": 1}]}' WHERE name=?""", (name,))
+        db.commit()
+        db.close()
+
+    spoil("n1")
+    cpus["n1"] = 16
+    r = run(app, ["--state", str(state), "discover", "-i", str(inv)])
+    assert r.exit_code == 0, r.output
+    with Store(state) as s:
+        assert {f.name: f.cpus for f in s.nodes()} == {"n1": 16, "n2": 4}
+        assert set(s.cordons()) == {"n2"}
+    # --node n2 with n1's row unreadable: n2 is saved, exit 0, and n1 is named in a warning.
+    spoil("n1")
+    cpus["n2"] = 64
+    r = run(app, ["--state", str(state), "discover", "-i", str(inv), "--node", "n2"])
+    assert r.exit_code == 0, r.output
+    assert "node n1: its stored facts cannot be read" in r.output
+    with Store(state) as s:
+        assert [f.cpus for f in s.nodes(["n2"])] == [64]

@@ -99,12 +99,19 @@ def discover(
         raise typer.Exit(INTERRUPTED) from None
 
     try:
-        before = {f.name: f for f in store.nodes([f.name for f in facts])}
+        # A stored row that cannot be read is no earlier knowledge: this discover replaces it.
+        before = {f.name: f for f in store.nodes([f.name for f in facts], unreadable=[])}
         facts = [note_changes(f, before.get(f.name)) for f in facts]
         store.save_discovery(facts, inventory=inventory.resolve())
         # Every node of the inventory, as it declares them now (fabrics, classes, labels): the
-        # fabric cross-check also covers nodes probed by an earlier run (``--node``).
-        fleet = for_inventory(inv, store.nodes([n.name for n in inv.nodes]), from_state=True)
+        # fabric cross-check also covers nodes probed by an earlier run (``--node``). The facts
+        # are saved by now: a node not probed this time whose row cannot be read is warned of.
+        bad: list[str] = []
+        fleet = for_inventory(inv, store.nodes([n.name for n in inv.nodes], unreadable=bad), from_state=True)
+        for name in bad:
+            ui.warn(
+                f"{store.path}: node {name}: its stored facts cannot be read; 'clusterctl discover --node {name}' replaces them"
+            )
     except ClusterctlError as e:
         ui.fail(e)
     finally:

@@ -20,7 +20,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ SCHEMA_VERSION = 1
 # SQLite result codes (sqlite3.Error.sqlite_errorcode): extended codes keep the primary in the low byte.
 _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_CANTOPEN = 5, 6, 14
 _SQLITE_READONLY_DIRECTORY = 8 | (6 << 8)  # 1544: the -shm file cannot be created in the folder
+_SQLITE_IOERR, _SQLITE_FULL = 10, 13
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -99,6 +100,10 @@ class Store:
             raise StateError(f"{self.path}: the state file is read-only (check its permissions)")
         try:
             self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
+            if exists and self.path.stat().st_size > 0:
+                # Someone else's database given as --state is refused, not taken over (WAL mode
+                # and our tables added beside its own).
+                self._check_ours()
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
@@ -113,7 +118,30 @@ class Store:
                 else:
                     self._check_schema(row[0])
         except sqlite3.DatabaseError as e:
-            raise StateError(f"{self.path}: not a usable state database: {e}") from None
+            self._close_quietly()
+            raise StateError(f"{self.path}: {_db_error(e)}") from None
+        except BaseException:
+            self._close_quietly()
+            raise
+
+    def _close_quietly(self) -> None:
+        db = getattr(self, "_db", None)
+        if db is not None:
+            with suppress(sqlite3.Error):
+                db.close()
+
+    def _check_ours(self) -> None:
+        """Refuse an existing database that is not a clusterctl state (no meta table with a
+        schema version), before anything is written to it."""
+        tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        row = None
+        if "meta" in tables:
+            with suppress(sqlite3.DatabaseError):
+                row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None and tables:
+            raise StateError(
+                f"{self.path}: not a clusterctl state database (no schema version); refusing to write to it"
+            )
 
     def _open_readonly(self, timeout_s: float) -> sqlite3.Connection:
         uri = f"file:{quote(str(self.path.resolve()))}?mode=ro"
@@ -178,7 +206,11 @@ class Store:
         return f"{self.path}: not a usable state database: {e}"
 
     def _check_schema(self, version: str) -> None:
-        if int(version) > SCHEMA_VERSION:
+        try:
+            number = int(version)
+        except (TypeError, ValueError):
+            raise StateError(f"{self.path}: not a usable state database (schema version {version!r})") from None
+        if number > SCHEMA_VERSION:
             raise StateError(
                 f"{self.path}: state schema {version} is newer than this clusterctl understands "
                 f"({SCHEMA_VERSION}); upgrade clusterctl"
@@ -203,17 +235,24 @@ class Store:
         try:
             yield self._db
         except sqlite3.Error as e:
-            self._db.execute("ROLLBACK")
+            self._rollback()
             raise StateError(f"{self.path}: cannot write the state: {e}") from None
         except BaseException:
-            self._db.execute("ROLLBACK")
+            self._rollback()
             raise
         else:
             try:
                 self._db.execute("COMMIT")
             except sqlite3.Error as e:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise StateError(f"{self.path}: cannot write the state: {e}") from None
+
+    def _rollback(self) -> None:
+        """Undo the open transaction, if SQLite has not already (it rolls back by itself on
+        some errors, a full disk among them: a second ROLLBACK would hide the first error)."""
+        if self._db.in_transaction:
+            with suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
 
     @contextmanager
     def snapshot(self) -> Iterator[Store]:
@@ -322,8 +361,11 @@ class Store:
                 )
             self._event(db, "discover", None, "facts saved")
 
-    def nodes(self, names: Iterable[str] | None = None) -> list[NodeFacts]:
-        """Stored facts with cordons applied, sorted by name (optionally only ``names``)."""
+    def nodes(self, names: Iterable[str] | None = None, *, unreadable: list[str] | None = None) -> list[NodeFacts]:
+        """Stored facts with cordons applied, sorted by name (optionally only ``names``).
+
+        A row that cannot be read is an error, unless ``unreadable`` is given: then its
+        node's name goes there and the row is left out (a discover replaces it)."""
         with self.snapshot():  # the cordons and the facts of one state version
             cordons = self.cordons()
             rows = self._db.execute("SELECT name, facts FROM nodes ORDER BY name").fetchall()
@@ -332,7 +374,13 @@ class Store:
         for name, facts in rows:
             if wanted is not None and name not in wanted:
                 continue
-            f = self._facts(name, facts)
+            try:
+                f = self._facts(name, facts)
+            except StateError:
+                if unreadable is None:
+                    raise
+                unreadable.append(name)
+                continue
             c = cordons.get(name)
             out.append(replace(f, cordoned=c is not None, cordon_reason=c["reason"] if c else None))
         return out
@@ -416,3 +464,13 @@ class Store:
 def _bump(db: sqlite3.Connection) -> None:
     """A new state version: what a plan computed from the old one must not be applied."""
     db.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'state_version'")
+
+
+def _db_error(e: sqlite3.DatabaseError) -> str:
+    """What a failed open says: a full disk or an I/O error as what it is, not as a damaged file."""
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    if code == _SQLITE_FULL:
+        return f"cannot write the state: the disk is full ({e})"
+    if code == _SQLITE_IOERR:
+        return f"cannot write the state: I/O error ({e})"
+    return f"not a usable state database: {e}"
