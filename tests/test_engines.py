@@ -6,6 +6,8 @@ import dataclasses
 import shlex
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cluster_cli.engines import LaunchSpec, MetricMapping, get_engine
 from cluster_cli.engines.base import VLLM_KV_CACHE, VLLM_KV_CACHE_LEGACY, VLLM_RUNNING, VLLM_WAITING
@@ -55,7 +57,19 @@ def test_mapping_resolution(mapping, expected) -> None:
     m = MetricMapping.from_config(mapping)
     assert (m.running, m.waiting, m.kv_cache_usage) == expected
     back = MetricMapping.from_config(m.to_config())
-    assert (back.running, back.waiting, back.kv_cache_usage) == expected  # to_config reads back the same
+    assert back == m  # to_config reads back the same, fallbacks included
+
+
+_NAMES = st.one_of(st.none(), st.just(""), st.sampled_from([VLLM_RUNNING, VLLM_WAITING, VLLM_KV_CACHE, "x:y", "w"]))
+
+
+@given(st.dictionaries(st.sampled_from(["running", "waiting", "kv_cache_usage"]), _NAMES, max_size=3))
+def test_a_mapping_written_back_reads_as_itself(mapping: dict) -> None:
+    """to_config is what the router config will carry (``clusterctl up`` writes it): reading
+    it back must give the same names *and* fallbacks (vLLM's old KV-cache gauge was lost
+    when overrides were written out as a complete mapping)."""
+    m = MetricMapping.from_config(mapping)
+    assert MetricMapping.from_config(m.to_config()) == m
 
 
 def test_mapping_rejects_unknown_keys() -> None:
@@ -124,6 +138,23 @@ def test_vllm_multi_node_workers_join_the_head() -> None:
     assert argv == ["ray", "start", "--block", "--address=10.0.0.12:6379", "--num-gpus=8", "--num-cpus=32"]
     with pytest.raises(ValueError, match="head_address"):
         VLLM.command(dataclasses.replace(_multi_node(1), head_address=None))
+
+
+def test_two_multi_node_replicas_sharing_nodes_get_their_own_ray_clusters() -> None:
+    """Two replicas whose shards share nodes (4 of 8 GPUs each on the same two nodes): each
+    runs its own Ray head on its own port, its workers join that head, and its vllm serve
+    joins that cluster by address (not "the newest cluster on this machine")."""
+    heads, workers = [], []
+    for port, gpus in ((6379, (0, 1, 2, 3)), (6380, (4, 5, 6, 7))):
+        common = {"gpus": gpus, "tensor_parallel": 4, "head_address": "10.0.0.12", "ray_port": port}
+        head = VLLM.command(dataclasses.replace(_multi_node(0), **common), binary="vllm")[2]
+        start, _, rest = head.partition(" && unset NCCL_IB_HCA && ")
+        assert shlex.split(start) == ["ray", "start", "--head", f"--port={port}", "--num-gpus=4"]
+        assert rest.startswith(f"RAY_ADDRESS=10.0.0.12:{port} && export RAY_ADDRESS && exec vllm serve ")
+        heads.append(port)
+        workers.append(VLLM.command(dataclasses.replace(_multi_node(1), **common), binary="vllm")[3])
+    assert heads == [6379, 6380]
+    assert workers == ["--address=10.0.0.12:6379", "--address=10.0.0.12:6380"]
 
 
 def test_vllm_multi_node_pins_nccl_to_the_shards_hcas() -> None:

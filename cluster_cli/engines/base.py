@@ -18,6 +18,7 @@ VLLM_KV_CACHE = "vllm:kv_cache_usage_perc"
 VLLM_KV_CACHE_LEGACY = "vllm:gpu_cache_usage_perc"  # the only name before 0.9.2; removed in 0.12
 
 METRIC_KEYS = ("running", "waiting", "kv_cache_usage")
+RAY_PORT = 6379  # a Ray head's GCS port by default (Ray's and vLLM's multi-node docs)
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,11 @@ class MetricMapping:
 
     def to_config(self) -> dict[str, str | None]:
         """What ``from_config`` reads back as this mapping (a blank running metric stays blank)."""
-        if self == MetricMapping.vllm():
-            return {}  # vLLM's names, fallbacks included
+        base = MetricMapping.vllm()
+        if self.fallbacks and self.running == base.running:
+            # Overrides on top of vLLM's names (only those have fallbacks): written as such, so
+            # that the names left as vLLM's keep their fallbacks when read back.
+            return {k: v for k in METRIC_KEYS if (v := getattr(self, k)) != getattr(base, k)}
         out: dict[str, str | None] = {k: v for k in METRIC_KEYS if (v := getattr(self, k)) is not None}
         if self.running is None:
             out["running"] = None
@@ -95,6 +99,10 @@ class LaunchSpec:
     nodes: int = 1
     node_rank: int = 0
     head_address: str | None = None  # multi-node: the rank-0 shard's address
+    # Multi-node: the port of this replica's Ray head. Two replicas whose shards share a node
+    # must have their own (a second head on a port in use fails, and its workers would join
+    # the first replica's cluster): the launcher hands each replica one, as it does HTTP ports.
+    ray_port: int = RAY_PORT
     cpus: int | None = None
     extra_args: tuple[str, ...] = ()
     hcas: tuple[str, ...] = ()  # multi-node: this shard's InfiniBand CA names on the replica's fabric

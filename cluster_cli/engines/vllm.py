@@ -12,8 +12,6 @@ import shlex
 
 from cluster_cli.engines.base import LaunchSpec, MetricMapping, cuda_env
 
-RAY_PORT = 6379  # the Ray head's GCS port (Ray's and vLLM's docs default)
-
 
 def _ray_binary(vllm_binary: str) -> str:
     """``ray`` from the same environment as the vllm binary (a venv path), else from PATH."""
@@ -47,7 +45,7 @@ class VLLM:
             # A Ray worker joining the head; vLLM places its workers here through Ray.
             return [
                 _ray_binary(binary), "start", "--block",
-                f"--address={spec.head_address}:{RAY_PORT}",
+                f"--address={spec.head_address}:{spec.ray_port}",
                 *_ray_resources(spec),
             ]  # fmt: skip
         serve = [
@@ -61,12 +59,18 @@ class VLLM:
             return serve + list(spec.extra_args)
         serve += ["--pipeline-parallel-size", str(spec.nodes), "--distributed-executor-backend", "ray"]
         serve += spec.extra_args
-        head = [_ray_binary(binary), "start", "--head", f"--port={RAY_PORT}", *_ray_resources(spec)]
+        head = [_ray_binary(binary), "start", "--head", f"--port={spec.ray_port}", *_ray_resources(spec)]
         # Current vLLM (since early 2026) copies the driver's NCCL_* variables onto every Ray
         # worker, which would push this node's HCA names onto the other nodes; older releases
         # copy none (the unset is then harmless). Each node's raylet carries its own
         # NCCL_IB_HCA (see env()), so the driver must not have one.
-        script = f"{shlex.join(head)} && unset NCCL_IB_HCA && exec {shlex.join(serve)}"
+        # vllm serve joins the cluster at RAY_ADDRESS (the head's address, when the launcher
+        # gives it): without it Ray picks the newest cluster started on this machine, which
+        # may be another replica's.
+        join = ""
+        if spec.head_address:
+            join = f"RAY_ADDRESS={shlex.quote(f'{spec.head_address}:{spec.ray_port}')} && export RAY_ADDRESS && "
+        script = f"{shlex.join(head)} && unset NCCL_IB_HCA && {join}exec {shlex.join(serve)}"
         return ["sh", "-c", script]
 
     def env(self, spec: LaunchSpec) -> dict[str, str]:
