@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from cluster_cli.engines.base import VLLM_KV_CACHE, VLLM_KV_CACHE_LEGACY, VLLM_RUNNING, VLLM_WAITING
 from cluster_cli.errors import ConfigError
-from cluster_cli.router.config import endpoint_views, load_router_config, with_overrides
+from cluster_cli.router.config import RouterConfig, endpoint_views, load_router_config, with_overrides
 from cluster_cli.router.scrape import parse_metrics, resolve
 
 ISSUE_EXAMPLE = """\
@@ -226,7 +226,7 @@ def test_inconsistent_or_mistyped_configs_are_refused(tmp_path, text, expect):
 
 def test_what_stays_accepted(tmp_path):
     """A URL shared by models under one name (or none) is one upstream; numbers of seconds take
-    integers; a URL's host keeps neither its case nor a trailing "/" (its user part keeps its case)."""
+    integers; a URL's host keeps neither its case nor a trailing "/", its port no leading zero."""
     cfg = load_router_config(
         write(
             tmp_path,
@@ -234,7 +234,7 @@ def test_what_stays_accepted(tmp_path):
             models:
               a: {endpoints: [{url: "http://GPU-1:80", replica: big-0, max_inflight: 4}, {url: "http://h:2"}]}
               b: {endpoints: [{url: "http://gpu-1:80/", replica: big-0, draining: true}, {url: "http://h:2"}]}
-              c: {endpoints: [{url: "http://h:2", replica: "h:2"}, {url: "http://Me@H:3"}]}
+              c: {endpoints: [{url: "http://h:2", replica: "h:2"}, {url: "http://H:03"}]}
             router:
               admission: {max_queue: 0, max_wait_s: 30}
               retry: {backoff_base_s: 0.25, backoff_max_s: 0.25}
@@ -243,7 +243,7 @@ def test_what_stays_accepted(tmp_path):
         )
     )
     views = endpoint_views(cfg)
-    assert sorted(views) == ["http://Me@h:3", "http://gpu-1", "http://h:2"]  # :80 is http's own port
+    assert sorted(views) == ["http://gpu-1", "http://h:2", "http://h:3"]  # :80 is http's own port; 03 is 3
     big = views["http://gpu-1"]
     assert big.port == 80
     assert (big.replica, big.draining, big.max_inflight, big.models, big.host) == (
@@ -482,3 +482,42 @@ def test_cli_watches_the_api_keys_file(tmp_path):
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("http://h:8080", "http://h:08080"),  # one port, two spellings: twice the engine's max_inflight
+        ("http://[::1]:8080", "http://[0:0:0:0:0:0:0:1]:8080"),
+        ("http://HOST:8080/", "http://host:8080"),
+    ],
+)
+def test_one_engine_under_two_spellings_is_listed_twice(a: str, b: str) -> None:
+    with pytest.raises(ValueError, match="listed twice"):
+        RouterConfig.model_validate({"models": {"m": {"endpoints": [{"url": a}, {"url": b}]}}})
+
+
+def test_credentials_in_an_endpoint_url_are_refused_not_ignored() -> None:
+    with pytest.raises(ValueError, match="credentials in an endpoint URL are not supported"):
+        RouterConfig.model_validate({"models": {"m": {"endpoints": [{"url": "http://me:pw@h:8080"}]}}})
+
+
+def test_a_models_admission_overrides_the_routers_key_by_key() -> None:
+    """A model that sets only max_queue keeps router.admission's max_wait_s (it got the
+    built-in 30 s), and so the --queue-timeout flag's, which sets router.admission."""
+    from cluster_cli.router.registry import build_table
+
+    cfg = RouterConfig.model_validate(
+        {
+            "models": {
+                "a": {"endpoints": [{"url": "http://h:1"}], "admission": {"max_queue": 10}},
+                "b": {"endpoints": [{"url": "http://h:2"}], "admission": {"max_wait_s": 5}},
+                "c": {"endpoints": [{"url": "http://h:3"}]},
+            },
+            "router": {"admission": {"max_queue": 7, "max_wait_s": 2}},
+        }
+    )
+    limits = {
+        name: (e.queue.limits.max_queue, e.queue.limits.max_wait_s) for name, e in build_table(cfg).models.items()
+    }
+    assert limits == {"a": (10, 2.0), "b": (7, 5.0), "c": (7, 2.0)}

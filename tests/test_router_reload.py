@@ -436,3 +436,32 @@ def test_a_fifo_is_refused_without_opening_it(tmp_path):
         assert r.read() == b"payload"
     writer.join(5)
     assert wrote == [7]
+
+
+def test_draining_closes_the_endpoints_kept_connections_and_unused_ones_expire(tmp_path, monkeypatch):
+    """A drained endpoint's engine may be replaced before it is undrained: its kept-alive
+    connections (to the old process, which may still hold them open) are closed when it is
+    drained, not reused after. Elsewhere a kept connection unused for longer than engines
+    keep theirs is closed too, instead of being reused just as the engine closes it."""
+    import cluster_cli.router.app as app_mod
+
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2)
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(_cfg(f, [0, 1])))
+    f.start(cfg=_cfg(f, [0, 1]), source=FileSource(path, interval=0.05))
+    w0, w1 = (f.router.table.workers[e.url] for e in f.engines)
+    try:
+        with httpx.Client() as client:
+            for _ in range(8):
+                assert (
+                    client.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG}).status_code == 200
+                )
+        assert w0.pool.idle and w1.pool.idle  # both kept connections after their requests
+        path.write_text(yaml.safe_dump(_cfg(f, [0, 1], **{"0": {"draining": True}})))
+        f.lt.wait_for(lambda: w0.view.draining, what="drain")
+        f.lt.wait_for(lambda: not w0.pool.idle, what="the drained endpoint's connections closed")
+        assert w1.pool.idle  # the other endpoint keeps its own
+        monkeypatch.setattr(app_mod, "IDLE_KEEP_S", 0.2)
+        f.lt.wait_for(lambda: not w1.pool.idle, what="unused connections closed")
+    finally:
+        f.close()

@@ -476,3 +476,42 @@ def test_what_a_breaker_does_after_its_open_time_does_not_depend_on_whether_anyo
         # open for another period of the same length (no probe failed).
         want = (State.OPEN, 1, False, 5.0) if event_ == "health" else (State.OPEN, 2, False, 10.0)
         assert outcomes[0] == outcomes[1] == want, event_
+
+
+def test_a_slot_of_an_endpoint_two_models_share_goes_to_the_longest_waiting_request() -> None:
+    """One endpoint (room for one) serves models a and b. A b request queued before a stream
+    of a requests must get the next free slot: the queues used to be served in the order the
+    endpoint lists its models, so while a's queue was never empty, b waited until it timed out."""
+
+    async def go() -> None:
+        clock = Clock()
+        ep = {"url": URLS[0], "engine": "vllm", "replica": "r0", "max_inflight": 1}
+        cfg = RouterConfig.model_validate(
+            {
+                "models": {"a": {"endpoints": [ep]}, "b": {"endpoints": [ep]}},
+                "router": {"admission": {"max_wait_s": 60}},
+            }
+        )
+        table = build_table(cfg, clock=clock)
+        bal = Balancer(table, LeastLoad(random.Random(0)), clock)
+        a, b = table.models["a"], table.models["b"]
+        running = await bal.acquire(a)
+        clock.t += 1
+        waiting_b = asyncio.ensure_future(bal.acquire(b))
+        await asyncio.sleep(0)
+        order = []
+        for _ in range(3):  # a's queue is kept busy by requests that came after b's
+            clock.t += 1
+            order.append(asyncio.ensure_future(bal.acquire(a)))
+        await asyncio.sleep(0)
+        running.release(True)
+        await asyncio.sleep(0)
+        assert waiting_b.done() and not any(f.done() for f in order)
+        waiting_b.result().release(True)  # then a's, in their order
+        for f in order:
+            await asyncio.sleep(0)
+            assert f.done()
+            f.result().release(True)
+        assert table.workers[URLS[0]].inflight == 0
+
+    asyncio.run(go())

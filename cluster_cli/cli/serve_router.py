@@ -102,14 +102,14 @@ def serve_router(
         None,
         "--max-queue",
         help="Requests that may wait per model while every endpoint is full; default the config's "
-        "router.admission.max_queue, 256 if unset.",
+        "router.admission.max_queue, 256 if unset (a model's own admission.max_queue still applies to it).",
         show_default=False,
     ),
     queue_timeout: float | None = typer.Option(
         None,
         "--queue-timeout",
         help="Longest wait in that queue before a 429, in seconds; default the config's "
-        "router.admission.max_wait_s, 30 if unset.",
+        "router.admission.max_wait_s, 30 if unset (a model's own admission.max_wait_s still applies to it).",
         show_default=False,
     ),
     access_log: str = typer.Option("-", "--access-log", help="Access log: '-' for stderr, a file path, or 'off'."),

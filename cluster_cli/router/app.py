@@ -41,6 +41,9 @@ log = logging.getLogger("clusterctl.router")
 
 PROXY_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"})
 SWEEP_S = 0.1
+# Kept engine connections unused this long are closed: engines close theirs after 5 s (uvicorn's and
+# llama-server's keep-alive timeouts), and reusing one they are closing fails the request (then retried).
+IDLE_KEEP_S = 4.0
 LOGGED_MODEL_CHARS = 200  # an unknown model name is client text: log at most this much of it
 
 
@@ -261,8 +264,16 @@ class Router:
         mono = time.monotonic()
         t = self.table
         for w in t.workers.values():
-            if w.pool is not None and w.pool.active:
-                w.pool.sweep(mono, self.idle_timeout)
+            pool = w.pool
+            if pool is None:
+                continue
+            if pool.active:
+                pool.sweep(mono, self.idle_timeout)
+            if pool.idle:
+                # A draining endpoint's kept connections are closed (it gets no new requests, and
+                # its engine may be replaced before it is undrained); elsewhere the ones unused for
+                # longer than engines keep them open (uvicorn's and llama-server's 5 s).
+                pool.close_idle(mono, 0.0 if w.view.draining else IDLE_KEEP_S)
         for w in list(t.retired):
             if w.pool is not None and w.pool.active:
                 w.pool.sweep(mono, self.idle_timeout)

@@ -148,21 +148,43 @@ class Balancer:
 
     # ---------------------------------------------------------------- slots coming free
     def dispatch(self, entry: ModelEntry) -> None:
+        """Hand free slots to ``entry``'s queue, oldest first, while any fits."""
+        while self._dispatch_one(entry):
+            pass
+
+    def _dispatch_one(self, entry: ModelEntry) -> bool:
+        """Give one waiter of ``entry`` a slot, if one is free for it now; whether one was served."""
         q = entry.queue
-        while q.waiters and q.peek_live():
-            head = q.waiters[0]
-            lease = self._pick_now(entry, head.exclude)
-            if lease is None:
-                # A retry at the head waits for endpoints it has not tried; the slot that is
-                # free may still suit someone behind it.
-                if head.exclude and self._serve_behind(entry):
-                    continue
+        if not q.waiters or not q.peek_live():
+            return False
+        head = q.waiters[0]
+        lease = self._pick_now(entry, head.exclude)
+        if lease is None:
+            # A retry at the head waits for endpoints it has not tried; the slot that is
+            # free may still suit someone behind it.
+            return bool(head.exclude) and self._serve_behind(entry)
+        waiter = q.pop_live()
+        if waiter is None:  # cannot happen after peek_live; keep the slot bookkeeping exact anyway
+            lease.release(None)
+            return False
+        waiter.fut.set_result(lease)  # type: ignore[arg-type]
+        return True
+
+    def _dispatch_oldest_first(self, entries: list[ModelEntry]) -> None:
+        """Serve several models' queues that may compete for the same endpoints (one endpoint
+        serving two models): each free slot goes to the longest-waiting request among them,
+        not to whichever model comes first (whose queue, kept full, would starve the other's)."""
+        pending = [e for e in entries if e.queue.waiters]
+        while pending:
+            if len(pending) == 1:
+                self.dispatch(pending[0])
                 return
-            waiter = q.pop_live()
-            if waiter is None:  # cannot happen after peek_live; keep the slot bookkeeping exact anyway
-                lease.release(None)
+            pending = [e for e in pending if e.queue.peek_live()]
+            if not pending:
                 return
-            waiter.fut.set_result(lease)  # type: ignore[arg-type]
+            oldest = min(pending, key=lambda e: e.queue.waiters[0].queued_at)
+            if not self._dispatch_one(oldest):
+                pending.remove(oldest)  # nothing free for it now: the others may still fit
 
     def _serve_behind(self, entry: ModelEntry) -> bool:
         """Give a free slot to the first live waiter (past the head) that can take it now."""
@@ -191,19 +213,18 @@ class Balancer:
     def dispatch_for(self, w: Worker) -> None:
         """Dispatch the queues of every model ``w`` serves (a slot of it came free)."""
         models = self.table.models
-        for name in w.view.models:
-            entry = models.get(name)
-            if entry is not None and entry.queue.waiters:
-                self.dispatch(entry)
+        entries = [e for name in w.view.models if (e := models.get(name)) is not None and e.queue.waiters]
+        if entries:
+            self._dispatch_oldest_first(entries)
 
     def kick(self) -> None:
         """Re-dispatch every queue (after a scrape, breaker change or reload); expire old waiters."""
         now = self.clock()
+        self._dispatch_oldest_first(list(self.table.models.values()))
         for entry in self.table.models.values():
             q = entry.queue
             if not q.waiters:
                 continue
-            self.dispatch(entry)
             for waiter in q.expired(now):
                 q.rejected_timeout += 1
                 waiter.fut.set_exception(

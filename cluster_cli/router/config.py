@@ -23,6 +23,8 @@ not converted between types: a boolean must be a YAML boolean, a count a YAML in
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,14 +80,23 @@ class EndpointSpec(_Strict):
             raise ValueError(f"{v!r}: bad port") from None
         if parts.path not in ("", "/") or parts.query or parts.fragment:
             raise ValueError(f"{v!r}: give the server's base URL without a path")
+        if "@" in parts.netloc:
+            # The router sends no credentials: a user part would be ignored, and the engine's
+            # refusals would read as its failures.
+            raise ValueError(f"{v!r}: credentials in an endpoint URL are not supported (the router sends none)")
+        if parts.port == 0:
+            raise ValueError(f"{v!r}: bad port")
         # One spelling per server, so that duplicates are found and a URL listed under several
-        # models is one upstream: scheme and host are case-insensitive (the user part, if any, is
-        # not), a trailing "/" and an explicit :80 go. Names are not resolved: "localhost" is not
-        # 127.0.0.1.
-        user, at, hostport = parts.netloc.rpartition("@")
-        if parts.port == 80:  # http's own port: "http://h:80" is "http://h"
-            hostport = hostport.rpartition(":")[0]
-        return f"http://{user}{at}{hostport.lower()}"
+        # models is one upstream: rebuilt from its parts, the host in lower case (an IPv6 address
+        # in its short form), the port as a number (":08080" is 8080), a trailing "/" and
+        # http's own :80 gone. Names are not resolved: "localhost" is not 127.0.0.1.
+        host = parts.hostname
+        if ":" in host:
+            with contextlib.suppress(ValueError):  # a zone ("%eth0") or the like: kept as written
+                host = ipaddress.IPv6Address(host).compressed
+            host = f"[{host}]"
+        port = parts.port
+        return f"http://{host}" if port in (None, 80) else f"http://{host}:{port}"
 
 
 class QueueSpec(_Strict):

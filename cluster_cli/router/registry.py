@@ -89,7 +89,11 @@ def build_table(
 
     models: dict[str, ModelEntry] = {}
     for name, m in cfg.models.items():
-        spec = m.admission or cfg.router.admission
+        # A model's admission block overrides router.admission key by key: the keys it leaves
+        # out are the router's (and so the --max-queue/--queue-timeout flags'), not the built-in defaults.
+        spec = cfg.router.admission
+        if m.admission is not None:
+            spec = spec.model_copy(update={k: getattr(m.admission, k) for k in m.admission.model_fields_set})
         limits = QueueLimits(spec.max_queue, spec.max_wait_s)
         prev = old.models.get(name) if old else None
         if prev is not None:

@@ -398,6 +398,20 @@ class UpstreamPool:
             elif now - c.last_io > idle_timeout:
                 c.timed_out()
 
+    def close_idle(self, now: float, unused_for: float) -> None:
+        """Close the kept connections unused for ``unused_for`` seconds or more."""
+        keep = []
+        for c in self.idle:
+            if c.closed:
+                continue
+            if now - c.last_io >= unused_for:
+                c.closed = True
+                if c.tr is not None:
+                    c.tr.close()
+            else:
+                keep.append(c)
+        self.idle[:] = keep
+
     def close(self) -> None:
         self.closed = True
         for c in self.idle:
