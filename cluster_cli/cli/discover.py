@@ -176,25 +176,26 @@ def node_problems(f: NodeFacts) -> list[str]:
 
 
 def render(facts: list[NodeFacts]) -> None:
-    from rich import box
-    from rich.table import Table
-
-    t = Table(header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("NODE", "UP", "GPUS FREE/TOTAL", "NVLINK", "FABRICS", "CPUS", "MEM GiB", "CORDON", "PROBLEMS"):
-        t.add_column(col, no_wrap=col != "PROBLEMS")
-    for f in facts:
-        t.add_row(
-            f.name,
+    rows = [
+        [
+            escape(f.name),
             "[green]yes[/]" if f.reachable else "[red]no[/]",
             escape(gpu_summary(f)),
             nvlink_summary(f),
             escape(", ".join(sorted(f.fabrics)) or "-"),
             str(f.cpus) if f.cpus is not None else "?",
             f"{f.memory_mib / 1024:.0f}" if f.memory_mib else "?",
-            "[yellow]cordoned[/]" if f.cordoned else "-",
-            "[red]unreachable[/]" if not f.reachable else str(len(node_problems(f))) if node_problems(f) else "-",
-        )
-    ui.out.print(t)
+            "[yellow]yes[/]" if f.cordoned else "-",
+            # Not reached: UP says so, and its error follows the table.
+            "?" if not f.reachable else str(len(node_problems(f))) if node_problems(f) else "-",
+        ]
+        for f in facts
+    ]
+    # A narrow terminal wraps long values onto more lines, never cuts them to "…" (a cut node
+    # name cannot be read): names keep up to 32 characters (12 if it must), short columns all.
+    columns = [("NODE", 12), ("UP", 0), ("GPUS\nFREE/TOTAL", None), ("NVLINK", None), ("FABRICS", None),
+               ("CPUS", 0), ("MEM\nGiB", 0), ("CORDON", 0), ("PROBLEMS", None)]  # fmt: skip
+    ui.print_table(columns, rows)
     for f in facts:
         if f.cordoned:
             ui.out.print(f"[yellow]{f.name}[/] cordoned: {escape(f.cordon_reason or '')}", highlight=False)
