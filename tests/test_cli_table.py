@@ -14,15 +14,23 @@ from cluster_cli.facts import Gpu, HcaPort, NodeFacts
 
 def _fleet(name: str) -> list[NodeFacts]:
     gpus = tuple(
-        Gpu(index=i, uuid=f"GPU-{i}", product="NVIDIA H200", gpu_class="H200", memory_total_mib=143771) for i in range(8)
+        Gpu(index=i, uuid=f"GPU-{i}", product="NVIDIA H200", gpu_class="H200", memory_total_mib=143771)
+        for i in range(8)
     )
     ib = [
         HcaPort(ca=f"mlx5_{i}", port=1, state="Active", physical_state="LinkUp", link_layer="InfiniBand", fabric=fab)
         for i, fab in enumerate(("ib-a", "ib-b", "ib-storage"))
     ]
     return [
-        NodeFacts(name=name, host="h", cpus=224, memory_mib=2_063_000, gpus=gpus, nvlink_domains=(tuple(range(8)),),
-                  hcas=tuple(ib)),  # fmt: skip
+        NodeFacts(
+            name=name,
+            host="h",
+            cpus=224,
+            memory_mib=2_063_000,
+            gpus=gpus,
+            nvlink_domains=(tuple(range(8)),),
+            hcas=tuple(ib),
+        ),
         NodeFacts(name="a1", host="h", cpus=64, memory_mib=512_000, gpus=gpus[:4], nvlink_domains=((0, 1), (2, 3))),
         NodeFacts(name="d1", host="h", reachable=False, error="connect timed out"),
     ]
