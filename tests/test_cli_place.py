@@ -453,3 +453,20 @@ def test_planning_with_another_inventory_than_discover_used_is_warned_of(tmp_pat
     r = place(tmp_path, "--dry-run", "-c", str(cat), "-i", str(other), "-o", "json")
     assert r.exit_code in (0, 3) and json.loads(r.stdout)["replicas"]
     assert f"{other}: the state's last discover used {inv.resolve()}" in " ".join(r.stderr.split())
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("fmt", ["json", "table"])
+def test_output_that_cannot_be_written_is_one_error_line(tmp_path: Path, fmt: str) -> None:
+    """stdout on a full disk (``> file``): one error line and exit 2, not a 100-line traceback."""
+    import subprocess
+    import sys
+
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01")])
+    argv = ["--state", str(tmp_path / "s.db"), "place", "--dry-run", "-i", str(inv), "-c", str(cat),
+            "--facts", str(facts), "-o", fmt]  # fmt: skip
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "cluster_cli", *argv], stdout=full, stderr=subprocess.PIPE, text=True)
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1] == "error: cannot write the output: No space left on device"
+    assert "Traceback" not in r.stderr

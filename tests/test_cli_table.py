@@ -100,3 +100,9 @@ def test_fit_widths_stays_between_least_and_natural_and_within_the_budget(
             assert max(short) - min(short) <= 1
     else:
         assert widths == minimum
+
+
+def test_a_node_never_reached_shows_its_gpus_as_unknown_not_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    lines = _render(monkeypatch, 200, [NodeFacts(name="g1", host="h", reachable=False, error="host key unknown")])
+    row = next(line for line in lines if line.startswith("g1"))
+    assert row.split()[:4] == ["g1", "no", "?", "?"]  # GPUS "?" like NVLINK: a GPU node must not look CPU-only

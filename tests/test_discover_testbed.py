@@ -384,26 +384,36 @@ def test_ctrl_c_saves_nothing_and_says_so(testbed_factory, tmp_path: Path) -> No
 
     c = testbed_factory("slow=cpu-only:slow=20,fine=cpu-only")
     state = tmp_path / "s.db"
-    p = subprocess.Popen(
-        [sys.executable, "-m", "cluster_cli", "--state", str(state), "discover", "-i", str(c.inventory_path), "-v"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert p.stderr is not None and p.stdout is not None
-    try:
-        err_reader = _Reader(p.stderr)
-        # fine is done and slow is probing (for 20 s): Ctrl-C now
-        assert err_reader.wait_for("slow: connected", "fine: ok", timeout=30), err_reader.text
-        p.send_signal(signal.SIGINT)
-        p.wait(30)
-        err = err_reader.join(10)
-        out = p.stdout.read()
-    finally:
-        p.kill()
-    assert p.returncode == 130, err
+
+    def interrupted() -> tuple[int | None, str, str]:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "cluster_cli", "--state", str(state), "discover", "-i", str(c.inventory_path), "-v"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert p.stderr is not None and p.stdout is not None
+        try:
+            err_reader = _Reader(p.stderr)
+            # fine is done and slow is probing (for 20 s): Ctrl-C now
+            assert err_reader.wait_for("slow: connected", "fine: ok", timeout=30), err_reader.text
+            p.send_signal(signal.SIGINT)
+            p.wait(30)
+            return p.returncode, err_reader.join(10), p.stdout.read()
+        finally:
+            p.kill()
+
+    # A first discover: the state it made to write at its end is not left behind, empty.
+    code, err, out = interrupted()
+    assert code == 130, err
     assert err.splitlines()[-1:] == ["interrupted: nothing saved"], err
     assert out == ""
+    assert not list(tmp_path.glob("s.db*"))  # nor its -wal and -shm
+    # A state that was there keeps what it had, and gets nothing of this run.
+    with Store(state) as s:
+        s.cordon("slow", "PSU")
+    code, err, out = interrupted()
+    assert code == 130 and out == "", err
     with Store(state, readonly=True) as s:  # not even the node that had answered
-        assert s.nodes() == [] and s.inventory() is None
+        assert s.nodes() == [] and s.inventory() is None and set(s.cordons()) == {"slow"}
 
 
 def test_verbose_tells_each_node_s_steps_on_stderr_and_keeps_stdout_clean(testbed_factory, tmp_path: Path) -> None:

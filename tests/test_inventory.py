@@ -186,3 +186,22 @@ def test_same_host_on_other_ports_or_behind_ssh_config_is_not_a_duplicate(tmp_pa
     assert load_inventory(write(tmp_path, cfg.replace("box, port: 22", "box"))).shared_addresses() == [
         (1, "box is also node h1's")
     ]
+
+
+@pytest.mark.parametrize(
+    ("host", "ok"),
+    [("10.0.0.1:22", False), ("gpu-01:2222", False), ("fe80::1", True), ("2001:db8::5", True), ("[2001:db8::5]", True)],
+)
+def test_a_port_written_into_host_is_refused(tmp_path: Path, host: str, ok: bool) -> None:
+    p = write(tmp_path, f"nodes:\n  - {{name: a, host: '{host}'}}\n")
+    if ok:
+        assert load_inventory(p).nodes[0].host == host
+        return
+    with pytest.raises(ConfigError, match=r"invalid host .*: give the port as port:, not in host:"):
+        load_inventory(p)
+
+
+def test_a_node_name_over_63_characters_says_so(tmp_path: Path) -> None:
+    p = write(tmp_path, f"nodes:\n  - {{name: {'n' * 64}, host: h}}\n")
+    with pytest.raises(ConfigError, match="64 characters, at most 63"):
+        load_inventory(p)

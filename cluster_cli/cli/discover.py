@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections import Counter
@@ -67,7 +68,8 @@ def discover(
         if unknown:
             ui.abort(f"{inventory}: no node named {', '.join(map(repr, unknown))} in the inventory")
         nodes = [n for n in inv.nodes if n.name in set(node)]
-    store = open_store(state.state_path)
+    new_state = not state.state_path.exists()
+    store = open_store(state.state_path)  # now: a state that cannot be written is found before probing
     connector: Connector = AsyncsshConnector(pinned_known_hosts=pinned_hosts_path(state.state_path))
     trace = Trace(connector) if state.verbose else None
 
@@ -95,6 +97,10 @@ def discover(
         # Ctrl-C while probing: facts are saved only after every node is done, in one
         # transaction, so none were. (Host keys pinned on first contact stay pinned.)
         store.close()
+        if new_state:  # made by this run only to be written at its end: nothing is left behind
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(OSError):
+                    Path(f"{state.state_path}{suffix}").unlink()
         ui.info("interrupted: nothing saved")
         raise typer.Exit(INTERRUPTED) from None
 
@@ -139,8 +145,11 @@ def discover(
 
 
 def gpu_summary(f: NodeFacts) -> str:
-    """``8/8 H200``; ``3/4 A100 (1 lost)``; ``unknown`` when nvidia-smi failed (not a CPU node's ``-``)."""
+    """``8/8 H200``; ``3/4 A100 (1 lost)``; ``unknown`` when nvidia-smi failed (not a CPU node's
+    ``-``); ``?`` for a node never reached."""
     if not f.gpus:
+        if not f.reachable and f.cpus is None:  # never reached: what it has is not known
+            return "?"
         keys = {problem_key(p) for p in f.problems}
         if "nvidia-smi" in keys:
             return "unknown"

@@ -6,9 +6,11 @@ the modules only wire the stages together and render results through ``ui``.
 
 from __future__ import annotations
 
+import errno
 import os
+import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,20 @@ def _one_line_usage_errors() -> Iterator[None]:
     naming the command, like every other error, instead of Typer's usage-and-panel block."""
     try:
         yield
+    except OSError as e:
+        if e.errno == errno.EPIPE:  # a reader that left (``| head``): Typer ends quietly
+            raise
+        # Most often stdout itself (a full disk under ``> file``): its unwritten rest goes
+        # nowhere, so that the exit does not fail on it a second time with a traceback.
+        with suppress(OSError, ValueError):
+            sys.stdout.flush()
+        with suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        from cluster_cli.cli import ui
+
+        where = f"{e.filename}: " if e.filename else "cannot write the output: "
+        ui.err.print(f"[bold red]error:[/] {ui.escape(where + (e.strerror or str(e)))}", highlight=False)
+        raise typer.Exit(2) from None
     except _ClickException as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # no arguments: the help is the answer
             raise
@@ -193,8 +209,6 @@ def hoist_global_options(args: list[str]) -> list[str]:
 
 
 def run() -> None:
-    import sys
-
     app(args=hoist_global_options(sys.argv[1:]), prog_name="clusterctl")
 
 

@@ -16,6 +16,7 @@ Relative paths are resolved against the inventory file's folder; ``~`` is expand
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -82,13 +83,22 @@ class Node(_Strict):
     def _host_ok(cls, v: str) -> str:
         if not v or any(c.isspace() for c in v):
             raise ValueError(f"invalid host {v!r}: a name or address without spaces")
+        if ":" in v:  # only an IPv6 address has colons: "10.0.0.1:22" is a port in the wrong place
+            try:
+                ipaddress.IPv6Address(v.removeprefix("[").removesuffix("]"))
+            except ValueError:
+                raise ValueError(f"invalid host {v!r}: give the port as port:, not in host:") from None
         return v
 
     @field_validator("name")
     @classmethod
     def _name_ok(cls, v: str) -> str:
+        if len(v) > 63:
+            raise ValueError(f"invalid node name {v[:20]!r}...: {len(v)} characters, at most 63")
         if not _NAME.match(v):
-            raise ValueError(f"invalid node name {v!r}: use letters, digits, '.', '_', '-'")
+            raise ValueError(
+                f"invalid node name {v!r}: use letters, digits, '.', '_', '-' (starting with a letter or digit)"
+            )
         return v
 
 
