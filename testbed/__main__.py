@@ -16,8 +16,9 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-from testbed.cluster import MODES, Cluster, TestbedError, down, gc
+from testbed.cluster import MODES, Cluster, TestbedError, _flock, down, gc
 from testbed.hardware import NodeSpec, count_specs, describe_presets, parse_specs
 
 _OPS = ("kill", "freeze", "thaw", "partition", "heal", "revive")
@@ -100,6 +101,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         had = down(args.dir)
         print("testbed down" if had else "no testbed state found; cleaned up leftovers (if any)")
         return 0
+    if args.cmd != "status":
+        # Several of these at once (``kill a & kill b &``) read, change and write one state
+        # file: one at a time, or the last writer undoes what the others recorded.
+        with _flock(Path(args.dir) / ".testbed.lock"):
+            c = Cluster.attach(args.dir)
+            for name in args.nodes:
+                getattr(c, args.cmd)(name)
+                print(f"{name}: {c.node(name).state}")
+        return 0
     c = Cluster.attach(args.dir)
     if args.cmd == "status":
         rows = c.status()
@@ -113,9 +123,6 @@ def _dispatch(args: argparse.Namespace) -> int:
                 ssh = "up" if r["ssh"] else "-"
                 print(f"{r['name']:<16}{r['preset']:<14}{addr:<22}{r['state']:<20}{r['processes']:>5}  {ssh}")
         return 0
-    for name in args.nodes:
-        getattr(c, args.cmd)(name)
-        print(f"{name}: {c.node(name).state}")
     return 0
 
 

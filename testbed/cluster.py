@@ -27,6 +27,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -399,6 +400,8 @@ class Cluster:
         directory = Path(directory).resolve()
         if "%" in str(directory):  # sshd and ssh expand %-tokens in the paths it would write
             raise TestbedError(f"{directory}: a testbed folder must not contain '%'")
+        if any(c.isspace() for c in str(directory)):  # ssh -o UserKnownHostsFile= splits on them
+            raise TestbedError(f"{directory}: a testbed folder must not contain spaces")
         if directory.exists() and not directory.is_dir():
             raise TestbedError(f"{directory}: exists and is not a folder")
         directory.mkdir(parents=True, exist_ok=True)
@@ -429,8 +432,9 @@ class Cluster:
             _write_file(ident.with_suffix(".pub"), pub + b" clusterctl-testbed\n", 0o644)
         os.chmod(ident, 0o600)
         self._save("starting")  # a record for cleanup, written before anything is claimed
-        if self.mode == "netns":
+        if os.geteuid() == 0:  # sshd run as root needs its privilege separation folder (loopback mode too)
             Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        if self.mode == "netns":
             with _registry_lock():
                 octets = _alloc_ips(self.prefix, self.dir, [s.name for s in specs])
             for i, s in enumerate(specs):
@@ -601,9 +605,16 @@ class Cluster:
             "status": status,
             "nodes": [n.to_dict() for n in self.nodes.values()],
         }
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(self.state_path)
+        fd, tmp = tempfile.mkstemp(prefix=".testbed.", suffix=".tmp", dir=self.dir)  # one per writer
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(data, indent=1))
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, self.state_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def stop(self) -> None:
         """Tear everything down: processes, namespaces, veths, addresses (idempotent)."""

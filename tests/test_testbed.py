@@ -490,6 +490,21 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
         assert json.loads(cli("status", "--dir", str(d), "--json").stdout)["nodes"][0]["state"] == "frozen"
         assert cli("thaw", "--dir", str(d), "n1").returncode == 0
         assert _ssh(c, "n1", "echo ok").stdout == b"ok\n"
+        # Two at once (``freeze a & freeze b &``): each one's change is kept, none undone.
+        for op, state in (("freeze", "frozen"), ("thaw", "running")):
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-m", "testbed", op, "--dir", str(d), n],
+                    cwd=ROOT,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
+                for n in ("n1", "node-01")
+            ]
+            assert [p.wait(60) for p in procs] == [0, 0], [p.stderr.read() for p in procs if p.stderr]
+            st = json.loads(cli("status", "--dir", str(d), "--json").stdout)
+            assert [n["state"] for n in st["nodes"]] == [state, state]
+        assert not list(d.glob("*.tmp"))
     finally:
         assert cli("down", "--dir", str(d)).returncode == 0
     assert _leftovers(tb_cluster.testbed_prefix(d), d.resolve()) == []
@@ -540,7 +555,11 @@ def test_bad_folders_are_refused_and_down_creates_nothing(tmp_path: Path) -> Non
     assert not target.exists()
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    for bad, needle in ((a_file, "not a folder"), (tmp_path / "p%u", "must not contain '%'")):
+    for bad, needle in (
+        (a_file, "not a folder"),
+        (tmp_path / "p%u", "must not contain '%'"),
+        (tmp_path / "sp ace", "must not contain spaces"),
+    ):
         with pytest.raises(tb_cluster.TestbedError, match=needle):
             Cluster.start(bad, "n=cpu-only", mode="loopback")
 
@@ -607,3 +626,18 @@ def test_kill_also_ends_what_lives_only_in_the_nodes_network(testbed_factory: Cl
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_node_has_its_own_dev_shm_and_login_shells_find_its_tools(testbed_factory: ClusterFactory) -> None:
+    """What a node leaves in /dev/shm (discover's scratch files, if it is killed mid-probe)
+    is the node's, gone with it, not the host's; a login shell (which resets PATH from
+    /etc/profile) still finds nvidia-smi, as on a real GPU server."""
+    c = testbed_factory("g=hgx-h200x8")
+    assert _ssh(c, "g", "bash -lc 'command -v nvidia-smi'").stdout.decode().strip() == str(
+        c.nodes["g"].bin_dir / "nvidia-smi"
+    )
+    if c.mode != "netns":
+        return  # loopback nodes share the host's mounts
+    marker = f"tb-shm-{os.getpid()}"
+    assert _ssh(c, "g", f"touch /dev/shm/{marker} && ls /dev/shm").stdout.split() == [marker.encode()]
+    assert not (Path("/dev/shm") / marker).exists()
