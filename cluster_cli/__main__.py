@@ -1,5 +1,5 @@
 """``python -m cluster_cli`` runs the CLI."""
 
-from cluster_cli.cli.main import run
+from cluster_cli.cli.entry import main
 
-run()
+main()

@@ -556,3 +556,31 @@ def test_usage_errors_are_one_line(argv: list[str], needle: str) -> None:
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
     assert "-h)" in lines[0]  # where to look next
+
+
+def test_ctrl_c_while_the_cli_is_still_loading_exits_130_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from cluster_cli.cli import entry
+
+    real_import = builtins.__import__
+
+    def interrupted(name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "cluster_cli.cli.main":
+            raise KeyboardInterrupt  # Ctrl-C during the CLI's imports
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", interrupted)
+    with pytest.raises(SystemExit) as e:
+        entry.main()
+    assert e.value.code == 130
+
+
+def test_importing_the_package_loads_nothing_else() -> None:
+    """The entry point imports ``cluster_cli`` first: a Ctrl-C can only be caught once that is
+    done, so it must be quick (its names load on first use)."""
+    code = "import sys, cluster_cli; print(sorted(m for m in sys.modules if m.startswith('cluster_cli')))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "['cluster_cli']"
+    code = "import cluster_cli; print(cluster_cli.NodeFacts.__name__, cluster_cli.ExitCode.__name__)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout == "NodeFacts ExitCode\n"
