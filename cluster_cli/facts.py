@@ -303,25 +303,57 @@ class NodeFacts:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NodeFacts:
+        """Read back ``to_dict``'s form (the state, a facts file); its text made printable."""
         doms = d.get("nvlink_domains")
-        return cls(
-            name=str(d["name"]),
-            host=str(d.get("host") or ""),
-            reachable=_bool(d, "reachable", True),
-            error=d.get("error"),
-            cpus=_num(d, "cpus"),
-            memory_mib=_num(d, "memory_mib"),
-            gpus=tuple(Gpu.from_dict(g) for g in d.get("gpus") or ()),
-            nvlink_domains=None if doms is None else tuple(tuple(int(i) for i in x) for x in doms),
-            hcas=tuple(HcaPort.from_dict(h) for h in d.get("hcas") or ()),
-            fabric=d.get("fabric"),
-            labels=dict(d.get("labels") or {}),
-            cordoned=_bool(d, "cordoned", False),
-            cordon_reason=d.get("cordon_reason"),
-            problems=tuple(d.get("problems") or ()),
-            probed_at=_num(d, "probed_at"),
-            last_seen_at=_num(d, "last_seen_at"),
+        return printable_facts(
+            cls(
+                name=str(d["name"]),
+                host=str(d.get("host") or ""),
+                reachable=_bool(d, "reachable", True),
+                error=d.get("error"),
+                cpus=_num(d, "cpus"),
+                memory_mib=_num(d, "memory_mib"),
+                gpus=tuple(Gpu.from_dict(g) for g in d.get("gpus") or ()),
+                nvlink_domains=None if doms is None else tuple(tuple(int(i) for i in x) for x in doms),
+                hcas=tuple(HcaPort.from_dict(h) for h in d.get("hcas") or ()),
+                fabric=d.get("fabric"),
+                labels=dict(d.get("labels") or {}),
+                cordoned=_bool(d, "cordoned", False),
+                cordon_reason=d.get("cordon_reason"),
+                problems=tuple(d.get("problems") or ()),
+                probed_at=_num(d, "probed_at"),
+                last_seen_at=_num(d, "last_seen_at"),
+            )
         )
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal could act on (ESC, other C0 and C1 controls,
+    DEL, and other non-printing characters) written out as ``\\xNN``: what a node prints ends
+    up on the operator's terminal, where ESC ] 52 writes the clipboard and ESC c resets it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}" for c in text)
+
+
+def printable_facts(obj: Any) -> Any:
+    """``obj`` (facts: a dataclass, tuple, dict or str, nested) with all its text ``printable``."""
+    if isinstance(obj, str):
+        return printable(obj)
+    if isinstance(obj, tuple):
+        return tuple(printable_facts(x) for x in obj)
+    if isinstance(obj, frozenset):
+        return frozenset(printable_facts(x) for x in obj)
+    if isinstance(obj, dict):
+        return {printable_facts(k): printable_facts(v) for k, v in obj.items()}
+    if hasattr(obj, "__dataclass_fields__"):
+        changes = {
+            name: cleaned
+            for name, f in obj.__dataclass_fields__.items()
+            if f.init and (cleaned := printable_facts(value := getattr(obj, name))) is not value and cleaned != value
+        }
+        return replace(obj, **changes) if changes else obj
+    return obj
 
 
 @dataclass(frozen=True)

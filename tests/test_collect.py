@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,66 @@ def test_a_topology_of_other_gpus_than_the_list_is_unknown() -> None:
         (0, 1),
         (2, 3),
     )  # the same matrix, all four listed
+
+
+def _texts(obj: object) -> list[str]:
+    """Every string in a facts object, nested."""
+    if isinstance(obj, str):
+        return [obj]
+    if isinstance(obj, (tuple, list, frozenset)):
+        return [t for x in obj for t in _texts(x)]
+    if isinstance(obj, dict):
+        return [t for k, v in obj.items() for t in (*_texts(k), *_texts(v))]
+    if hasattr(obj, "__dataclass_fields__"):
+        return [t for name in obj.__dataclass_fields__ for t in _texts(getattr(obj, name))]
+    return []
+
+
+def test_a_hostile_node_cannot_put_terminal_escapes_on_the_operators_screen(tmp_path: Path) -> None:
+    """A node's output reaches the operator's terminal (table, explanations, -v). ESC ] 52
+    writes their clipboard, ESC c resets the terminal; the parsers' one-pass ANSI strip could
+    even assemble a sequence ("ESC" + "ESC[0m" + "]52;..."). Every text is made printable."""
+    from rich.console import Console
+
+    from cluster_cli.cli import ui
+    from cluster_cli.cli.discover import render
+    from cluster_cli.state.store import Store
+
+    inv = Inventory.model_validate({"nodes": [{"name": "g1", "host": "10.0.0.1"}]})
+    uuid = "GPU-a253a8ad-1877-7c5b-5600-55eaf379e1f0"
+
+    def bypass(body: str) -> str:
+        return "\x1b\x1b[0m]" + body + "\x1b\x1b[0m\\"
+
+    outs = {
+        "gpus": CommandResult(
+            0,
+            f"0, {uuid}, NVIDIA {bypass('0;TITLE')}H200\x1bc\u009b2J, 143771, 0, 00000000:18:00.0, 0, Disabled, [N/A], No\n",
+        ),
+        "apps": CommandResult(0, f"{uuid}, 4411, 100, {bypass('52;c;cm0gLXJmIH4K')}python\n"),
+        "topo": CommandResult(1, ""),
+        "ibstat": CommandResult(0, "CA 'mlx5_\x1b]0;X\x07'\n\tCA type: MT4129\n\tPort 1:\n\t\tState: Active\n"),
+        "cpus": CommandResult(0, "8\n"),
+        "meminfo": CommandResult(0, "MemTotal: 1048576 kB\n"),
+    }
+    f = facts_from_outputs(inv, inv.nodes[0], outs)
+    texts = _texts(f)
+    assert not [t for t in texts if not t.isprintable()], texts
+    assert any("\\x1b]52;c;" in t for t in texts)  # shown, escaped: the operator sees something odd was there
+    console = Console(width=200, force_terminal=False, color_system=None)
+    ui_out = ui.out
+    ui.out = console
+    try:
+        with console.capture() as cap:
+            render([f])
+    finally:
+        ui.out = ui_out
+    assert "\x1b" not in cap.get() and "\u009b" not in cap.get()
+    # Facts stored by an earlier version, with the raw bytes: cleaned when read back.
+    raw = f.to_dict() | {"error": "ssh: \x1b]0;pwned\x07", "problems": ["\x1bc reset"]}
+    with Store(tmp_path / "s.db") as s:
+        s.save_discovery([f])
+        s._db.execute("UPDATE nodes SET facts=?", (json.dumps(raw),))
+        (back,) = s.nodes()
+    assert all(t.isprintable() for t in _texts(back))
+    assert back.error == "ssh: \\x1b]0;pwned\\x07"

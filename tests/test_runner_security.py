@@ -295,3 +295,47 @@ def test_reading_ssh_config_off_the_loop_never_holds_up_the_exit() -> None:
 
 async def _value(aw: Awaitable[int]) -> int:
     return await aw
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling-symlink", "world-writable", "another-users"])
+def test_a_pin_file_someone_else_could_have_written_is_not_trusted_nor_written(tmp_path: Path, kind: str) -> None:
+    """The pin file lives beside the state, which may be in a shared folder: a planted link
+    would make the pin go into any file of ours (or read keys from one), and a file another
+    user can write could hold their key for a node, accepted without a question."""
+    import os
+
+    _client(tmp_path)
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    pins = tmp_path / "state.known_hosts"
+    victim = tmp_path / "victim.txt"
+    if kind == "symlink":
+        victim.write_text("mine\n")
+        pins.symlink_to(victim)
+    elif kind == "dangling-symlink":
+        pins.symlink_to(victim)
+    else:
+        pins.write_text(f"n1 {_public(key)}\n")  # a pin made by someone else: the right key, even
+        if kind == "world-writable":
+            pins.chmod(0o666)
+        elif os.geteuid() == 0:
+            os.chown(pins, 65534, 65534)
+        else:
+            pytest.skip("needs root to give the file to another user")
+
+    async def main() -> str:
+        async with _serve(tmp_path, key) as port:
+            return await _hi(AsyncsshConnector(pins), _target(tmp_path, "n1", "127.0.0.1", port, ACCEPT_NEW))
+
+    with pytest.raises(SSHError) as e:
+        asyncio.run(main())
+    expected = {
+        "symlink": "is a symbolic link",
+        "dangling-symlink": "is a symbolic link",
+        "world-writable": "is writable by every user",
+        "another-users": "belongs to another user",
+    }[kind]
+    assert expected in str(e.value) and str(pins) in str(e.value)
+    if kind == "symlink":
+        assert victim.read_text() == "mine\n"
+    if kind == "dangling-symlink":
+        assert not victim.exists()

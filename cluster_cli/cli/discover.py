@@ -18,7 +18,7 @@ from cluster_cli.cli import ui
 from cluster_cli.cli.common import INVENTORY_ENV, INVENTORY_HELP, inventory_or_abort, open_store, pinned_hosts_path
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError, ExitCode, SSHError
-from cluster_cli.facts import NodeFacts, problem_key
+from cluster_cli.facts import NodeFacts, printable, problem_key
 
 if TYPE_CHECKING:  # asyncssh and asyncio load only when discover runs
     from cluster_cli.config.inventory import SSHTarget
@@ -224,7 +224,7 @@ class Trace:
 
     def __init__(self, inner: Connector, say: Callable[[str], None] = ui.info) -> None:
         self._inner = inner
-        self._say = say
+        self._say = lambda line: say(printable(line))  # errors and record names come from the node
         self._started: dict[str, float] = {}
         self._connect: dict[str, float] = {}
         self._probe: dict[str, float] = {}

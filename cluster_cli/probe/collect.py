@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from cluster_cli.config.inventory import Inventory, Node
 from cluster_cli.errors import SSHError
-from cluster_cli.facts import Gpu, HcaPort, NodeFacts
+from cluster_cli.facts import Gpu, HcaPort, NodeFacts, printable_facts
 from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
 from cluster_cli.probe.commands import (
     PROBES,
@@ -161,20 +161,23 @@ def facts_from_outputs(
     if ib is not None and ib.rc == 0 and (absent := sorted(set(node.hca_fabrics) - {h.ca for h in hcas})):
         problems.append(f"fabric: hca_fabrics names {', '.join(absent)}, which ibstat does not list on this node")
 
-    return NodeFacts(
-        name=node.name,
-        host=node.host,
-        reachable=True,
-        error=None,
-        cpus=cpus,
-        memory_mib=mem,
-        gpus=tuple(gpus),
-        nvlink_domains=nvlink,
-        hcas=tuple(hcas),
-        fabric=node.fabric,
-        labels=dict(node.labels),
-        problems=tuple(problems),
-        probed_at=probed_at,
+    # What the node printed goes to terminals: every piece of its text made printable.
+    return printable_facts(
+        NodeFacts(
+            name=node.name,
+            host=node.host,
+            reachable=True,
+            error=None,
+            cpus=cpus,
+            memory_mib=mem,
+            gpus=tuple(gpus),
+            nvlink_domains=nvlink,
+            hcas=tuple(hcas),
+            fabric=node.fabric,
+            labels=dict(node.labels),
+            problems=tuple(problems),
+            probed_at=probed_at,
+        )
     )
 
 
@@ -289,6 +292,10 @@ async def discover(
                 f = unreachable(n, f"no answer within {deadline:g}s", time.time())
             except Exception as e:  # a failing node never takes the run down
                 f = unreachable(n, f"probe failed: {type(e).__name__}: {e}", time.time())  # a bug: name it
+        # Everything a node said is made printable before it is shown or stored: its text
+        # reaches the operator's terminal (a GPU or process name holding ESC ] 52 ... would
+        # write their clipboard).
+        f = printable_facts(f)
         if on_done is not None:
             on_done(f)
         return f

@@ -10,6 +10,7 @@ verified the same way (pinned as ``jump:HOST`` with ``accept-new``).
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import getpass
 import os
@@ -321,12 +322,18 @@ class AsyncsshConnector:
         """The pin file by name, parsed once per change of the file, not per node."""
         assert self.pinned is not None
         try:
-            st = os.stat(self.pinned)
+            fd = os.open(self.pinned, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise SSHError(f"{where}cannot read the pin file {self.pinned}: {_pin_file_error(e)}") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if (why := _untrusted(st)) is not None:
+                raise SSHError(f"{where}the pin file {self.pinned} {why}: its keys are not trusted")
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
             if self._pins is None or self._pins[0] != stamp:
-                self._pins = (stamp, _pin_table(self.pinned.read_text(errors="replace")))
-        except OSError as e:
-            raise SSHError(f"{where}cannot read the pin file {self.pinned}: {e.strerror or e}") from None
+                self._pins = (stamp, _pin_table(f.read().decode(errors="replace")))
         return self._pins[1]
 
     def _parse(self, path: str) -> asyncssh.SSHKnownHosts | str:
@@ -363,9 +370,9 @@ class AsyncsshConnector:
             if not self.pinned.exists():  # a read-only pin file that knows every node is fine
                 try:
                     self.pinned.parent.mkdir(parents=True, exist_ok=True)
-                    self.pinned.touch(exist_ok=True)
+                    os.close(os.open(self.pinned, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
                 except OSError as e:
-                    raise SSHError(f"{where}cannot create the pin file {self.pinned}: {e.strerror or e}") from None
+                    raise SSHError(f"{where}cannot create the pin file {self.pinned}: {_pin_file_error(e)}") from None
             if dest.alias in self._pinned(where):
                 return str(self.pinned)
         # First contact: learn the key, pin it, then connect verifying against the pin.
@@ -389,7 +396,13 @@ class AsyncsshConnector:
             # Another clusterctl may be pinning the same node right now: under an exclusive file
             # lock, pin only if nobody did, so a name never gets two keys (either would pass).
             try:
-                with self.pinned.open("a+") as f:
+                fd = os.open(self.pinned, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+            except OSError as e:
+                raise SSHError(f"{where}cannot pin its host key in {self.pinned}: {_pin_file_error(e)}") from None
+            try:
+                with os.fdopen(fd, "a+") as f:
+                    if (why := _untrusted(os.fstat(f.fileno()))) is not None:
+                        raise SSHError(f"{where}the pin file {self.pinned} {why}: not writing to it")
                     fcntl.flock(f, fcntl.LOCK_EX)
                     f.seek(0)
                     text = f.read()
@@ -399,6 +412,22 @@ class AsyncsshConnector:
             except OSError as e:
                 raise SSHError(f"{where}cannot pin its host key in {self.pinned}: {e.strerror or e}") from None
         return str(self.pinned)
+
+
+def _untrusted(st: os.stat_result) -> str | None:
+    """Why a pin file must not be trusted: someone else could have put keys in it (it lives
+    beside the state, which may be in a shared folder)."""
+    if st.st_uid != os.geteuid():
+        return "belongs to another user"
+    if st.st_mode & 0o002:
+        return "is writable by every user"
+    return None
+
+
+def _pin_file_error(e: OSError) -> str:
+    if e.errno == errno.ELOOP:  # O_NOFOLLOW: a link planted there could point at any file of ours
+        return "it is a symbolic link (not followed: give the state's real folder)"
+    return e.strerror or str(e)
 
 
 class _Lookup(asyncssh.SSHKnownHosts):

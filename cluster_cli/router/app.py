@@ -305,10 +305,16 @@ class Router:
         self._log_direct(conn, req, status, time.monotonic() - t0)
         return None
 
-    def check_head(self, req: Request) -> tuple[int, str, str, bytes] | None:
-        """A proxied request without a valid API key is refused on its head: its body is never read."""
+    def check_head(self, req: Request, body_bytes: int) -> tuple[int, str, str, bytes] | None:
+        """Refused on its head, its body never read: a proxied request without a valid API key,
+        and a body beyond a few KiB (or chunked) for any other route, which reads none (a client
+        could otherwise make the router hold max_body_bytes per connection for a 404)."""
+        if req.method != b"POST" or req.path not in PROXY_PATHS:
+            if body_bytes < 0 or body_bytes > _UNUSED_BODY_MAX:
+                return 413, f"{req.path.decode('latin-1')[:100]} takes no request body", "request_too_large", b""
+            return None
         keys = self.api_keys
-        if keys is None or req.method != b"POST" or req.path not in PROXY_PATHS:
+        if keys is None:
             return None
         if keys.check(req.header(b"authorization")):
             return None
@@ -659,6 +665,7 @@ class Router:
 
 
 _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})
+_UNUSED_BODY_MAX = 16 * 1024  # what a route that reads no body may still be sent (and is discarded)
 _RETRY_1S = b"Retry-After: 1\r\n"
 _NOWHERE_ELSE = Rejected(503, "no_endpoint", "no other endpoint to retry on")
 

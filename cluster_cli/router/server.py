@@ -36,8 +36,9 @@ class Handler(Protocol):
 
     def handle(self, conn: ClientConn, req: Request) -> Awaitable[None] | None: ...
 
-    def check_head(self, req: Request) -> tuple[int, str, str, bytes] | None:
-        """Refuse a request on its head alone, before its body is read: (status, message, code, extra head lines)."""
+    def check_head(self, req: Request, body_bytes: int) -> tuple[int, str, str, bytes] | None:
+        """Refuse a request on its head alone, before its body is read: (status, message, code,
+        extra head lines). ``body_bytes``: its Content-Length, -1 for a chunked body."""
 
     def refused(self, conn: ClientConn, req: Request | None, status: int, code: str) -> None:
         """A request answered with an error while it was still being read (its log line and metrics)."""
@@ -189,7 +190,7 @@ class ClientConn(asyncio.Protocol):
                     self._clen = clen
                 if chunked or len(buf) < clen:
                     # Refused on its head (no API key, ...): the body is never read, nor buffered.
-                    refusal = h.check_head(req)
+                    refusal = h.check_head(req, -1 if chunked else clen)
                     if refusal is not None:
                         self._reject(req, *refusal)
                         return
