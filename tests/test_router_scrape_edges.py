@@ -417,3 +417,24 @@ def test_host_header_forms():
     assert host_header("fe80::1%eth0", 80) == b"[fe80::1]:80"
     assert host_header("[::1]", 8000) == b"[::1]:8000"
     assert host_header("engine-0.local", 8000) == b"engine-0.local:8000"
+
+
+@pytest.mark.parametrize("status_line", [b"HTTP/1.1", b"HTTP/1.1 2000 OK", b"garbage here", b"HTTP/1.1 OK 200"])
+def test_a_malformed_status_line_from_an_engine_is_a_value_error_the_scraper_handles(status_line: bytes):
+    """An engine's broken answer must read as a failed scrape or health check (ValueError, which
+    both handle), not an IndexError that escaped them and left the endpoint's state untouched."""
+
+    async def go() -> None:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(status_line + b"\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            with pytest.raises(ValueError, match="malformed status line"):
+                await asyncio.wait_for(fetch("127.0.0.1", port, "/metrics", 5.0), GUARD_S)
+
+    asyncio.run(go())

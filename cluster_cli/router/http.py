@@ -400,7 +400,10 @@ async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int 
             )
             head = await reader.readuntil(b"\r\n\r\n")
             lines = head[:-4].split(b"\r\n")
-            status = int(lines[0].split(b" ", 2)[1])
+            parts = lines[0].split(b" ", 2)
+            if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or len(parts[1]) != 3 or not parts[1].isdigit():
+                raise ValueError(f"malformed status line {lines[0][:80]!r}")  # an engine's fault, not ours
+            status = int(parts[1])
             clen: int | None = None
             chunked = False
             for line in lines[1:]:
