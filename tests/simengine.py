@@ -72,6 +72,9 @@ class SimEngine:
         self.hang = False
         self.cut_after: int | None = None
         self.done_linger_s = 0.0  # a pause between a stream's "[DONE]" and its terminating chunk
+        # As llama-server does to some kept-alive connections after a streamed reply: the next
+        # request on such a connection is met with a close, no answer and no "Connection: close".
+        self.drop_after_stream = False
         self.health_status = 200
         self.running = 0
         self.waiting = 0
@@ -340,6 +343,8 @@ class SimEngine:
                 conn.write(b"0\r\n\r\n")
                 if not keep:
                     conn.close()
+                elif self.drop_after_stream:
+                    conn.poisoned = True
             return None
         ok = await self.generate(seq)
         if ok and not conn.closed:
@@ -354,6 +359,7 @@ class _Conn(asyncio.Protocol):
         self.tr: asyncio.Transport | None = None
         self.closed = False
         self.busy = False
+        self.poisoned = False  # the engine closes this connection at its next request (drop_after_stream)
         self.reqs: deque[tuple[bytes, bytes, bytes, bool]] = deque()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -394,6 +400,9 @@ class _Conn(asyncio.Protocol):
         try:
             while self.reqs and not self.closed:
                 method, path, body, keep = self.reqs.popleft()
+                if self.poisoned:
+                    self.close()
+                    return
                 await self.e.handle(self, method, path, body, keep)
         finally:
             self.busy = False

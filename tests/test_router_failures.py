@@ -514,3 +514,62 @@ def test_a_slow_engine_that_misses_health_checks_keeps_its_requests():
         assert f.lt.call(lambda: f.engines[0].aborted) == 0
     finally:
         f.close()
+
+
+def test_the_same_5xx_from_every_endpoint_is_the_requests_fault_and_opens_no_breaker():
+    """llama-server answers 500 for an image sent to a text-only model on every replica: a few
+    such requests opened every healthy replica's breaker and the whole model answered 503."""
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(router={"breaker": {"failure_threshold": 2}})
+    for e in f.engines:
+        f.lt.call(lambda e=e: setattr(e, "fail_status", 500))
+    try:
+        for _ in range(6):
+            r = chat(f)
+            assert r.status_code == 500  # the engine's own answer, relayed after the retry
+        workers = [f.router.table.workers[e.url] for e in f.engines]
+        assert [f.lt.call(lambda w=w: w.breaker.current()) for w in workers] == [State.CLOSED, State.CLOSED]
+        assert [w.failed for w in workers] == [0, 0]
+        for e in f.engines:  # the next good request is served at once
+            f.lt.call(lambda e=e: setattr(e, "fail_status", None))
+        assert chat(f).status_code == 200
+    finally:
+        f.close()
+
+
+def test_a_501_is_relayed_not_retried_and_blames_no_engine():
+    """501: the engine does not do this (embeddings asked of a chat-only llama-server). Every
+    replica would say the same: relayed at once, counted against none."""
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(router={"breaker": {"failure_threshold": 1}})
+    for e in f.engines:
+        f.lt.call(lambda e=e: setattr(e, "fail_status", 501))
+    try:
+        for _ in range(4):
+            assert chat(f).status_code == 501
+        assert sum(e.requests for e in f.engines) == 4  # one engine each time: not retried
+        assert [w.breaker.state for w in f.router.table.workers.values()] == [State.CLOSED, State.CLOSED]
+    finally:
+        f.close()
+
+
+def test_kept_connections_the_engine_closed_after_a_stream_are_retried_on_a_new_one():
+    """llama-server closes about a quarter of its kept-alive connections after a streamed
+    reply, without "Connection: close". A request sent on one is not the engine's failure:
+    it goes again on a new connection. It used to get one retry on another kept connection,
+    as likely closed, and then a 502 (or a failure on a healthy endpoint's breaker)."""
+    f = Fleet(1, capacity=8, token_delay_s=0.001, tokens=2).start()
+    engine = f.engines[0]
+    f.lt.call(lambda: setattr(engine, "drop_after_stream", True))
+    w = f.router.table.workers[engine.url]
+    try:
+        for _ in range(5):
+            threads = [threading.Thread(target=lambda: chat(f, stream=True)) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+            # every connection kept from those streams is one the engine will drop
+            for _ in range(3):
+                assert chat(f).status_code == 200
+        assert (w.failed, f.lt.call(lambda: w.breaker.state)) == (0, State.CLOSED)
+    finally:
+        f.close()

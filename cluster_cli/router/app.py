@@ -29,13 +29,14 @@ from cluster_cli.router.http import Request, error_response, response
 from cluster_cli.router.keys import ApiKeys
 from cluster_cli.router.metrics import RouterMetrics
 from cluster_cli.router.policy import make_policy
-from cluster_cli.router.proxy import FAIL_AFTER, FAIL_BEFORE, OK, RETRY_5XX, Exchange
+from cluster_cli.router.proxy import FAIL_AFTER, FAIL_BEFORE, NOT_RETRIED, OK, RETRY_5XX, Exchange
 from cluster_cli.router.registry import ModelEntry, Table, build_table, model_json
 from cluster_cli.router.retry import RetryBudget, RetryPolicy
 from cluster_cli.router.scrape import scrape_loop
 from cluster_cli.router.server import ClientConn, raise_fd_limit
 from cluster_cli.router.source import EndpointSource
 from cluster_cli.router.upstream import UpstreamError, UpstreamPool
+from cluster_cli.router.worker import Worker
 
 log = logging.getLogger("clusterctl.router")
 
@@ -455,6 +456,8 @@ class Router:
             model, endpoint, attempts = trace.model, trace.endpoint, trace.attempts
             raise
         finally:
+            if trace.suspects:
+                _settle(trace.suspects, status)
             self._inflight_total -= 1
             total = time.monotonic() - t0
             self.metrics.request(model, endpoint, status, ttfb, total)
@@ -550,7 +553,12 @@ class Router:
         rp = self.retry_policy
         tried: list = []
         attempts = 0
-        free_stale_retry = True
+        # A kept-alive connection the engine closed before answering (llama-server closes about
+        # a quarter of them after a streamed reply, without saying so) is not the engine's
+        # failure: the request goes again, on a new connection (the other kept ones may be
+        # closed too), without spending an attempt.
+        stale_retries = 0
+        fresh = False
         holding_budget = False
         last_error = ""
         last_status = 502
@@ -586,7 +594,8 @@ class Router:
                 )
                 ex: Exchange | None = None
                 try:
-                    up = w.pool.get_idle()  # type: ignore[union-attr]
+                    up = None if fresh else w.pool.get_idle()  # type: ignore[union-attr]
+                    fresh = False
                     if up is None:
                         up = await w.pool.connect()  # type: ignore[union-attr]
                     fut: asyncio.Future[int] = loop.create_future()
@@ -610,7 +619,10 @@ class Router:
                     conn.exchange = None
 
                 if code == OK:
-                    lease.release(_verdict(ex.status))  # type: ignore[union-attr]
+                    verdict = _verdict(ex.status)  # type: ignore[union-attr]
+                    if verdict is False and any(st == ex.status for _, _, st in trace.suspects):  # type: ignore[union-attr]
+                        verdict = None  # the same 5xx everywhere: the request's, not this engine's
+                    lease.release(verdict)
                     return ex.status, model, endpoint, attempts, ex.first_at - t0, ""  # type: ignore[union-attr]
                 cut_by_stop = ex is not None and ex.error is not None and ex.error.kind == "shutdown"
                 if code == FAIL_AFTER:
@@ -625,14 +637,19 @@ class Router:
                     last_error, last_status = f"{w.view.replica} answered HTTP 429 (too busy)", 429
                     reason = "429"
                 elif code == RETRY_5XX:
-                    lease.release(False)
+                    # The verdict waits for the retry: the same 5xx from every endpoint is this
+                    # request's doing (an image sent to a text-only model), not each engine's,
+                    # and must not open every healthy replica's breaker (see _settle).
+                    lease.release(None)
+                    trace.suspects.append((w, lease.gen, ex.status))  # type: ignore[union-attr]
                     last_error, last_status = f"{w.view.replica} answered HTTP {ex.status}", 502  # type: ignore[union-attr]
                     reason = "5xx"
                 elif code == FAIL_BEFORE:
                     e = ex.error  # type: ignore[union-attr]
-                    if e is not None and e.stale and free_stale_retry:
+                    if e is not None and e.stale and stale_retries < _STALE_RETRIES:
                         lease.release(None)  # a keep-alive connection the engine had closed: not its fault
-                        free_stale_retry = False
+                        stale_retries += 1
+                        fresh = True
                         attempts -= 1
                         trace.attempts = attempts
                         continue
@@ -675,8 +692,14 @@ def _retry_after(r: Rejected) -> bytes:
 
 
 def _verdict(status: int) -> bool | None:
-    """What a relayed answer tells the breaker and the drain rate: 5xx a failure, 429 nothing."""
-    return None if status == 429 else status < 500
+    """What a relayed answer tells the breaker and the drain rate: 5xx a failure, 429 nothing,
+    nor 501/505 (the engine does not do this: a refusal, not an outage)."""
+    if status < 500:
+        return None if status == 429 else True
+    return None if status in NOT_RETRIED else False
+
+
+_STALE_RETRIES = 3  # a new connection cannot be stale: more than one in a row is a reload's or a race's
 
 
 _DEFAULT_MAX_CONNECTIONS = LimitsSpec.model_fields["max_connections"].default
@@ -689,12 +712,25 @@ def _head_only(response_bytes: bytes) -> bytes:
     return response_bytes[: response_bytes.find(b"\r\n\r\n") + 4]
 
 
+def _settle(suspects: list[tuple[Worker, int, int]], final: int) -> None:
+    """The breaker verdicts held back for the 5xx answers a request was retried after. Served
+    elsewhere (or failed otherwise), each was its engine's failure; answered with the same
+    5xx by every endpoint it tried, it was the request: no engine is blamed."""
+    for w, gen, status in suspects:
+        if status != final:
+            w.breaker.on_result(False, gen, holds_slot=False)
+            w.failed += 1
+
+
 class _Trace:
     """How far one proxied request got: labels its metrics and log line if its client leaves."""
 
-    __slots__ = ("asked", "attempts", "endpoint", "exchange", "model")
+    __slots__ = ("asked", "attempts", "endpoint", "exchange", "model", "suspects")
 
     def __init__(self) -> None:
+        # Endpoints that answered this request with a 5xx and were retried: (worker, the
+        # breaker generation it was sent in, status), judged once the request's end is known.
+        self.suspects: list[tuple[Worker, int, int]] = []
         self.asked = ""  # the model the client named (capped), once the body is parsed
         self.model = ""  # the configured model it resolved to
         self.endpoint = ""  # the replica of the current attempt

@@ -28,6 +28,10 @@ RETRY_5XX = 1  # upstream answered 5xx (or 429: too busy), nothing relayed: may 
 FAIL_BEFORE = 2  # upstream failed before any byte reached the client: may retry
 FAIL_AFTER = 3  # upstream failed after bytes reached the client: stream closed cleanly or connection aborted
 
+# 5xx answers that say the engine does not do this (501 Not Implemented: embeddings asked
+# of a chat-only llama-server, 505): every replica would say the same, so relayed, not retried.
+NOT_RETRIED = frozenset({501, 505})
+
 # The reason phrase of a relayed status: the standard one (the engine's own for a code that has none).
 PHRASES = {s.value: s.phrase.encode() for s in HTTPStatus} | REASONS
 _PHRASE = re.compile(rb"[\t\x20-\x7e]*")  # what a relayed reason phrase may hold (no CR/LF: no response splitting)
@@ -86,7 +90,7 @@ class Exchange:
     # ---------------------------------------------------------------- Sink
     def on_head(self, status: int, lines: list[bytes], ctype: bytes, framing: int) -> None:
         self.status = status
-        if (status >= 500 or status == 429) and self.may_retry:
+        if (status >= 500 or status == 429) and status not in NOT_RETRIED and self.may_retry:
             # Failed, or too busy (429), before any byte reached the client: another endpoint may serve it.
             self.conn.abort()
             self._resolve(RETRY_5XX)
