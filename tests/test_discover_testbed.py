@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -472,3 +473,19 @@ def test_a_gpu_node_whose_nvidia_smi_vanished_is_flagged_not_made_cpu_only(testb
     shutil.copy(tmp_path / "nvidia-smi", tool)  # the driver is back
     code, doc, _ = discover(state, c.inventory_path)
     assert code == 0 and len(by_name(doc)["g"]["gpus"]) == 8 and by_name(doc)["g"]["problems"] == []
+
+
+def test_a_hung_probe_within_a_short_timeout_is_reported_on_a_reachable_node(testbed_factory, tmp_path: Path) -> None:
+    """With --timeout shorter than the inventory's command timeout, the probes' own timeout is
+    fitted inside it: a hung nvidia-smi (a sick GPU or driver) is killed and reported on a node
+    that answered, not the whole node given up on as unreachable, its other facts thrown away."""
+    c = testbed_factory("hung=hgx-h200x8:slow=60,fine=cpu-only")
+    t0 = time.monotonic()
+    code, doc, err = discover_bounded(tmp_path / "s.db", c.inventory_path, "--timeout", "8", timeout=60)
+    took = time.monotonic() - t0
+    n = by_name(doc)
+    assert code == 0, err
+    assert n["hung"]["reachable"] is True and n["hung"]["error"] is None
+    assert any("did not answer within the probe timeout" in p for p in n["hung"]["problems"]), n["hung"]["problems"]
+    assert n["fine"]["reachable"] is True
+    assert took < 8 + 5  # the node's deadline, plus start-up

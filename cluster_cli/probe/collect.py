@@ -205,16 +205,26 @@ async def probe_node(
     connector: Connector,
     *,
     own_pids: frozenset[int] = frozenset(),
+    deadline: float | None = None,
 ) -> NodeFacts:
-    """Probe one node; never raises for node-level failures (they become ``error``)."""
+    """Probe one node; never raises for node-level failures (they become ``error``).
+
+    ``deadline`` (``time.monotonic()``): when the whole node must be done. The probes' own
+    timeouts are fitted inside it, so that a hung nvidia-smi is killed and reported with the
+    node's other facts, not the node given up on as unreachable."""
     target = inv.ssh_target(node)
     started = time.time()
+
+    def command_timeout() -> float:
+        if deadline is None:
+            return target.command_timeout_s
+        left = deadline - time.monotonic() - _DEADLINE_MARGIN_S
+        return max(_MIN_COMMAND_TIMEOUT_S, min(target.command_timeout_s, left))
+
     try:
         async with connector.session(target) as session:
             # sminfo for the Active IB ports starts inside the same exec once ibstat is done.
-            outputs = await run_batch(
-                session, dict(PROBES), target.command_timeout_s, then={"ibstat": SMINFO_AFTER_IBSTAT}
-            )
+            outputs = await run_batch(session, dict(PROBES), command_timeout(), then={"ibstat": SMINFO_AFTER_IBSTAT})
             sm: dict[tuple[str, int], int | None] = {}
             ib = outputs.get("ibstat")
             every_port = parse_ibstat(ib.stdout) if ib is not None and ib.rc == 0 else None
@@ -228,7 +238,7 @@ async def probe_node(
                     gids = [k for k in again if gid_record(*k) not in outputs]
                     cmds.update({f"gid{i}": gid_command(ca, port) for i, (ca, port) in enumerate(gids)})
                     try:
-                        res = await run_batch(session, cmds, target.command_timeout_s)
+                        res = await run_batch(session, cmds, command_timeout())
                     except SSHError:
                         res = {}  # keep the facts already gathered; SM identity stays unknown
                     got.update({k: res.get(f"sm{i}") for i, k in enumerate(again)})
@@ -239,6 +249,10 @@ async def probe_node(
         )
     except SSHError as e:
         return unreachable(node, e.message.removeprefix(f"{node.name}: "), started)
+
+
+_DEADLINE_MARGIN_S = 1.5  # after the probes' timeout: the batch's kill and its answer's way back
+_MIN_COMMAND_TIMEOUT_S = 2.0
 
 
 def _with_problem(gpus: tuple[Gpu, ...], problem: str, which: Callable[[Gpu], bool] | None = None) -> tuple[Gpu, ...]:
@@ -284,8 +298,9 @@ async def discover(
         deadline = node_timeout_s or (2 * t.connect_timeout_s + 2 * t.command_timeout_s + 2)
         async with sem:
             try:
+                ends = time.monotonic() + deadline
                 f = await asyncio.wait_for(
-                    probe_node(inv, n, connector, own_pids=(own_pids or {}).get(n.name, frozenset())),
+                    probe_node(inv, n, connector, own_pids=(own_pids or {}).get(n.name, frozenset()), deadline=ends),
                     timeout=deadline,
                 )
             except TimeoutError:
