@@ -55,7 +55,7 @@ def test_an_80_column_terminal_wraps_values_and_cuts_none(monkeypatch: pytest.Mo
         assert col in lines[header - 1] + lines[header]  # every column is there, its header whole
     rows = lines[header + 2 :]
     assert rows[0].split()[1:3] == ["yes", "8/8"] and "{0-7}" in rows[0] and "224" in rows[0]
-    node_col = "".join(line[: line.index("  ")] for line in rows if line[:1].strip())  # names fold, whole
+    node_col = "".join(line[: line.index("  ")] for line in rows if line[:1].strip() and "  " in line)  # names fold
     assert name in node_col
     assert "ib-storage" in text and "{2,3}" in text
     d1 = next(line for line in rows if line.startswith("d1"))
@@ -106,3 +106,19 @@ def test_a_node_never_reached_shows_its_gpus_as_unknown_not_none(monkeypatch: py
     lines = _render(monkeypatch, 200, [NodeFacts(name="g1", host="h", reachable=False, error="host key unknown")])
     row = next(line for line in lines if line.startswith("g1"))
     assert row.split()[:4] == ["g1", "no", "?", "?"]  # GPUS "?" like NVLINK: a GPU node must not look CPU-only
+
+
+def test_an_unreachable_node_says_why_and_its_old_problems_say_how_old(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``discover > report.txt``: the reason a node was not reached is in the report (it went to
+    stderr only), and what it showed before is marked as of its last answer, not as live."""
+    import time
+
+    gpu = Gpu(index=4, uuid="GPU-4", product="NVIDIA H200", gpu_class="H200", memory_total_mib=1,
+              problems=("ecc: 2 uncorrected ECC errors",))  # fmt: skip
+    f = NodeFacts(name="h2", host="h", reachable=False, error="no answer within 3s", gpus=(gpu,),
+                  problems=("ib-port-down: mlx5_2 port 1 was Active, now Down (Polling)",),
+                  last_seen_at=time.time() - 300)  # fmt: skip
+    lines = _render(monkeypatch, 200, [f])
+    assert "h2 unreachable: no answer within 3s" in lines
+    assert "h2 gpu4 ecc: 2 uncorrected ECC errors (as last seen, 5 min ago)" in lines
+    assert "h2 ib-port-down: mlx5_2 port 1 was Active, now Down (Polling) (as last seen, 5 min ago)" in lines

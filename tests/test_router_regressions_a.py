@@ -233,6 +233,8 @@ def test_probe_from_before_a_reopen_cannot_close_the_breaker():
     p1 = b.on_send()
     b.on_health(False)  # re-opened while probe 1 is out
     clock.t += 3
+    assert not b.allows()  # held open while its health checks fail, past its open time
+    b.on_health(True)  # the engine is back: half-open at once, a new period
     assert b.allows()
     p2 = b.on_send()
     assert p1 and p2 and p1 != p2
@@ -249,6 +251,7 @@ def test_stale_probe_does_not_free_the_current_probe_slot():
     q1 = b.on_send()
     b.on_health(False)
     clock.t += 3
+    b.on_health(True)
     assert b.allows()
     q2 = b.on_send()
     b.on_result(True, q1)
@@ -288,6 +291,8 @@ def test_lease_carries_the_half_open_generation():
     assert old is not None and old.probe and old.gen == b.generation
     b.on_health(False)
     clock.t += 3
+    assert bal.try_acquire(entry) is None  # held open by its failing health checks
+    b.on_health(True)
     new = bal.try_acquire(entry)
     assert new is not None and new.probe and new.gen == b.generation != old.gen
     old.release(True)
@@ -297,3 +302,23 @@ def test_lease_carries_the_half_open_generation():
 
 
 # Probes outliving re-opens under random interleavings: BreakerMachine in test_router_state.py.
+
+
+def test_a_breaker_its_failing_health_checks_opened_stays_open_until_one_passes():
+    """An engine that stays dead: its breaker read half-open for the moment between the end of
+    each open time and the next failed check, so /health flapped between degraded and ok and
+    a real request was sent to the dead engine as a probe every few seconds."""
+    clock = Clock()
+    b = Breaker(BreakerConfig(open_for_s=1, health_failure_threshold=2), clock=clock)
+    b.on_health(False)
+    b.on_health(False)
+    assert b.state is State.OPEN
+    for _ in range(20):  # 10 s of failed checks every 0.5 s, the state looked at in between
+        clock.t += 0.25
+        assert b.current() is State.OPEN and not b.allows()
+        assert b.reopens_in() is not None and b.reopens_in() > 0  # Retry-After stays >= 1 s
+        clock.t += 0.25
+        b.on_health(False)
+    assert b.stats()["health_failures"] == 22
+    b.on_health(True)  # back: a probe may go at once
+    assert b.current() is State.HALF_OPEN and b.allows()

@@ -85,7 +85,10 @@ class BreakerMachine(RuleBasedStateMachine):
     def m_tick(self) -> None:
         # open -> half-open happens lazily, on the breaker's next call (allows, on_send, current,
         # on_result, on_health), whichever it is: the same outcome whether anyone looked or not
-        if self.m_state is State.OPEN and self.clock.t - self.m_opened_at >= self.m_open_for():
+        # not while its health checks fail, once they opened it or found it open: a passing
+        # check half-opens it then
+        held = self.m_by_health and self.m_health_failures > 0
+        if self.m_state is State.OPEN and self.clock.t - self.m_opened_at >= self.m_open_for() and not held:
             self.m_half_open()
 
     def m_probes(self) -> int:
@@ -181,7 +184,7 @@ class BreakerMachine(RuleBasedStateMachine):
     def wait(self, dt: float, until_half_open: bool) -> None:
         """Time passes: dt seconds, or, while open, just until the open time is over (so that
         half-open periods, and probes outliving a re-open, come up often)."""
-        if until_half_open and self.m_state is State.OPEN:
+        if until_half_open and self.m_state is State.OPEN and not (self.m_by_health and self.m_health_failures > 0):
             due = self.m_opened_at + self.m_open_for()
             assert self.b.reopens_in() == max(0.0, self.m_open_for() - (self.clock.t - self.m_opened_at))
             self.clock.t = max(self.clock.t, due)

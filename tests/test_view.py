@@ -64,3 +64,23 @@ def test_the_discover_table_tells_lost_unknown_and_gone_gpus_apart() -> None:
     assert gpu_summary(cpu_node("c")) == "-"
     gone = replace(cpu_node("c"), problems=("gpus-gone: nvidia-smi shows no GPU here ...",))
     assert gpu_summary(gone) == "none (gone)"
+
+
+def test_a_rail_down_on_the_first_discover_is_a_problem_but_an_unused_second_port_is_not() -> None:
+    """Nothing was seen Active before a node's first discover: a card with no Active port
+    while the node's other cards of its kind have one is a rail down (a cable, a switch port)
+    from day one; the unused second port of a dual-port card is not."""
+    rails = tuple(replace(h, ca_type="MT4129") for h in dgx("g").hcas)
+    down = replace(rails[2], state="Down", physical_state="Polling")
+    first = replace(dgx("g"), hcas=(*rails[:2], down, *rails[3:]))
+    (problem,) = note_lost_ports(first, None).problems
+    assert problem == "ib-port-down: mlx5_2 port 1 is Down (Polling) while 7 other MT4129 cards on this node are Active"
+    # said once on every discover, not twice, and gone once the port is Active
+    assert note_lost_ports(first, note_lost_ports(first, None)).problems == (problem,)
+    assert note_lost_ports(replace(first, hcas=rails), note_lost_ports(first, None)).problems == ()
+    # a dual-port card whose second port is unused: its card has an Active port
+    spare = replace(rails[0], port=2, state="Down", physical_state="Polling")
+    assert note_lost_ports(replace(first, hcas=(*rails, spare)), None).problems == ()
+    # an Ethernet (RoCE) port is no InfiniBand rail
+    eth = replace(rails[0], ca="mlx5_8", state="Down", link_layer="Ethernet")
+    assert note_lost_ports(replace(first, hcas=(*rails, eth)), None).problems == ()

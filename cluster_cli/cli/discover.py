@@ -139,8 +139,9 @@ def discover(
             for problem in f.problems:
                 ui.warn(f"{f.name}: {problem}")
     failed = [f for f in result if not f.reachable]
-    for f in failed:
-        ui.err.print(f"[red]{f.name}[/]: {escape(f.error or '')}", highlight=False)
+    if output is not ui.Output.table:  # the table's own lines say it (a report saved to a file keeps it)
+        for f in failed:
+            ui.err.print(f"[red]{f.name}[/]: {escape(f.error or '')}", highlight=False)
     raise typer.Exit(ExitCode.PARTIAL if failed else ExitCode.OK)
 
 
@@ -205,11 +206,28 @@ def render(facts: list[NodeFacts]) -> None:
     columns = [("NODE", 12), ("UP", 0), ("GPUS\nFREE/TOTAL", None), ("NVLINK", None), ("FABRICS", None),
                ("CPUS", 0), ("MEM\nGiB", 0), ("CORDON", 0), ("PROBLEMS", None)]  # fmt: skip
     ui.print_table(columns, rows)
+    now = time.time()
     for f in facts:
         if f.cordoned:
             ui.out.print(f"[yellow]{f.name}[/] cordoned: {escape(f.cordon_reason or '')}", highlight=False)
+        # A node not reached this time: why, on stdout with the rest of the report; what it
+        # showed before is as of the last time it answered, and said to be.
+        stale = ""
+        if not f.reachable:
+            ui.out.print(f"[red]{f.name}[/] unreachable: {escape(f.error or 'no answer')}", highlight=False)
+            stale = f" (as last seen, {_ago(now - f.last_seen_at)})" if f.last_seen_at else ""
         for p in node_problems(f):
-            ui.out.print(f"[bold]{f.name}[/] {escape(p)}", highlight=False)
+            ui.out.print(f"[bold]{f.name}[/] {escape(p)}{stale}", highlight=False)
+
+
+def _ago(seconds: float) -> str:
+    """``40 s ago``, ``12 min ago``, ``3 h ago``, ``2 days ago``."""
+    seconds = max(0.0, seconds)
+    for unit, size in (("day", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' if unit == 'day' and n != 1 else ''} ago"
+    return f"{int(seconds)} s ago"
 
 
 # The record table that starts a probe batch's output (see probe/batch.py).

@@ -8,7 +8,9 @@ by ``max_open_for_s``), then lets ``half_open_max`` probe request(s) through at 
 time; ``success_threshold`` successes close it, one failure reopens it. A passing
 health check moves a breaker that failed health checks opened to half-open at once
 (the engine is back); one opened by failed requests waits out its open time, since
-an engine can pass ``/health`` and still fail requests.
+an engine can pass ``/health`` and still fail requests. While its health checks fail, a
+breaker they opened (or that they found open) stays open past its open time: only a
+passing check half-opens it.
 Each half-open period has its own number (``generation``); ``on_send`` returns it for a
 probe and the caller hands it back with the result. Only the current period's probes
 count towards closing (and towards the probes in flight): a probe sent before a re-open,
@@ -91,13 +93,22 @@ class Breaker:
         if self.state is not State.OPEN:
             return None
         # The same arithmetic as _tick's, so that 0 here means a probe is let through now.
-        return max(0.0, self.open_for() - (self._clock() - self.opened_at))
+        left = max(0.0, self.open_for() - (self._clock() - self.opened_at))
+        # Held open by failing health checks: not before the next one could pass.
+        return max(left, 1.0) if self._held_by_health() else left
 
     def _open_time_over(self) -> bool:
         return self.state is State.OPEN and self._clock() - self.opened_at >= self.open_for()
 
+    def _held_by_health(self) -> bool:
+        """Open with its health checks failing now: it stays open past its open time, and the
+        first passing check half-opens it (no real request is sent to a dead engine as a probe,
+        and /health does not read it as up for the moment between its open time and the next
+        failed check)."""
+        return self.opened_by_health and self.health_failures > 0
+
     def _tick(self) -> None:
-        if self._open_time_over():
+        if self._open_time_over() and not self._held_by_health():
             self._set(State.HALF_OPEN)
 
     def allows(self) -> bool:
@@ -225,5 +236,6 @@ class Breaker:
             "state": self.current().name.lower(),
             "consecutive_failures": self.failures,
             "openings": self.openings,
+            "health_failures": self.health_failures,  # consecutive failed health checks
             "probes": self.probes,
         }

@@ -163,12 +163,12 @@ def note_lost_ports(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
     discovers where ibstat lists no port at all (failing: ``old`` then holds no port, only
     the problems carried). Ports that were never Active (unused ports of a dual-port card)
     are not a problem. Pure."""
-    if old is None or not new.reachable:
+    if not new.reachable:
         return new
     now = {(h.ca, h.port): h for h in new.hcas}
-    carried = [p for p in old.problems if problem_key(p) == PORT_DOWN]
+    carried = [p for p in old.problems if problem_key(p) == PORT_DOWN] if old is not None else []
     problems: list[str] = []
-    for h in old.hcas:
+    for h in old.hcas if old is not None else ():
         cur = now.get((h.ca, h.port))
         if cur is not None and cur.is_ib_attachment:
             continue
@@ -179,6 +179,9 @@ def note_lost_ports(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
             state = "missing from ibstat" if cur is None else f"{cur.state} ({cur.physical_state or 'unknown'})"
             fabric = f" on {h.fabric}" if h.fabric else ""
             problems.append(f"{PORT_DOWN}: {h.ca} port {h.port} was Active{fabric} at the last discover, now {state}")
+    problems += _dead_rails(new, problems)
+    if old is None:
+        return replace(new, problems=(*new.problems, *problems)) if problems else new
     # A port down at the last discover that it did not list at all (ibstat failed, or the card
     # vanished from it): still down until ibstat shows it Active again.
     known = {(h.ca, h.port) for h in old.hcas}
@@ -192,6 +195,31 @@ def note_lost_ports(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
     if not problems:
         return new
     return replace(new, problems=(*new.problems, *problems))
+
+
+def _dead_rails(f: NodeFacts, said: list[str]) -> list[str]:
+    """An InfiniBand card with no Active port while other cards of its kind on the node have
+    one: a rail whose cable, switch port or card is down, also on a node's first discover
+    (nothing was seen Active before to compare with). The unused second port of a dual-port
+    card is not one: its card has an Active port. Ports ``said`` reports already are skipped."""
+    active_cas = {h.ca for h in f.hcas if h.is_ib_attachment}
+    kinds: dict[str, int] = {}
+    for ca in active_cas:
+        kind = next((h.ca_type for h in f.hcas if h.ca == ca and h.ca_type), None)
+        if kind:
+            kinds[kind] = kinds.get(kind, 0) + 1
+    out = []
+    for h in f.hcas:
+        if h.ca in active_cas or h.link_layer != "InfiniBand" or not h.ca_type or not kinds.get(h.ca_type):
+            continue
+        if any(p.startswith(f"{PORT_DOWN}: {h.ca} port {h.port} ") for p in said):
+            continue
+        n = kinds[h.ca_type]
+        out.append(
+            f"{PORT_DOWN}: {h.ca} port {h.port} is {h.state} ({h.physical_state or 'unknown'}) while "
+            f"{n} other {h.ca_type} card{'s' if n != 1 else ''} on this node {'are' if n != 1 else 'is'} Active"
+        )
+    return out
 
 
 def note_changes(new: NodeFacts, old: NodeFacts | None) -> NodeFacts:
