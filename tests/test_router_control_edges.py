@@ -85,7 +85,9 @@ def test_a_probe_that_is_answered_and_then_cut_reopens_the_breaker_for_longer() 
             "POST", f.base + "/chat/completions", json={"model": "sim", "messages": MSG, "stream": True}, timeout=30
         ) as r:
             assert r.status_code == 200 and "upstream_stream_cut" in r.read().decode()
-        assert w.breaker.state is State.OPEN and w.breaker.openings == 2  # a failed probe: the open time grows
+        # A failed probe: reopened, and the open time grows. (Its state is not checked: on a
+        # slow box the 0.4 s may be over, and the breaker half-open again, by now.)
+        assert w.breaker.openings == 2 and w.breaker.open_for() == 0.4
     finally:
         f.close()
 
