@@ -573,3 +573,36 @@ def test_kept_connections_the_engine_closed_after_a_stream_are_retried_on_a_new_
         assert (w.failed, f.lt.call(lambda: w.breaker.state)) == (0, State.CLOSED)
     finally:
         f.close()
+
+
+def test_a_retried_stream_gives_its_retry_budget_slot_back_once_answered():
+    """The retry budget limits retries in flight to engines. A retried stream held its slot
+    for the whole stream, and a retry waiting in the queue held one too: with streams of a
+    second, a few retries used the budget up and every further failure became a 502 while a
+    healthy engine was there."""
+    f = Fleet(2, capacity=16, token_delay_s=0.05, tokens=20).start(
+        router={"retry": {"min_retry_concurrency": 2, "budget_ratio": 0.0}, "breaker": {"failure_threshold": 1000}}
+    )
+    bad, _good = f.engines
+    f.lt.call(lambda: setattr(bad, "fail_status", 500))
+    try:
+        codes: list[int] = []
+
+        def one() -> None:
+            with httpx.stream(
+                "POST", f.base + "/chat/completions", json={"model": "sim", "messages": MSG, "stream": True}, timeout=30
+            ) as r:
+                r.read()
+                codes.append(r.status_code)
+
+        threads = [threading.Thread(target=one) for _ in range(8)]
+        for t in threads:
+            t.start()
+            time.sleep(0.02)  # one after another: each finds the others' retried streams running
+        for t in threads:
+            t.join(60)
+        assert bad.requests >= 2, "too few requests met the failing engine: the test shows nothing"
+        assert codes == [200] * 8, codes
+        assert f.lt.call(lambda: f.router.budget.active) == 0
+    finally:
+        f.close()

@@ -242,3 +242,23 @@ def test_wrong_methods_get_405_with_allow_and_http10_keep_alive_is_declined():
         assert head.startswith(b"http/1.1 200") and b"connection: close" in head
     finally:
         f.close()
+
+
+def test_a_stream_its_engine_cut_is_counted_as_cut():
+    """A cut stream is counted under the status already sent (200); without a series of its
+    own an engine dying mid-stream looked healthy in the metrics."""
+    f = Fleet(1, capacity=4, token_delay_s=0.01, tokens=20).start()
+    (e,) = f.engines
+    f.lt.call(lambda: setattr(e, "cut_after", 2))
+    try:
+        with httpx.stream(
+            "POST", f.base + "/chat/completions", json={"model": "sim", "messages": MSG, "stream": True}, timeout=30
+        ) as r:
+            assert r.status_code == 200 and "upstream_stream_cut" in r.read().decode()
+        f.lt.call(lambda: setattr(e, "cut_after", None))
+        assert httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG}).status_code == 200
+        f.lt.wait_for(lambda: sum(f.router.metrics._req.cut.values()) == 1, what="the cut counted")
+        s = samples(httpx.get(f.url + "/metrics").text)
+        assert s[("clusterctl_router_responses_cut_total", (("endpoint", "r0"), ("model", "sim")))] == 1
+    finally:
+        f.close()

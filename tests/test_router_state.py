@@ -518,3 +518,25 @@ def test_a_slot_of_an_endpoint_two_models_share_goes_to_the_longest_waiting_requ
         assert table.workers[URLS[0]].inflight == 0
 
     asyncio.run(go())
+
+
+def test_an_endpoint_of_unknown_capacity_beside_known_ones_does_not_take_the_whole_burst() -> None:
+    """Re-added (or its limit changed), an endpoint has no capacity estimate: never full, it
+    took every request the others had no room for, which then waited inside its engine while
+    the router's queue stayed empty. It starts at the largest estimate of its model's others."""
+
+    async def go() -> None:
+        clock = Clock()
+        table = build_table(config(URLS[:3], max_queue=64), clock=clock)
+        bal = Balancer(table, LeastLoad(random.Random(0)), clock)
+        warm_a, warm_b, cold = (table.workers[u] for u in URLS[:3])
+        warm_a.cap = warm_b.cap = 2
+        entry = table.models["m"]
+        leases = [lease for _ in range(18) if (lease := bal.try_acquire(entry)) is not None]
+        per = [w.inflight for w in (warm_a, warm_b, cold)]
+        assert per == [2, 2, 2], per  # the rest wait in the router's queue, not inside one engine
+        assert cold.cap == 2  # an estimate like any other: probed upwards from here
+        for lease in leases:
+            lease.release(True)
+
+    asyncio.run(go())

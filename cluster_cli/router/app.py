@@ -559,7 +559,11 @@ class Router:
         # closed too), without spending an attempt.
         stale_retries = 0
         fresh = False
-        holding_budget = False
+        # A retry holds a slot of the router's retry budget from when it is sent to an engine
+        # until that engine answers (its head): waiting in the model's queue puts no load on any
+        # engine, and a retried stream once answered is an ordinary one (held for whole streams,
+        # ten slow streams used the budget up and every further failure became a 502).
+        budget = _BudgetSlot(self.budget)
         last_error = ""
         last_status = 502
         endpoint = ""
@@ -585,6 +589,10 @@ class Router:
                         return self._fail(conn, r.status, r.message, r.reason, model, endpoint, attempts, extra)
                     return self._no_retry(conn, r, entry, last_error, last_status, model, endpoint, attempts)
                 w = lease.worker
+                if attempts > 1 and not budget.take(self._inflight_total):
+                    lease.release(None)
+                    msg = f"{last_error}; retry budget exhausted"
+                    return self._fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts - 1)
                 endpoint = trace.endpoint = w.view.replica
                 # Retries go to another endpoint: with one, the engine's own answer is relayed.
                 may_retry = (
@@ -602,6 +610,8 @@ class Router:
                     ex = Exchange(conn, up, may_retry, fut, http10=req.version == b"HTTP/1.0")
                     if lease.gen:
                         ex.probe = lease
+                    if budget.held:
+                        ex.on_answer = budget.give_back
                     conn.exchange = trace.exchange = ex
                     up.send(start_line + w.host_header + head_tail + req.body, ex)
                     code = await fut
@@ -627,6 +637,8 @@ class Router:
                 cut_by_stop = ex is not None and ex.error is not None and ex.error.kind == "shutdown"
                 if code == FAIL_AFTER:
                     lease.release(None if cut_by_stop else False)
+                    if not cut_by_stop:
+                        self.metrics.cut(model, endpoint)
                     if ex is not None and ex.abort_client:
                         conn.abort()
                     err = ex.error.message if ex and ex.error else "upstream failed"
@@ -667,18 +679,12 @@ class Router:
                 if now_entry is not None and not self.balancer.has_untried(now_entry, tried):
                     r = no_endpoint(now_entry.workers) if not self.balancer.any_eligible(now_entry) else _NOWHERE_ELSE
                     return self._no_retry(conn, r, now_entry, last_error, last_status, model, endpoint, attempts)
-                if not holding_budget:
-                    if not self.budget.try_acquire(self._inflight_total):
-                        msg = f"{last_error}; retry budget exhausted"
-                        return self._fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts)
-                    holding_budget = True
                 self.metrics.retry(model, reason)
                 delay = rp.backoff(attempts + 1)
                 if delay > 0:
                     await asyncio.sleep(delay)
         finally:
-            if holding_budget:
-                self.budget.release()
+            budget.give_back()
 
 
 _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})
@@ -710,6 +716,26 @@ _KEY_CHALLENGE = b'WWW-Authenticate: Bearer realm="clusterctl"\r\n'
 def _head_only(response_bytes: bytes) -> bytes:
     """A whole response's head: what a HEAD request gets (same headers, no body)."""
     return response_bytes[: response_bytes.find(b"\r\n\r\n") + 4]
+
+
+class _BudgetSlot:
+    """One request's slot of the retry budget: taken once for its retries, given back once."""
+
+    __slots__ = ("budget", "held")
+
+    def __init__(self, budget: RetryBudget) -> None:
+        self.budget = budget
+        self.held = False
+
+    def take(self, active_requests: int) -> bool:
+        if not self.held:
+            self.held = self.budget.try_acquire(active_requests)
+        return self.held
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self.budget.release()
 
 
 def _settle(suspects: list[tuple[Worker, int, int]], final: int) -> None:

@@ -78,6 +78,20 @@ def fit_message(workers: Collection[Worker]) -> str:
     return f"0/{len(workers)} endpoints available: {parts}" if parts else f"0/{len(workers)} endpoints available"
 
 
+def _adopt_peer_capacity(workers: Collection[Worker]) -> None:
+    """An endpoint whose capacity is not known yet (new, re-added, its limit changed) beside
+    endpoints of the same model whose capacity was learned starts at the largest of theirs, probed
+    upwards as any estimate. Never full, it took every request the others had no room for (a
+    burst of 18 put 14 on it, waiting inside its engine, while the router's queue stayed empty)."""
+    # Learned estimates only: an operator's max_inflight is that endpoint's own limit.
+    prior = max((w.cap for w in workers if w.cap is not None and w.view.max_inflight is None), default=None)
+    if prior is None:
+        return
+    for w in workers:
+        if w.cap is None:
+            w.cap = prior
+
+
 class Balancer:
     def __init__(self, table: Table, policy: Policy, clock: Callable[[], float] = time.monotonic) -> None:
         self.table = table
@@ -95,7 +109,10 @@ class Balancer:
         has been tried, any of them may take it.
         """
         now = self.clock()
-        cands = [w for w in entry.workers if w.unavailable_reason() is None and not w.saturated(now)]
+        workers = entry.workers
+        if len(workers) > 1 and any(w.cap is None for w in workers):
+            _adopt_peer_capacity(workers)
+        cands = [w for w in workers if w.unavailable_reason() is None and not w.saturated(now)]
         if exclude:
             untried = [w for w in cands if w not in exclude]
             if untried:

@@ -124,6 +124,7 @@ class _RequestCollector(Collector):
 
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str, int], int] = {}
+        self.cut: dict[tuple[str, str], int] = {}  # responses cut by their engine after they started
         self.ttfb: dict[str, _Hist] = {}
         self.latency: dict[str, _Hist] = {}
 
@@ -136,6 +137,15 @@ class _RequestCollector(Collector):
         for (model, endpoint, status), n in list(self.requests.items()):
             req.add_metric([model, endpoint, str(status)], n)
         yield req
+        cut = CounterMetricFamily(
+            "clusterctl_router_responses_cut",
+            "Responses cut by their engine after they had started (counted in requests_total under "
+            "the status already sent, 200 for a stream): the client got an SSE error event or a reset.",
+            labels=["model", "endpoint"],
+        )
+        for (model, endpoint), n in list(self.cut.items()):
+            cut.add_metric([model, endpoint], n)
+        yield cut
         for name, doc, hists in (
             (
                 "clusterctl_router_time_to_first_byte_seconds",
@@ -180,6 +190,11 @@ class RouterMetrics:
         if h is None:
             h = r.latency[model] = _Hist()
         h.observe(total)
+
+    def cut(self, model: str, endpoint: str) -> None:
+        """A response its engine cut after it had started reaching the client."""
+        key = (model, endpoint)
+        self._req.cut[key] = self._req.cut.get(key, 0) + 1
 
     def answered(self, status: int) -> None:
         """A request the router answered itself (a route of its own, a refusal): counted under

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,7 @@ class Exchange:
         "fut",
         "http10",
         "may_retry",
+        "on_answer",
         "out",
         "pending",
         "probe",
@@ -68,6 +70,7 @@ class Exchange:
         self.conn = conn
         self.may_retry = may_retry
         self.probe: Lease | None = None  # set when this request is its breaker's half-open probe
+        self.on_answer: Callable[[], None] | None = None  # called once the engine's answer is taken
         self.fut = fut
         self.status = 0
         self.sent = False
@@ -95,6 +98,8 @@ class Exchange:
             self.conn.abort()
             self._resolve(RETRY_5XX)
             return
+        if self.on_answer is not None:
+            self.on_answer()
         if self.probe is not None and status < 500 and status != 429:
             self.probe.answered()
         self.sse = ctype.startswith(b"text/event-stream")

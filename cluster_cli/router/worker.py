@@ -19,7 +19,9 @@ Load signals:
   it (no probe past it) without being a reading (unless the engine's KV-cache use,
   projected to the estimate, is well short of full: an estimate learned too low must
   still be probed). The estimate is the highest "full" reading of the last
-  ``CAP_WINDOW_S`` seconds, and at least what the engine was seen running at once. When
+  ``CAP_WINDOW_S`` seconds, and at least what the engine was seen running at once (an
+  endpoint with no estimate beside endpoints of its model that have one starts at the
+  largest of theirs: the balancer's ``_adopt_peer_capacity``). When
   the engine runs at the estimate with nothing else waiting for ``probe_s`` after the
   last confirmation, the estimate grows by one; the probe holds once the engine runs
   that many, and is dropped when it shows fewer with requests waiting. ``max_inflight``
