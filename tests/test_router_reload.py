@@ -452,10 +452,11 @@ def test_draining_closes_the_endpoints_kept_connections_and_unused_ones_expire(t
     w0, w1 = (f.router.table.workers[e.url] for e in f.engines)
     try:
         with httpx.Client() as client:
-            for _ in range(8):
-                assert (
-                    client.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG}).status_code == 200
-                )
+            for _ in range(40):  # until both endpoints have served (ties go either way)
+                r = client.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG})
+                assert r.status_code == 200
+                if f.lt.call(lambda: bool(w0.pool.idle and w1.pool.idle)):
+                    break
         assert w0.pool.idle and w1.pool.idle  # both kept connections after their requests
         path.write_text(yaml.safe_dump(_cfg(f, [0, 1], **{"0": {"draining": True}})))
         f.lt.wait_for(lambda: w0.view.draining, what="drain")

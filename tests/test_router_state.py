@@ -523,14 +523,24 @@ def test_a_slot_of_an_endpoint_two_models_share_goes_to_the_longest_waiting_requ
 def test_an_endpoint_of_unknown_capacity_beside_known_ones_does_not_take_the_whole_burst() -> None:
     """Re-added (or its limit changed), an endpoint has no capacity estimate: never full, it
     took every request the others had no room for, which then waited inside its engine while
-    the router's queue stayed empty. It starts at the largest estimate of its model's others."""
+    the router's queue stayed empty. It starts at the largest estimate its model's other
+    endpoints learned before it came back; at the router's start each learns its own."""
 
     async def go() -> None:
         clock = Clock()
-        table = build_table(config(URLS[:3], max_queue=64), clock=clock)
+        table = build_table(config(URLS[:2], max_queue=64), clock=clock)
+        warm_a, warm_b = (table.workers[u] for u in URLS[:2])
+        warm_a.cap = 2  # learned while warm_b has not yet: warm_b does not take it
         bal = Balancer(table, LeastLoad(random.Random(0)), clock)
-        warm_a, warm_b, cold = (table.workers[u] for u in URLS[:3])
-        warm_a.cap = warm_b.cap = 2
+        entry = table.models["m"]
+        probe = bal.try_acquire(entry)
+        assert probe is not None and warm_b.cap is None
+        probe.release(True)
+        warm_b.cap = 2
+        clock.t += 60
+        table = build_table(config(URLS[:3], max_queue=64), table, clock=clock)  # the third comes back
+        bal.swap(table)
+        cold = table.workers[URLS[2]]
         entry = table.models["m"]
         leases = [lease for _ in range(18) if (lease := bal.try_acquire(entry)) is not None]
         per = [w.inflight for w in (warm_a, warm_b, cold)]

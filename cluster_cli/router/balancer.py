@@ -79,16 +79,26 @@ def fit_message(workers: Collection[Worker]) -> str:
 
 
 def _adopt_peer_capacity(workers: Collection[Worker]) -> None:
-    """An endpoint whose capacity is not known yet (new, re-added, its limit changed) beside
-    endpoints of the same model whose capacity was learned starts at the largest of theirs, probed
-    upwards as any estimate. Never full, it took every request the others had no room for (a
-    burst of 18 put 14 on it, waiting inside its engine, while the router's queue stayed empty)."""
-    # Learned estimates only: an operator's max_inflight is that endpoint's own limit.
-    prior = max((w.cap for w in workers if w.cap is not None and w.view.max_inflight is None), default=None)
-    if prior is None:
-        return
+    """An endpoint whose estimate started over (re-added, its limit changed) after endpoints of
+    the same model had learned theirs starts at the largest of those, probed upwards as any
+    estimate. Never full, it took every request the others had no room for (a burst of 18
+    put 14 on it, waiting inside its engine, while the router's queue stayed empty). At the
+    router's start every endpoint learns its own: a fleet of unequal engines must not have
+    the first one learned (a small one, full first) imposed on the others."""
     for w in workers:
-        if w.cap is None:
+        if w.cap is not None or w.view.max_inflight is not None:
+            continue
+        # Learned estimates of endpoints older than this one's start-over (an operator's
+        # max_inflight is that endpoint's own limit, no estimate).
+        prior = max(
+            (
+                p.cap
+                for p in workers
+                if p.cap is not None and p.view.max_inflight is None and p.cold_since < w.cold_since
+            ),
+            default=None,
+        )
+        if prior is not None:
             w.cap = prior
 
 

@@ -64,6 +64,7 @@ class Worker:
         "breaker",
         "cap",
         "cap_confirmed_at",
+        "cold_since",
         "completed",
         "drain_rate",
         "engine_gen",
@@ -102,6 +103,7 @@ class Worker:
         self.scraped = Scraped()
         self.engine_gen = 0
         self.cap: int | None = view.max_inflight
+        self.cold_since = clock()  # when its estimate last started over (created, or its limit changed)
         self.cap_confirmed_at = -1e18
         self._cap_obs: deque[tuple[float, int, bool]] = deque()
         self._sent: deque[float] = deque()  # when the router sent requests here, the last SENDS_KEPT_S
@@ -122,6 +124,7 @@ class Worker:
         new_engine = view.engine != self.view.engine or view.metrics != self.view.metrics
         if new_engine or view.max_inflight != self.view.max_inflight:
             self.cap = view.max_inflight
+            self.cold_since = self._clock()
             self._cap_obs.clear()
             self.cap_confirmed_at = -1e18
         if new_engine:
