@@ -470,3 +470,13 @@ def test_output_that_cannot_be_written_is_one_error_line(tmp_path: Path, fmt: st
     assert r.returncode == 2
     assert r.stderr.splitlines()[-1] == "error: cannot write the output: No space left on device"
     assert "Traceback" not in r.stderr
+
+
+def test_a_class_missing_because_a_nodes_nvidia_smi_failed_says_so(tmp_path: Path) -> None:
+    """With the only H100 node's nvidia-smi failing, the catalog's H100 class looked like a typo."""
+    blind = replace(dgx("gpu-02"), gpus=(), problems=("nvidia-smi: failed (rc 9): NVIDIA driver is not loaded",))
+    cpu = cpu_node("cpu-01")
+    inv, cat, facts = write_inputs(tmp_path, [blind, cpu], catalog=GPU_ONLY.format(replicas=1))
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts))
+    warning = next(line for line in r.stderr.splitlines() if "gpu_class" in line)
+    assert "no GPU of class 'H100'" in warning and "GPUs not known on gpu-02 (nvidia-smi failed" in warning

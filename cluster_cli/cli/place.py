@@ -120,8 +120,28 @@ def _warn_unknown_classes(path: Path, cat: Any, inv: Inventory, nodes: list[Node
             if p.gpu_class and p.gpu_class not in known:
                 ui.warn(
                     f"{path}: models.{i}.profiles.{j}.gpu_class: no GPU of class {p.gpu_class!r} in the inventory "
-                    f"or the facts (known: {', '.join(sorted(known)) or 'none'})"
+                    f"or the facts (known: {', '.join(sorted(known)) or 'none'}){_blind_note(nodes)}"
                 )
+
+
+def _blind_note(nodes: list[NodeFacts]) -> str:
+    """Where a missing GPU class or product may be a node whose GPUs could not be read (its
+    nvidia-smi failed, or it did not answer) rather than a typo: say which nodes."""
+    from cluster_cli.facts import problem_key
+
+    blind = sorted(
+        n.name
+        for n in nodes
+        if not n.gpus
+        and (
+            (not n.reachable and n.cpus is None)
+            or {problem_key(p) for p in n.problems} & {"gpu", "nvidia-smi", "gpus-gone", "gpus-unlisted"}
+        )
+    )
+    if not blind:
+        return ""
+    shown = ", ".join(blind[:5]) + (" ..." if len(blind) > 5 else "")
+    return f"; GPUs not known on {shown} (nvidia-smi failed or the node did not answer)"
 
 
 def _warn_unmatched_aliases(path: Path, inv: Inventory, nodes: list[NodeFacts]) -> None:
@@ -136,7 +156,7 @@ def _warn_unmatched_aliases(path: Path, inv: Inventory, nodes: list[NodeFacts]) 
             seen = ", ".join(map(repr, products[:5])) + (" ..." if len(products) > 5 else "") if products else "none"
             ui.warn(
                 f"{path}: {f'line {line}: ' if line else ''}gpu_classes.{alias}: no GPU in the facts is "
-                f"{' or '.join(map(repr, names))} (products seen: {seen})"
+                f"{' or '.join(map(repr, names))} (products seen: {seen}){_blind_note(nodes)}"
             )
 
 
