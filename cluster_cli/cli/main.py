@@ -40,24 +40,30 @@ def tidy_metavars(cmd: Any, ctx: Any) -> None:
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
+_WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})  # what a write to a full disk says
+
+
 @contextmanager
-def _one_line_usage_errors() -> Iterator[None]:
+def _one_line_errors() -> Iterator[None]:
     """A usage error (unknown option, bad value, missing argument) as one ``error:`` line
-    naming the command, like every other error, instead of Typer's usage-and-panel block."""
+    naming the command, like every other error, instead of Typer's usage-and-panel block; an
+    OSError no command handled (output that cannot be written) as one line, not a traceback."""
     try:
         yield
     except OSError as e:
         if e.errno == errno.EPIPE:  # a reader that left (``| head``): Typer ends quietly
             raise
-        # Most often stdout itself (a full disk under ``> file``): its unwritten rest goes
+        # Most often stdout itself (a full disk under ``> file``): then its unwritten rest goes
         # nowhere, so that the exit does not fail on it a second time with a traceback.
-        with suppress(OSError, ValueError):
-            sys.stdout.flush()
-        with suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        output_failed = e.filename is None and e.errno in _WRITE_ERRORS
+        if output_failed:
+            with suppress(OSError, ValueError):
+                sys.stdout.flush()
+            with suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         from cluster_cli.cli import ui
 
-        where = f"{e.filename}: " if e.filename else "cannot write the output: "
+        where = f"{e.filename}: " if e.filename else "cannot write the output: " if output_failed else ""
         ui.err.print(f"[bold red]error:[/] {ui.escape(where + (e.strerror or str(e)))}", highlight=False)
         raise typer.Exit(2) from None
     except _ClickException as e:
@@ -77,11 +83,11 @@ class _Group(TyperGroup):
     errors on one line."""
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
-        with _one_line_usage_errors():
+        with _one_line_errors():
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx: Any) -> Any:
-        with _one_line_usage_errors():
+        with _one_line_errors():
             return super().invoke(ctx)
 
     def get_command(self, ctx: Any, cmd_name: str) -> Any:

@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from urllib.parse import unquote
 
 from cluster_cli.router.accesslog import AccessLog
@@ -563,7 +563,7 @@ class Router:
         # until that engine answers (its head): waiting in the model's queue puts no load on any
         # engine, and a retried stream once answered is an ordinary one (held for whole streams,
         # ten slow streams used the budget up and every further failure became a 502).
-        budget = _BudgetSlot(self.budget)
+        budget: _BudgetSlot | None = None  # made for the first retry only
         last_error = ""
         last_status = 502
         endpoint = ""
@@ -589,7 +589,7 @@ class Router:
                         return self._fail(conn, r.status, r.message, r.reason, model, endpoint, attempts, extra)
                     return self._no_retry(conn, r, entry, last_error, last_status, model, endpoint, attempts)
                 w = lease.worker
-                if attempts > 1 and not budget.take(self._inflight_total):
+                if attempts > 1 and not (budget := budget or _BudgetSlot(self.budget)).take(self._inflight_total):
                     lease.release(None)
                     msg = f"{last_error}; retry budget exhausted"
                     return self._fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts - 1)
@@ -610,7 +610,7 @@ class Router:
                     ex = Exchange(conn, up, may_retry, fut, http10=req.version == b"HTTP/1.0")
                     if lease.gen:
                         ex.probe = lease
-                    if budget.held:
+                    if budget is not None and budget.held:
                         ex.on_answer = budget.give_back
                     conn.exchange = trace.exchange = ex
                     up.send(start_line + w.host_header + head_tail + req.body, ex)
@@ -653,7 +653,7 @@ class Router:
                     # request's doing (an image sent to a text-only model), not each engine's,
                     # and must not open every healthy replica's breaker (see _settle).
                     lease.release(None)
-                    trace.suspects.append((w, lease.gen, ex.status))  # type: ignore[union-attr]
+                    trace.suspects = [*trace.suspects, (w, lease.gen, ex.status)]  # type: ignore[union-attr]
                     last_error, last_status = f"{w.view.replica} answered HTTP {ex.status}", 502  # type: ignore[union-attr]
                     reason = "5xx"
                 elif code == FAIL_BEFORE:
@@ -684,7 +684,8 @@ class Router:
                 if delay > 0:
                     await asyncio.sleep(delay)
         finally:
-            budget.give_back()
+            if budget is not None:
+                budget.give_back()
 
 
 _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})
@@ -738,7 +739,7 @@ class _BudgetSlot:
             self.budget.release()
 
 
-def _settle(suspects: list[tuple[Worker, int, int]], final: int) -> None:
+def _settle(suspects: Sequence[tuple[Worker, int, int]], final: int) -> None:
     """The breaker verdicts held back for the 5xx answers a request was retried after. Served
     elsewhere (or failed otherwise), each was its engine's failure; answered with the same
     5xx by every endpoint it tried, it was the request: no engine is blamed."""
@@ -756,7 +757,7 @@ class _Trace:
     def __init__(self) -> None:
         # Endpoints that answered this request with a 5xx and were retried: (worker, the
         # breaker generation it was sent in, status), judged once the request's end is known.
-        self.suspects: list[tuple[Worker, int, int]] = []
+        self.suspects: Sequence[tuple[Worker, int, int]] = ()
         self.asked = ""  # the model the client named (capped), once the body is parsed
         self.model = ""  # the configured model it resolved to
         self.endpoint = ""  # the replica of the current attempt
