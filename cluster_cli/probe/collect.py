@@ -307,10 +307,11 @@ async def discover(
                 f = unreachable(n, f"no answer within {deadline:g}s", time.time())
             except Exception as e:  # a failing node never takes the run down
                 f = unreachable(n, f"probe failed: {type(e).__name__}: {e}", time.time())  # a bug: name it
-        # Everything a node said is made printable before it is shown or stored: its text
-        # reaches the operator's terminal (a GPU or process name holding ESC ] 52 ... would
-        # write their clipboard).
-        f = printable_facts(f)
+        # Everything a node said is made printable before it is shown or stored (its text
+        # reaches the operator's terminal: ESC ] 52 ... would write their clipboard). The facts
+        # of a node that answered are so already (facts_from_outputs); an error is not yet.
+        if not f.reachable:
+            f = printable_facts(f)
         if on_done is not None:
             on_done(f)
         return f

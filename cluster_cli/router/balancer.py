@@ -78,30 +78,6 @@ def fit_message(workers: Collection[Worker]) -> str:
     return f"0/{len(workers)} endpoints available: {parts}" if parts else f"0/{len(workers)} endpoints available"
 
 
-def _adopt_peer_capacity(workers: Collection[Worker]) -> None:
-    """An endpoint whose estimate started over (re-added, its limit changed) after endpoints of
-    the same model had learned theirs starts at the largest of those, probed upwards as any
-    estimate. Never full, it took every request the others had no room for (a burst of 18
-    put 14 on it, waiting inside its engine, while the router's queue stayed empty). At the
-    router's start every endpoint learns its own: a fleet of unequal engines must not have
-    the first one learned (a small one, full first) imposed on the others."""
-    for w in workers:
-        if w.cap is not None or w.view.max_inflight is not None:
-            continue
-        # Learned estimates of endpoints older than this one's start-over (an operator's
-        # max_inflight is that endpoint's own limit, no estimate).
-        prior = max(
-            (
-                p.cap
-                for p in workers
-                if p.cap is not None and p.view.max_inflight is None and p.cold_since < w.cold_since
-            ),
-            default=None,
-        )
-        if prior is not None:
-            w.cap = prior
-
-
 class Balancer:
     def __init__(self, table: Table, policy: Policy, clock: Callable[[], float] = time.monotonic) -> None:
         self.table = table
@@ -119,10 +95,7 @@ class Balancer:
         has been tried, any of them may take it.
         """
         now = self.clock()
-        workers = entry.workers
-        if len(workers) > 1 and any(w.cap is None for w in workers):
-            _adopt_peer_capacity(workers)
-        cands = [w for w in workers if w.unavailable_reason() is None and not w.saturated(now)]
+        cands = [w for w in entry.workers if w.unavailable_reason() is None and not w.saturated(now)]
         if exclude:
             untried = [w for w in cands if w not in exclude]
             if untried:

@@ -62,6 +62,22 @@ def model_json(name: str) -> bytes:
     return json.dumps(_model_object(name), separators=(",", ":")).encode()
 
 
+def adopt_peer_capacity(workers: list[Worker], restarted: set[str]) -> None:
+    """An endpoint whose estimate starts over at a reload (re-added, its limit changed) beside
+    endpoints of the same model that kept a learned one starts at the largest of those, probed
+    upwards as any estimate. Never full, it took every request the others had no room for (a
+    burst of 18 put 14 on it, waiting inside its engine, while the router's queue stayed empty).
+    Not at the router's start: every endpoint of an unequal fleet learns its own (the first
+    one learned, a small engine's, would be imposed on the others)."""
+    # Learned estimates only: an operator's max_inflight is that endpoint's own limit.
+    learned = [w.cap for w in workers if w.url not in restarted and w.cap is not None and w.view.max_inflight is None]
+    if not learned:
+        return
+    for w in workers:
+        if w.url in restarted and w.cap is None:
+            w.cap = max(learned)
+
+
 def build_table(
     cfg: RouterConfig,
     old: Table | None = None,
@@ -74,12 +90,14 @@ def build_table(
     old_workers = old.workers if old else {}
     retiring = {w.url: w for w in old.retired} if old else {}
     workers: dict[str, Worker] = {}
+    restarted: set[str] = set()  # endpoints whose capacity estimate starts over with this table
     for url, view in endpoint_views(cfg).items():
         w = old_workers.get(url) or retiring.get(url)  # one still finishing comes back with its state
         if w is None:
             w = Worker(view, breaker_cfg=bcfg, clock=clock, stale_s=stale_s, probe_s=probe_s)
-        else:
-            w.update_view(view, breaker_cfg=bcfg, stale_s=stale_s, probe_s=probe_s)
+            restarted.add(url)
+        elif w.update_view(view, breaker_cfg=bcfg, stale_s=stale_s, probe_s=probe_s):
+            restarted.add(url)
         workers[url] = w
     retired = [w for u, w in old_workers.items() if u not in workers]
     for w in retired:
@@ -102,4 +120,6 @@ def build_table(
         else:
             q = ModelQueue(limits)
         models[name] = ModelEntry(name, [workers[ep.url] for ep in m.endpoints], q)
+        if old is not None and restarted:
+            adopt_peer_capacity(models[name].workers, restarted)
     return Table(cfg, models, workers, models_json(list(models)), retired)

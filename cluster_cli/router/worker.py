@@ -21,7 +21,7 @@ Load signals:
   still be probed). The estimate is the highest "full" reading of the last
   ``CAP_WINDOW_S`` seconds, and at least what the engine was seen running at once (an
   endpoint with no estimate beside endpoints of its model that have one starts at the
-  largest of theirs: the balancer's ``_adopt_peer_capacity``). When
+  largest of theirs: ``registry.adopt_peer_capacity``, at the reload). When
   the engine runs at the estimate with nothing else waiting for ``probe_s`` after the
   last confirmation, the estimate grows by one; the probe holds once the engine runs
   that many, and is dropped when it shows fewer with requests waiting. ``max_inflight``
@@ -64,7 +64,6 @@ class Worker:
         "breaker",
         "cap",
         "cap_confirmed_at",
-        "cold_since",
         "completed",
         "drain_rate",
         "engine_gen",
@@ -103,7 +102,6 @@ class Worker:
         self.scraped = Scraped()
         self.engine_gen = 0
         self.cap: int | None = view.max_inflight
-        self.cold_since = clock()  # when its estimate last started over (created, or its limit changed)
         self.cap_confirmed_at = -1e18
         self._cap_obs: deque[tuple[float, int, bool]] = deque()
         self._sent: deque[float] = deque()  # when the router sent requests here, the last SENDS_KEPT_S
@@ -114,17 +112,18 @@ class Worker:
         self.pool = None  # set by the router (UpstreamPool); kept across reloads
 
     # ---------------------------------------------------------------- config
-    def update_view(self, view: EndpointView, *, breaker_cfg: BreakerConfig, stale_s: float, probe_s: float) -> None:
+    def update_view(self, view: EndpointView, *, breaker_cfg: BreakerConfig, stale_s: float, probe_s: float) -> bool:
         """Take a reloaded config's static fields; keep every piece of live state.
 
         The exceptions are what was learned of the engine: when ``max_inflight`` changes,
         every capacity estimate so far was clipped to the old limit, so it restarts from the
         new one (None: unknown); when the engine or its metric mapping changes (the same URL
-        now serves another engine), the scraped load is dropped too."""
+        now serves another engine), the scraped load is dropped too. Returns whether the
+        capacity estimate started over."""
         new_engine = view.engine != self.view.engine or view.metrics != self.view.metrics
-        if new_engine or view.max_inflight != self.view.max_inflight:
+        restart = new_engine or view.max_inflight != self.view.max_inflight
+        if restart:
             self.cap = view.max_inflight
-            self.cold_since = self._clock()
             self._cap_obs.clear()
             self.cap_confirmed_at = -1e18
         if new_engine:
@@ -136,6 +135,7 @@ class Worker:
         self.stale_s = stale_s
         self.probe_s = probe_s
         self.removed = False
+        return restart
 
     # ---------------------------------------------------------------- eligibility
     def unavailable_reason(self) -> str | None:

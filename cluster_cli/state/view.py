@@ -203,11 +203,8 @@ def _dead_rails(f: NodeFacts, said: list[str]) -> list[str]:
     (nothing was seen Active before to compare with). The unused second port of a dual-port
     card is not one: its card has an Active port. Ports ``said`` reports already are skipped."""
     active_cas = {h.ca for h in f.hcas if h.is_ib_attachment}
-    kinds: dict[str, int] = {}
-    for ca in active_cas:
-        kind = next((h.ca_type for h in f.hcas if h.ca == ca and h.ca_type), None)
-        if kind:
-            kinds[kind] = kinds.get(kind, 0) + 1
+    kind_of = {h.ca: h.ca_type for h in f.hcas if h.ca_type}
+    kinds = Counter(kind_of[ca] for ca in active_cas if ca in kind_of)  # cards (not ports) with an Active port
     out = []
     for h in f.hcas:
         if h.ca in active_cas or h.link_layer != "InfiniBand" or not h.ca_type or not kinds.get(h.ca_type):
