@@ -140,15 +140,27 @@ class Gpu:
             (g.remapped_rows_pending, "remap", "remap: row remap pending"),
             (g.mig_mode, "mig", "mig: MIG mode enabled"),
         ]
-        missing = tuple(text for on, key, text in implied if on and key not in have)
-        return replace(g, problems=g.problems + missing) if missing else g
+        missing = [text for on, key, text in implied if on and key not in have]
+        # Compute processes in a file that gives no problems at all (written by hand: discover
+        # always writes them, and leaves out only its own replicas' processes): each holds its GPU.
+        if g.processes and "problems" not in d:
+            missing += [f"foreign-process: pid {p.pid} ({p.name})" if p.name else f"foreign-process: pid {p.pid}"
+                        for p in g.processes]  # fmt: skip
+        # A file that says a GPU is not healthy or not free, with no problem saying why (discover
+        # never writes that), is believed: the flags are what a person editing it would change.
+        keys = have | {problem_key(p) for p in missing}
+        if d.get("healthy") is False and not keys & _HEALTH_KEYS:
+            missing.append("unhealthy: marked unhealthy in the facts")
+        if d.get("free") is False and not keys and not missing:
+            missing.append("busy: marked not free in the facts")
+        return replace(g, problems=g.problems + tuple(missing)) if missing else g
 
 
 # Problem keys that make a GPU unhealthy (as opposed to merely busy).
 # The product and class of a GPU that fell off the bus: nvidia-smi cannot read them. The JSON
 # says null; inside, the placeholder keeps a lost GPU apart from a class of its own.
 UNREAD = "unknown"
-_HEALTH_KEYS = frozenset({"lost", "ecc", "retired-pages", "remap"})
+_HEALTH_KEYS = frozenset({"lost", "ecc", "retired-pages", "remap", "unhealthy"})
 
 
 def problem_key(problem: str) -> str:

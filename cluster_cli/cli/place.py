@@ -74,6 +74,7 @@ def place(
     if facts is None:
         _warn_other_inventory(inventory, state.state_path)
     _warn_unknown_classes(catalog, cat, inv, nodes)
+    _warn_odd_tensor_parallel(catalog, cat)
     _warn_unmatched_aliases(inventory, inv, nodes)
     from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_warnings
 
@@ -114,14 +115,52 @@ def _warn_other_inventory(inventory: Path, state_path: Path) -> None:
 
 def _warn_unknown_classes(path: Path, cat: Any, inv: Inventory, nodes: list[NodeFacts]) -> None:
     """A GPU class nothing in the fleet has is most likely a typo: say so once, not per node."""
+    from cluster_cli.config.load import value_line
+
     known = set(inv.gpu_classes) | {g.gpu_class for n in nodes for g in n.gpus if g.gpu_class and not g.lost}
     for i, m in enumerate(cat.models):
         for j, p in enumerate(m.profiles):
             if p.gpu_class and p.gpu_class not in known:
+                line = value_line(path, ("models", i, "profiles", j, "gpu_class"))
+                hint = _class_hint(p.gpu_class, known, inv, nodes)
                 ui.warn(
-                    f"{path}: models.{i}.profiles.{j}.gpu_class: no GPU of class {p.gpu_class!r} in the inventory "
-                    f"or the facts (known: {', '.join(sorted(known)) or 'none'}){_blind_note(nodes)}"
+                    f"{path}: {f'line {line}: ' if line else ''}models.{i}.profiles.{j}.gpu_class: no GPU of class "
+                    f"{p.gpu_class!r} in the inventory or the facts{hint} "
+                    f"(known: {', '.join(sorted(known)) or 'none'}){_blind_note(nodes)}"
                 )
+
+
+def _warn_odd_tensor_parallel(path: Path, cat: Any) -> None:
+    """vLLM splits each layer's attention heads over a node's GPUs (``gpus`` is its
+    tensor-parallel size), and refuses to start unless that size divides the head count:
+    a power of two for nearly every model. 3, 5, 6 or 7 is most likely a slip."""
+    from cluster_cli.config.load import value_line
+
+    for i, m in enumerate(cat.models):
+        for j, p in enumerate(m.profiles):
+            n = p.gpus_per_node
+            if p.engine == "vllm" and n > 1 and n & (n - 1):
+                line = value_line(path, ("models", i, "profiles", j, "gpus"))
+                ui.warn(
+                    f"{path}: {f'line {line}: ' if line else ''}models.{i}.profiles.{j}.gpus: {n} is vLLM's "
+                    f"tensor-parallel size, which must divide the model's attention heads (a power of two for most "
+                    f"models); vLLM will refuse to start otherwise"
+                )
+
+
+def _class_hint(name: str, known: set[str], inv: Inventory, nodes: list[NodeFacts]) -> str:
+    """``; did you mean 'H200'?`` for a class written in another case, or as a product name
+    (a class is the inventory's alias for the product, else the product without "NVIDIA ")."""
+    want = name.casefold().removeprefix("nvidia ").strip()
+    for cls in sorted(known):
+        if cls.casefold().removeprefix("nvidia ").strip() == want:
+            return f"; did you mean {cls!r}?"
+    products = {g.product: g.gpu_class for n in nodes for g in n.gpus if g.product and g.gpu_class and not g.lost}
+    products |= {prod: alias for alias, names in inv.gpu_classes.items() for prod in names}
+    for prod, cls in sorted(products.items()):
+        if prod.casefold().removeprefix("nvidia ").strip() == want:
+            return f"; {prod!r} is a product: its class is {cls!r}"
+    return ""
 
 
 def _blind_note(nodes: list[NodeFacts]) -> str:

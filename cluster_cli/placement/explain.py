@@ -52,6 +52,7 @@ def explain_request(states: Sequence[NodeState], req: Request) -> tuple[Placemen
             m.add("exhausted", "fabric", "fabric too small", 1)
             reasons.append(Reason(req.profile, node.name, "fabric", detail, Kind.EXHAUSTED, "fabric too small"))
         passing = []
+    reasons.sort(key=lambda r: r.node or "")  # one order (node name) whatever the constraint
     if not states:
         reasons.append(
             Reason(
@@ -149,12 +150,19 @@ def where(p: Placement) -> str:
     return out
 
 
-_KIND_ORDER = {Kind.EXHAUSTED: 0, Kind.REJECT: 1, Kind.ERROR: 2}
-
-
 def _reason_order(r: Reason) -> tuple[int, str]:
-    """Nodes that nearly fit (exhausted) first, then mismatches, then outages."""
-    return (_KIND_ORDER.get(r.kind, 3), r.node or "")
+    """What an operator can act on first: nodes that nearly fit (full), then nodes of the right
+    kind held out by a cordon or an outage, then other mismatches (fabric, no IB port), and
+    last the nodes that lack the GPU class (nothing to be done about them for this profile)."""
+    if r.kind == Kind.EXHAUSTED:
+        rank = 0
+    elif r.constraint in ("cordoned", "reachable", "duplicate"):
+        rank = 1
+    elif r.constraint == "gpu-class":
+        rank = 3
+    else:
+        rank = 2
+    return (rank, r.node or "")
 
 
 SIGN = {"start": "+", "keep": "=", "stop": "-"}

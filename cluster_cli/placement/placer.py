@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from cluster_cli.facts import NodeFacts, Replica, Shard, problem_key
 from cluster_cli.machines import is_gpu_uuid
 from cluster_cli.placement import scoring
-from cluster_cli.placement.constraints import STATIC, choose_gpus, mark_duplicate_gpus
+from cluster_cli.placement.constraints import NODE_LEVEL, choose_gpus, mark_duplicate_gpus
 from cluster_cli.placement.constraints.base import NodeState, Request
 from cluster_cli.placement.constraints.nvlink import fits_one_domain
 from cluster_cli.placement.explain import explain_request, fit_message, node_verdicts
@@ -406,16 +406,24 @@ class _Planner:
     def index(self) -> None:
         self.ok: list[bool] = []
         self.node_filtered: dict[str, tuple[str, int]] = {}  # constraint -> (reason, nodes)
+        # Of those, the nodes with known GPUs, and per class how many have one: a request for a
+        # class such a node lacks counts it as filtered by class (as ``first_failure`` explains it).
+        self.filtered_known: dict[str, int] = {}
+        self.filtered_has: dict[tuple[str, str], int] = {}
         self.has_class: dict[str, int] = {}
         self.has_class_attached: dict[str, int] = {}
         members: dict[tuple[str, str | None], list[NodeState]] = {}
         probe = Request("")
-        node_level = STATIC[:3]  # cordon, reachable, duplicate: the same for every request
         for s in self.states:
-            v = next((v for c in node_level if not (v := c.check(s, probe)).ok), None)
+            v = next((v for c in NODE_LEVEL if not (v := c.check(s, probe)).ok), None)
             if v is not None:
                 reason, n = self.node_filtered.get(v.constraint, (v.reason, 0))
                 self.node_filtered[v.constraint] = (reason, n + 1)
+                if s.class_total:
+                    self.filtered_known[v.constraint] = self.filtered_known.get(v.constraint, 0) + 1
+                    for cls in s.class_total:
+                        k = (v.constraint, cls)
+                        self.filtered_has[k] = self.filtered_has.get(k, 0) + 1
             ok = v is None
             self.ok.append(ok)
             if not ok:
@@ -510,11 +518,14 @@ class _Planner:
     def _static_metrics(self, req: Request) -> PlacementMetrics:
         """What the static constraints filter for this request (the same for every replica)."""
         m = PlacementMetrics(evaluated=len(self.states), partial=not req.gpu_class)
+        cls = req.gpu_class or ""
+        other_class = 0
         for constraint, (reason, n) in self.node_filtered.items():
-            m.add("filtered", constraint, reason, n)
-        if req.gpu_class:
-            cls = req.gpu_class
-            m.add("filtered", "gpu-class", f"no {cls} gpu", self.n_ok - self.has_class.get(cls, 0))
+            lacking = self.filtered_known.get(constraint, 0) - self.filtered_has.get((constraint, cls), 0) if cls else 0
+            m.add("filtered", constraint, reason, n - lacking)
+            other_class += lacking
+        if cls:
+            m.add("filtered", "gpu-class", f"no {cls} gpu", self.n_ok - self.has_class.get(cls, 0) + other_class)
             if req.multi_node:
                 unattached = self.has_class.get(cls, 0) - self.has_class_attached.get(cls, 0)
                 m.add("filtered", "fabric", "no active ib port", unattached)
@@ -566,11 +577,17 @@ class _Planner:
     def _note_topology(
         self, model: str, r: int, req: Request, node: NodeState, gpus: tuple[int, ...], in_dom: bool | None
     ) -> None:
-        """A tensor-parallel group placed where the NVLink topology is unknown was chosen by
-        index alone: the plan says so (it may span sockets), rather than look NVLink-aware."""
-        if req.gpus > 1 and in_dom is None:
+        """A tensor-parallel group that is not known to sit in one NVLink domain says so in the
+        plan: chosen by index where the topology is unknown (it may span sockets), or split
+        across domains where no domain had room (its traffic crosses PCIe)."""
+        domains = node.facts.nvlink_domains
+        if req.gpus > 1 and in_dom is not True and (domains is None or domains):  # no NVLink at all: nothing to say
             chosen = ",".join(map(str, gpus))
-            note = f"NVLink topology of {node.name} unknown: GPUs {chosen} chosen by index"
+            if domains is None:
+                note = f"NVLink topology of {node.name} unknown: GPUs {chosen} chosen by index"
+            else:
+                doms = " ".join("[" + ",".join(map(str, sorted(d))) + "]" for d in domains)
+                note = f"GPUs {chosen} of {node.name} are not in one NVLink domain ({doms}): none had {req.gpus} free"
             key = (model, r)
             self.notes[key] = f"{self.notes[key]}; {note}" if key in self.notes else note
 

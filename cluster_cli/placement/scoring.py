@@ -8,9 +8,10 @@ the rules, written once, plus the scores recorded for the node that was chosen:
   node afterwards (best fit), so whole nodes stay free for replicas that can't split.
 * ``emptiest`` multi-node replicas: the nodes with the most free GPUs of the class,
   on the fabric whose chosen nodes are emptiest together.
-* ``spread``   CPU replicas: nodes without GPUs first (GPU hosts keep their cores for
-  their engines, and an operator does not find llama.cpp on a DGX while CPU boxes
-  idle), then fewest replicas already on the node.
+* ``spread``   CPU replicas: a node not yet running a replica of the model first (a
+  second one there adds capacity but no availability, so it goes to a GPU host before
+  doubling up on a CPU box); among those, nodes without GPUs first (GPU hosts keep
+  their cores for their engines), then fewest replicas already on the node.
 * ``nvlink``   1 when the tensor-parallel group sits in one NVLink domain, 0 when the
   topology is known and it could not, 0.5 when the topology is unknown.
 

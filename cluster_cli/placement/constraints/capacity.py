@@ -98,6 +98,8 @@ class Capacity:
         detail = f"{free} of {total} {cls} free" + (f" ({why})" if why else "") + f", profile needs {req.gpus}"
         if mixed and cls != UNREAD:
             detail += f"; also {unknown} lost GPU{'s' if unknown > 1 else ''} of unknown class"
+        if total < req.gpus and not mixed:  # never fits here, however empty: say so rather than "busy"
+            detail += f": more than the node's {total}" + (", set nodes: to split it" if req.nodes == 1 else "")
         return Verdict.exhausted(self.name, "gpus", "insufficient gpus", detail)
 
     def _host(self, node: NodeState, req: Request) -> Verdict:
