@@ -107,9 +107,10 @@ class Gpu:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Gpu:
+    def from_dict(cls, d: dict[str, Any], *, away: bool = False) -> Gpu:
         """From ``to_dict``'s shape. Hand-written facts may set the fields and leave out
-        ``problems``: a fault in the fields still makes the GPU not free."""
+        ``problems``: a fault in the fields still makes the GPU not free. ``away``: the GPU
+        of a node that did not answer, whose ``free`` says only that (see ``NodeFacts``)."""
         if _num(d, "index") is None:
             raise KeyError("index")
         lost = _bool(d, "lost", False)
@@ -151,7 +152,7 @@ class Gpu:
         keys = have | {problem_key(p) for p in missing}
         if d.get("healthy") is False and not keys & _HEALTH_KEYS:
             missing.append("unhealthy: marked unhealthy in the facts")
-        if d.get("free") is False and not keys and not missing:
+        if d.get("free") is False and not away and not keys and not missing:
             missing.append("busy: marked not free in the facts")
         return replace(g, problems=g.problems + tuple(missing)) if missing else g
 
@@ -317,15 +318,16 @@ class NodeFacts:
     def from_dict(cls, d: dict[str, Any]) -> NodeFacts:
         """Read back ``to_dict``'s form (the state, a facts file); its text made printable."""
         doms = d.get("nvlink_domains")
+        reachable = _bool(d, "reachable", True)
         return printable_facts(
             cls(
                 name=str(d["name"]),
                 host=str(d.get("host") or ""),
-                reachable=_bool(d, "reachable", True),
+                reachable=reachable,
                 error=d.get("error"),
                 cpus=_num(d, "cpus"),
                 memory_mib=_num(d, "memory_mib"),
-                gpus=tuple(Gpu.from_dict(g) for g in d.get("gpus") or ()),
+                gpus=tuple(Gpu.from_dict(g, away=not reachable) for g in d.get("gpus") or ()),
                 nvlink_domains=None if doms is None else tuple(tuple(int(i) for i in x) for x in doms),
                 hcas=tuple(HcaPort.from_dict(h) for h in d.get("hcas") or ()),
                 fabric=d.get("fabric"),

@@ -143,7 +143,8 @@ def test_cordoned_node_without_facts_is_explained_as_cordoned(tmp_path: Path) ->
     (u,) = json.loads(r.stdout)["unplaced"]
     (reason,) = u["reasons"]
     assert (reason["constraint"], reason["detail"]) == ("cordoned", "cordoned (RMA 4411)")
-    assert u["profiles"][0]["metrics"]["filtered_by"] == {"cordoned": 1}
+    assert u["attempts"][0]["metrics"]["filtered_by"] == {"cordoned": 1}
+    assert u["attempts"][0]["placed"] is False and u["attempts"][0]["summary"].startswith("0/")
 
 
 # --------------------------------------------------------------------------- 5. lost GPUs' placeholder class

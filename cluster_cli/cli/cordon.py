@@ -58,6 +58,14 @@ def _cordoned_in_state(path: Path, node: str) -> bool:
         ui.fail(e)
 
 
+def _recorded(path: Path) -> Path | None:
+    try:
+        with Store(path, readonly=True) as store:
+            return store.inventory()
+    except ClusterctlError as e:
+        ui.fail(e)
+
+
 @app.command(epilog=CORDON_EXAMPLE)
 def cordon(
     ctx: typer.Context,
@@ -72,10 +80,11 @@ def cordon(
     state: App = ctx.obj
     # A cordon may come before the first discover (keep a node out from the start), so a
     # missing state is created, and said so: a typo in --state shows at once.
-    _check_node(recorded_inventory(inventory, state.state_path), node)
+    inv = recorded_inventory(inventory, state.state_path)
+    _check_node(inv, node)
     with open_store(state.state_path, say_new=True) as store:
         try:
-            was = store.cordon(node, reason)
+            was = store.cordon(node, reason, inventory=inv.resolve())
         except ClusterctlError as e:
             ui.fail(e)
     ui.info(cordon_message(node, reason, was))
@@ -119,12 +128,14 @@ def uncordon(
     """Lift a node's cordon."""
     state: App = ctx.obj
     if not state.state_path.exists():  # nothing can be cordoned there; and nothing is created
-        _check_node(recorded_inventory(inventory, state.state_path), node)
+        if inventory is not None:
+            _check_node(inventory, node)
         ui.info(f"{node} was not cordoned (no state at {state.state_path})")
         return
     # A cordon outlives the node's removal from the inventory, so it can always be lifted,
-    # whatever the inventory says or whether it can be read; only a node with no cordon is checked.
-    if not _cordoned_in_state(state.state_path, node):
+    # whatever the inventory says or whether it can be read; only a node with no cordon is
+    # checked (a typo), against the inventory given or recorded, when there is one.
+    if not _cordoned_in_state(state.state_path, node) and (inventory is not None or _recorded(state.state_path)):
         _check_node(recorded_inventory(inventory, state.state_path), node)
     with open_store(state.state_path, create=False) as store:
         try:

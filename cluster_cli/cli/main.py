@@ -44,7 +44,7 @@ _WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}) 
 
 
 @contextmanager
-def _one_line_errors() -> Iterator[None]:
+def _one_line_errors(command_path: str = "") -> Iterator[None]:
     """A usage error (unknown option, bad value, missing argument) as one ``error:`` line
     naming the command, like every other error, instead of Typer's usage-and-panel block; an
     OSError no command handled (output that cannot be written) as one line, not a traceback."""
@@ -72,7 +72,8 @@ def _one_line_errors() -> Iterator[None]:
         from cluster_cli.cli import ui
 
         ctx = getattr(e, "ctx", None)
-        path = getattr(ctx, "command_path", "") or "clusterctl"
+        # Click raises a missing option value with no context: the caller names the command.
+        path = getattr(ctx, "command_path", "") or command_path or "clusterctl"
         message = " ".join(e.format_message().split())
         ui.err.print(f"[bold red]error:[/] {ui.escape(f'{path}: {message} (see: {path} -h)')}", highlight=False)
         raise typer.Exit(e.exit_code) from None
@@ -87,7 +88,10 @@ class _Group(TyperGroup):
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx: Any) -> Any:
-        with _one_line_errors():
+        protected = getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", None) or []
+        args = [*protected, *ctx.args]
+        sub = f"{ctx.command_path} {args[0]}" if args and args[0] in self.commands else ""
+        with _one_line_errors(sub):
             return super().invoke(ctx)
 
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
@@ -123,8 +127,31 @@ app = typer.Typer(
 class App:
     """Shared settings for every command (on ``ctx.obj``)."""
 
-    state_path: Path
+    state: str  # --state / CLUSTERCTL_STATE as given, checked when a command first uses it
     verbose: bool = False
+
+    @property
+    def state_path(self) -> Path:
+        """The state database's path; a path that cannot be one is a one-line error (exit 2)."""
+        return checked_state_path(self.state)
+
+
+def checked_state_path(given: str) -> Path:
+    from cluster_cli.cli import ui
+
+    if not given.strip():
+        ui.abort("--state: empty path (give the state database's file, e.g. .clusterctl/state.db)")
+    path = Path(given)
+    if path.is_dir():
+        ui.abort(
+            f"{given}: is a folder, not a state database file (--state / CLUSTERCTL_STATE; e.g. {path / 'state.db'})"
+        )
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                ui.abort(f"{given}: {parent} is a file, not a folder (--state / CLUSTERCTL_STATE)")
+            break
+    return path
 
 
 def _version(value: bool) -> None:
@@ -136,7 +163,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def root(
     ctx: typer.Context,
-    state: Path = typer.Option(
+    state: str = typer.Option(
         None,
         "--state",
         envvar="CLUSTERCTL_STATE",
@@ -148,7 +175,9 @@ def root(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
 ) -> None:
-    ctx.obj = App(state_path=state or Path(os.environ.get("CLUSTERCTL_STATE") or DEFAULT_STATE), verbose=verbose)
+    if state is None:
+        state = os.environ.get("CLUSTERCTL_STATE") or str(DEFAULT_STATE)
+    ctx.obj = App(state=state, verbose=verbose)
 
 
 def _register() -> None:

@@ -236,7 +236,8 @@ def render_plan(plan: Plan, *, header: str = "", max_nodes: int = 10) -> list[st
             for r in reasons[:max_nodes]:
                 lines.append(f"      {r.node or '(fleet)'}: {r.detail}")
             if len(reasons) > max_nodes:
-                lines.append(f"      ... and {len(reasons) - max_nodes} more nodes (-o json lists every one)")
+                more = len(reasons) - max_nodes
+                lines.append(f"      ... and {more} more node{'s' if more > 1 else ''} (-o json lists every one)")
     return lines
 
 

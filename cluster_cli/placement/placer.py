@@ -125,10 +125,8 @@ class Unplaced:
             "model": self.model,
             "replica": self.replica,
             "reasons": [r.to_dict() for r in self.reasons],
-            "profiles": [
-                {"profile": a.profile, "summary": fit_message(a.metrics), "metrics": a.metrics.to_dict()}
-                for a in self.attempts
-            ],
+            # The same shape as a placed replica's attempts (placed: false, with the summary).
+            "attempts": [a.to_dict() for a in self.attempts],
         }
 
 
