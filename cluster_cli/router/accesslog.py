@@ -17,6 +17,14 @@ from json.encoder import encode_basestring_ascii as _q
 from typing import TextIO
 
 
+def _text(s: str) -> str:
+    """``s`` as a JSON string that every parser takes: a lone surrogate (a client may send
+    ``"\\ud800"`` as its model name, and ``json.loads`` keeps it) becomes U+FFFD."""
+    if s.isascii():
+        return _q(s)
+    return _q(s.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace"))
+
+
 class AccessLog:
     def __init__(self, stream: TextIO | None, *, max_buffer: int = 256, path: str | None = None) -> None:
         self.stream = stream
@@ -67,10 +75,10 @@ class AccessLog:
         ttfb = "null" if ttfb_s is None else f"{ttfb_s * 1000:.3f}"
         line = (
             f'{{"ts":{time.time():.3f},"id":{rid},"client":"{client}","method":{_q(method)},"path":{_q(path)},'
-            f'"model":{_q(model)},"endpoint":{_q(endpoint)},"status":{status},"attempts":{attempts},'
+            f'"model":{_text(model)},"endpoint":{_q(endpoint)},"status":{status},"attempts":{attempts},'
             f'"ttfb_ms":{ttfb},"duration_ms":{duration_s * 1000:.3f}'
         )
-        self._buf.append(line + (f',"note":{_q(note)}}}' if note else "}"))
+        self._buf.append(line + (f',"note":{_text(note)}}}' if note else "}"))
         if len(self._buf) >= self.max_buffer:
             self.flush()
 

@@ -571,8 +571,7 @@ class Router:
             while True:
                 if self._stopping is not None:  # the grace period ran out between attempts
                     return self._fail(conn, 503, self._stopping, "router_draining", model, endpoint, attempts)
-                attempts += 1
-                trace.attempts = attempts
+                attempts += 1  # the trace counts it once it has an endpoint (a client may leave the queue)
                 if attempts > 1:  # a reload may have replaced the model's endpoints since the last try
                     entry = self.table.models.get(model)
                     if entry is None:
@@ -582,7 +581,6 @@ class Router:
                     lease: Lease = self.balancer.try_acquire(entry, tried) or await self.balancer.acquire(entry, tried)
                 except Rejected as r:
                     attempts -= 1  # this one never reached an engine
-                    trace.attempts = attempts
                     if r.reason != "no_endpoint" or not last_error:
                         self.metrics.rejection(model, r.reason)
                         extra = _retry_after(r)
@@ -594,6 +592,7 @@ class Router:
                     msg = f"{last_error}; retry budget exhausted"
                     return self._fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts - 1)
                 endpoint = trace.endpoint = w.view.replica
+                trace.attempts = attempts
                 # Retries go to another endpoint: with one, the engine's own answer is relayed.
                 may_retry = (
                     attempts < rp.max_attempts

@@ -1,8 +1,9 @@
 """Prometheus metrics of the router (``prometheus-client``, one registry per router).
 
 Per request: requests by model, endpoint and status; time to first byte and total
-latency histograms (plain counters in memory, exposed through a collector: no locks or
-label lookups on the request path); retries; admission rejections. Live state (in-flight, breaker
+latency histograms of the requests that reached an endpoint; retries; admission rejections
+(all plain counters in memory, exposed through a collector: no locks or label lookups on
+the request path). Live state (in-flight, breaker
 state, draining, drain rate, scrape age, learned capacity, queue length, retry budget
 overflows) is read when ``/metrics`` is scraped, so it costs nothing per request.
 Label values come from the config only (model, replica name as ``endpoint``, its URL as
@@ -15,14 +16,18 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from cluster_cli.router.app import Router
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Bounds as prometheus-client's own histograms write them ("1.0", not "1"): Prometheus joins
+# series on the label's text, so the same bound must be spelt the same everywhere.
+_BOUNDS = (*map(floatToGoString, LATENCY_BUCKETS), "+Inf")
 
 
 class _StateCollector(Collector):
@@ -64,7 +69,7 @@ class _StateCollector(Collector):
             inflight.add_metric(lv, w.inflight)
             breaker.add_metric(lv, int(w.breaker.current()))
             draining.add_metric(lv, 1 if (w.view.draining or w.removed) else 0)
-            drain.add_metric(lv, w.drain_rate)
+            drain.add_metric(lv, round(w.drain_rate, 6))  # an average decaying to 0: no 1e-16 tails
             if w.scraped.at > -1e17:
                 age.add_metric(lv, now - w.scraped.at)
             if w.cap is not None:
@@ -113,7 +118,7 @@ class _Hist:
     def buckets(self) -> list[tuple[str, int]]:
         out: list[tuple[str, int]] = []
         acc = 0
-        for bound, n in zip((*map(str, LATENCY_BUCKETS), "+Inf"), self.counts, strict=True):
+        for bound, n in zip(_BOUNDS, self.counts, strict=True):
             acc += n
             out.append((bound, acc))
         return out
@@ -125,6 +130,8 @@ class _RequestCollector(Collector):
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str, int], int] = {}
         self.cut: dict[tuple[str, str], int] = {}  # responses cut by their engine after they started
+        self.retries: dict[tuple[str, str], int] = {}  # (model, reason)
+        self.rejections: dict[tuple[str, str], int] = {}  # (model, reason)
         self.ttfb: dict[str, _Hist] = {}
         self.latency: dict[str, _Hist] = {}
 
@@ -146,6 +153,14 @@ class _RequestCollector(Collector):
         for (model, endpoint), n in list(self.cut.items()):
             cut.add_metric([model, endpoint], n)
         yield cut
+        for name, doc, counts in (
+            ("clusterctl_router_retries", "Retries by model and reason.", self.retries),
+            ("clusterctl_router_admission_rejections", "Requests refused by admission, by reason.", self.rejections),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=["model", "reason"])
+            for (model, reason), n in list(counts.items()):
+                fam.add_metric([model, reason], n)
+            yield fam
         for name, doc, hists in (
             (
                 "clusterctl_router_time_to_first_byte_seconds",
@@ -166,21 +181,17 @@ class RouterMetrics:
         reg = self.registry
         self._req = _RequestCollector()
         reg.register(self._req)
-        self.retries = Counter(
-            "clusterctl_router_retries", "Retries by model and reason.", ["model", "reason"], registry=reg
-        )
-        self.rejections = Counter(
-            "clusterctl_router_admission_rejections",
-            "Requests refused by admission, by reason.",
-            ["model", "reason"],
-            registry=reg,
-        )
         reg.register(_StateCollector(router))
 
     def request(self, model: str, endpoint: str, status: int, ttfb: float | None, total: float) -> None:
+        """A proxied request's answer. Its latency counts only when it went to an endpoint: the
+        histograms measure the engines, and a refusal (no endpoint, queue full, unknown model)
+        taking a millisecond must not make them look faster while a model is down."""
         r = self._req
         key = (model, endpoint, status)
         r.requests[key] = r.requests.get(key, 0) + 1
+        if not endpoint:
+            return
         if ttfb is not None:
             h = r.ttfb.get(model)
             if h is None:
@@ -204,10 +215,12 @@ class RouterMetrics:
         r.requests[key] = r.requests.get(key, 0) + 1
 
     def retry(self, model: str, reason: str) -> None:
-        self.retries.labels(model, reason).inc()
+        key = (model, reason)
+        self._req.retries[key] = self._req.retries.get(key, 0) + 1
 
     def rejection(self, model: str, reason: str) -> None:
-        self.rejections.labels(model, reason).inc()
+        key = (model, reason)
+        self._req.rejections[key] = self._req.rejections.get(key, 0) + 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
