@@ -140,17 +140,19 @@ def _procs_with(arg: str) -> list[str]:
 
 
 def test_nothing_is_left_running_after_the_batch() -> None:
-    # The watchdog's sleep (timeout 47 s) must go with the batch, and so must a timed-out job.
-    _, res = run_local({"hang": "sleep 39", "fine": "echo fine"}, timeout=1)
+    # The watchdog's sleep (the timeout) must go with the batch, and so must a timed-out job.
+    # Durations of this run's own (another test run on the box may have a "sleep 39" of its own).
+    job, watchdog = str(1000 + os.getpid() % 1000), str(2000 + os.getpid() % 1000)
+    _, res = run_local({"hang": f"sleep {job}", "fine": "echo fine"}, timeout=1)
     assert res["hang"].rc == 124 and "timed out" in res["hang"].stderr
-    _, res = run_local({"fine": "echo fine"}, timeout=47)
+    _, res = run_local({"fine": "echo fine"}, timeout=int(watchdog))
     assert res["fine"].stdout == "fine\n"
     # The watchdog ends its sleep in its TERM trap, which may run just after the batch has
-    # returned on a busy box: give it a moment (it would otherwise live 39 or 47 s).
+    # returned on a busy box: give it a moment (it would otherwise live for its whole timeout).
     deadline = time.monotonic() + 10
-    while (_procs_with("39") or _procs_with("47")) and time.monotonic() < deadline:
+    while (_procs_with(job) or _procs_with(watchdog)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = _procs_with("39") + _procs_with("47")
+    left = _procs_with(job) + _procs_with(watchdog)
     ps = subprocess.run(["ps", "-eo", "pid=,ppid=,etimes=,stat=,args="], capture_output=True, text=True).stdout
     assert left == [], [line for line in ps.splitlines() if "sleep" in line or "sh -s" in line]
 
@@ -340,15 +342,27 @@ def test_the_scratch_folder_goes_when_the_client_hangs_up() -> None:
                          stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
     p.stdin.write(script.encode())
     p.stdin.close()
+
+    def mine() -> list[Path]:  # this batch's $d: the job printed the path of its own output file
+        found = []
+        for f in [*Path("/dev/shm").glob("tmp.*/0.o"), *Path("/tmp").glob("tmp.*/0.o")]:
+            with contextlib.suppress(OSError):
+                if f.read_text().strip() == str(f) and f.parent.stat().st_mtime > time.time() - 30:
+                    found.append(f.parent)
+        return found
+
     try:
-        time.sleep(0.5)
-        out_files = [*Path("/dev/shm").glob("tmp.*/0.o"), *Path("/tmp").glob("tmp.*/0.o")]
-        mine = [f.parent for f in out_files if f.parent.stat().st_mtime > time.time() - 5]  # this batch's $d
-        assert mine
+        deadline = time.monotonic() + 20  # a busy box may take a while to get the job going
+        while not mine() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mine()
+        dirs = mine()
         subprocess.run(["pkill", "-HUP", "-s", str(p.pid), "-x", "sh"], check=False)
-        p.wait(timeout=10)
-        time.sleep(0.3)
-        assert not any(d.exists() for d in mine)
+        p.wait(timeout=20)
+        deadline = time.monotonic() + 10
+        while any(d.exists() for d in dirs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(d.exists() for d in dirs)
     finally:
         subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
         subprocess.run(["pkill", "-f", "sleep 39"], check=False)
