@@ -44,7 +44,7 @@ def test_a_state_path_that_is_a_folder_or_empty_is_one_line_exit_2(
     cases = {
         ".": "error: .: is a folder, not a state database file",
         str(tmp_path): f"error: {tmp_path}: is a folder, not a state database file",
-        "": "error: --state: empty path",
+        "": "error: empty state path (--state / CLUSTERCTL_STATE)",
         "file.db/state.db": "error: file.db/state.db: file.db is a file, not a folder",
     }
     for given, want in cases.items():
@@ -114,3 +114,29 @@ def test_one_more_node_is_singular() -> None:
     nodes = [a100_pcie(f"a-{i:02}") for i in range(11)]
     lines = render_plan(plan(nodes, catalog(("m", 1, [profile("p", gpu_class="H100", gpus=8)]))))
     assert "      ... and 1 more node (-o json lists every one)" in lines
+
+
+def test_uncordon_in_a_state_with_no_inventory_recorded_checks_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state.db"
+    Store(state).close()  # a state no discover or cordon -i has recorded an inventory in
+    r = runner.invoke(app, ["--state", str(state), "uncordon", "h1"])
+    assert r.exit_code == 0 and r.output.strip() == "h1 was not cordoned"
+
+
+def test_a_cordon_with_an_inventory_replaces_a_recorded_one_that_is_gone(tmp_path: Path) -> None:
+    inv = _inventory(tmp_path)
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(inv.read_text())
+    state = tmp_path / "state.db"
+
+    def cli(*args: str):
+        return runner.invoke(app, ["--state", str(state), *args])
+
+    assert cli("cordon", "h1", "-r", "x", "-i", str(moved)).exit_code == 0
+    moved.unlink()
+    r = cli("cordon", "h2", "-r", "y")
+    assert r.exit_code == 2 and "moved.yaml" in r.output and "is gone; pass -i" in r.output
+    assert cli("cordon", "h2", "-r", "y", "-i", str(inv)).exit_code == 0
+    with Store(state, readonly=True) as s:
+        assert s.inventory() == inv.resolve()
+    assert cli("uncordon", "h2").exit_code == 0 and cli("cordon", "h2", "-r", "z").exit_code == 0

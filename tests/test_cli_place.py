@@ -449,10 +449,10 @@ def test_planning_with_another_inventory_than_discover_used_is_warned_of(tmp_pat
     other = tmp_path / "other.yaml"
     other.write_text(inv.read_text())
     r = place(tmp_path, "--dry-run", "-c", str(cat), "-i", str(inv), "-o", "json")
-    assert "last discover used" not in r.stderr  # the same one: nothing to say
+    assert "recorded inventory" not in r.stderr  # the same one: nothing to say
     r = place(tmp_path, "--dry-run", "-c", str(cat), "-i", str(other), "-o", "json")
     assert r.exit_code in (0, 3) and json.loads(r.stdout)["replicas"]
-    assert f"{other}: the state's last discover used {inv.resolve()}" in " ".join(r.stderr.split())
+    assert f"{other}: the state's recorded inventory is {inv.resolve()}" in " ".join(r.stderr.split())
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")

@@ -217,3 +217,9 @@ def test_a_vllm_tensor_parallel_size_that_is_not_a_power_of_two_is_warned_about(
     warned = [ln for ln in r.stderr.splitlines() if "tensor-parallel" in ln]
     assert len(warned) == 1
     assert "catalog.yaml: line 8: models.0.profiles.0.gpus: 3 is vLLM's tensor-parallel size" in warned[0]
+
+
+def test_a_group_bigger_than_every_nvlink_domain_has_no_note() -> None:
+    """TP-8 on A100 PCIe pairs: the hardware splits it, on every such replica; nothing to say."""
+    p = plan([a100_pcie("a-1")], catalog(("m", 1, [profile("tp8", gpu_class="A100", gpus=8)])))
+    assert _notes(p) == {("m", 0): ""}

@@ -36,7 +36,10 @@ def recorded_inventory(given: Path | None, state_path: Path) -> Path:
             "(a 'clusterctl discover -i INVENTORY' records it)"
         )
     if not recorded.is_file():
-        ui.abort(f"{recorded}: the inventory the last discover used (recorded in {state_path}) is gone; pass -i")
+        ui.abort(
+            f"{recorded}: the inventory recorded in {state_path} (by the last discover, or a cordon -i before it) "
+            "is gone; pass -i"
+        )
     return recorded
 
 

@@ -31,7 +31,8 @@ Examples:
   clusterctl cordon gpu-03 --reason "ECC storm, RMA ticket 4411"
   clusterctl cordon gpu-03 -i inventory.yaml --reason "before the first discover"
 
-Without -i the node is checked against the inventory the last discover used.
+Without -i the node is checked against the inventory recorded in the state
+(by the last discover, or the first cordon -i).
 A missing state is created (with a note on stderr).
 """
 UNCORDON_EXAMPLE = """
@@ -82,9 +83,13 @@ def cordon(
     # missing state is created, and said so: a typo in --state shows at once.
     inv = recorded_inventory(inventory, state.state_path)
     _check_node(inv, node)
+    # An inventory given here replaces a recorded one whose file is gone (later commands
+    # without -i would otherwise keep failing on it until the next discover).
+    recorded = _recorded(state.state_path) if inventory is not None and state.state_path.exists() else None
+    gone = recorded is not None and not recorded.is_file()
     with open_store(state.state_path, say_new=True) as store:
         try:
-            was = store.cordon(node, reason, inventory=inv.resolve())
+            was = store.cordon(node, reason, inventory=inv.resolve(), replace_inventory=gone)
         except ClusterctlError as e:
             ui.fail(e)
     ui.info(cordon_message(node, reason, was))
@@ -134,7 +139,8 @@ def uncordon(
         return
     # A cordon outlives the node's removal from the inventory, so it can always be lifted,
     # whatever the inventory says or whether it can be read; only a node with no cordon is
-    # checked (a typo), against the inventory given or recorded, when there is one.
+    # checked (a typo), against the inventory given or recorded (whose file must then still
+    # be there), when there is one: a state with none recorded has nothing to check against.
     if not _cordoned_in_state(state.state_path, node) and (inventory is not None or _recorded(state.state_path)):
         _check_node(recorded_inventory(inventory, state.state_path), node)
     with open_store(state.state_path, create=False) as store:

@@ -140,17 +140,18 @@ def checked_state_path(given: str) -> Path:
     from cluster_cli.cli import ui
 
     if not given.strip():
-        ui.abort("--state: empty path (give the state database's file, e.g. .clusterctl/state.db)")
+        ui.abort("empty state path (--state / CLUSTERCTL_STATE): give the database's file, e.g. .clusterctl/state.db")
     path = Path(given)
-    if path.is_dir():
-        ui.abort(
-            f"{given}: is a folder, not a state database file (--state / CLUSTERCTL_STATE; e.g. {path / 'state.db'})"
-        )
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                ui.abort(f"{given}: {parent} is a file, not a folder (--state / CLUSTERCTL_STATE)")
-            break
+    try:
+        if path.is_dir():
+            ui.abort(f"{given}: is a folder, not a state database file (--state / CLUSTERCTL_STATE)")
+        for parent in path.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    ui.abort(f"{given}: {parent} is a file, not a folder (--state / CLUSTERCTL_STATE)")
+                break
+    except OSError:
+        pass  # a folder that cannot be entered: opening the state says so, as for any path
     return path
 
 

@@ -110,7 +110,7 @@ def _warn_other_inventory(inventory: Path, state_path: Path) -> None:
     except ClusterctlError:
         return  # _inputs reports an unusable state
     if recorded is not None and recorded != inventory.resolve():
-        ui.warn(f"{inventory}: the state's last discover used {recorded}; nodes only in this one have no facts")
+        ui.warn(f"{inventory}: the state's recorded inventory is {recorded}; nodes only in this one have no facts")
 
 
 def _warn_unknown_classes(path: Path, cat: Any, inv: Inventory, nodes: list[NodeFacts]) -> None:

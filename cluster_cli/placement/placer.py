@@ -577,9 +577,13 @@ class _Planner:
     ) -> None:
         """A tensor-parallel group that is not known to sit in one NVLink domain says so in the
         plan: chosen by index where the topology is unknown (it may span sockets), or split
-        across domains where no domain had room (its traffic crosses PCIe)."""
+        across domains where a domain big enough had no room (its traffic crosses PCIe)."""
         domains = node.facts.nvlink_domains
-        if req.gpus > 1 and in_dom is not True and (domains is None or domains):  # no NVLink at all: nothing to say
+        # Known topology with no domain as big as the group (no NVLink, or PCIe pairs under a
+        # TP-4): the hardware, not the plan, splits it; nothing to say on every such replica.
+        if domains is not None and all(len(set(d)) < req.gpus for d in domains):
+            return
+        if req.gpus > 1 and in_dom is not True:
             chosen = ",".join(map(str, gpus))
             if domains is None:
                 note = f"NVLink topology of {node.name} unknown: GPUs {chosen} chosen by index"

@@ -576,7 +576,7 @@ class Router:
                     entry = self.table.models.get(model)
                     if entry is None:
                         msg = f"the model `{model}` was removed from this router while the request was retried"
-                        return self._fail(conn, 503, msg, "model_removed", model, endpoint, attempts)
+                        return self._fail(conn, 503, msg, "model_removed", model, endpoint, attempts - 1)
                 try:
                     lease: Lease = self.balancer.try_acquire(entry, tried) or await self.balancer.acquire(entry, tried)
                 except Rejected as r:

@@ -386,15 +386,19 @@ class Store:
         return out
 
     # ---- cordons ----------------------------------------------------------
-    def cordon(self, node: str, reason: str, *, inventory: Path | str | None = None) -> dict[str, Any] | None:
+    def cordon(
+        self, node: str, reason: str, *, inventory: Path | str | None = None, replace_inventory: bool = False
+    ) -> dict[str, Any] | None:
         """Cordon ``node`` with ``reason``; a cordon already there keeps its start time and
         takes the new reason. Returns the cordon it found (``reason``, ``created_at``), if any.
         The same reason again changes nothing: no write, no new state version. ``inventory``
         (absolute), the one the node was checked against, is recorded when the state has
-        none yet (a cordon before the first discover), so later commands need no ``-i``."""
+        none yet (a cordon before the first discover), so later commands need no ``-i``, or
+        with ``replace_inventory`` in place of the one recorded (whose file is gone)."""
         with self._tx() as db:
             if inventory is not None:
-                db.execute("INSERT OR IGNORE INTO meta VALUES ('inventory', ?)", (str(inventory),))
+                verb = "INSERT OR REPLACE" if replace_inventory else "INSERT OR IGNORE"
+                db.execute(f"{verb} INTO meta VALUES ('inventory', ?)", (str(inventory),))
             row = db.execute("SELECT reason, created_at FROM cordons WHERE node=?", (node,)).fetchone()
             if row is not None and row[0] == reason:
                 return {"reason": row[0], "created_at": row[1]}
