@@ -252,3 +252,63 @@ def test_retry_attempts_are_bounded_and_exactly_enough_memory_fits() -> None:
     req = Request.of(cat.models[0].profiles[0])
     assert Capacity().check(NodeState.build(cpu_node("c-1", memory_gib=128), 0), req).ok  # what place -v says
     assert not Capacity().check(NodeState.build(cpu_node("c-1", memory_gib=127), 0), req).ok
+
+
+# --------------------------------------------------------------------------- upstream connections
+
+
+class _ClosedTransport:
+    """What uvloop hands back once the engine has closed the socket and before the protocol's
+    connection_lost has run: closing, and a write raises RuntimeError ("handler is closed")."""
+
+    def is_closing(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    def abort(self) -> None:
+        pass
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.errors: list = []
+
+    def on_error(self, exc: object) -> None:
+        self.errors.append(exc)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_pooled_connection_the_engine_closed_is_skipped_or_failed_as_stale_never_raised() -> None:
+    """An engine killed with kept-alive connections to it: a request that picked one up just
+    then got a 500 from the router (uvloop's RuntimeError escaped). The pool now skips such a
+    connection, and a send on one reports a stale failure (retried on a fresh connection)."""
+    from cluster_cli.router.upstream import UpstreamConn, UpstreamPool
+
+    async def scenario() -> None:
+        pool = UpstreamPool("127.0.0.1", 9)
+        c = UpstreamConn(pool)
+        c.tr = _ClosedTransport()  # type: ignore[assignment]
+        pool.idle.append(c)
+        assert pool.get_idle() is None
+        c.reused = True
+        sink = _Sink()
+        c.send(b"GET / HTTP/1.1\r\n\r\n", sink)  # type: ignore[arg-type]
+        assert sink.errors == []
+        c.connection_lost(None)  # uvloop delivers it next
+        (err,) = sink.errors
+        assert err.kind == "reset" and err.stale
+        # Lost before the send (a fresh connection the engine reset during the caller's await).
+        d = UpstreamConn(pool)
+        d.tr = _ClosedTransport()  # type: ignore[assignment]
+        d.connection_lost(ConnectionResetError())
+        sink2 = _Sink()
+        d.send(b"GET / HTTP/1.1\r\n\r\n", sink2)  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        (err,) = sink2.errors
+        assert err.kind == "reset" and not err.stale
+
+    asyncio.run(scenario())

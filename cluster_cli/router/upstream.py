@@ -290,8 +290,23 @@ class UpstreamConn(asyncio.Protocol):
         self._buf = b""
         self.got_bytes = False
         self.last_io = _monotonic()
+        if self.closed:  # lost while the caller was getting to this (a fresh connect's await)
+            asyncio.get_running_loop().call_soon(self._lost_before_send)
+            return
         self.pool.active.add(self)
-        self.tr.write(data)  # type: ignore[union-attr]
+        try:  # noqa: SIM105 - the hot path: a bare try costs nothing, suppress() a context manager
+            self.tr.write(data)  # type: ignore[union-attr]
+        except RuntimeError:
+            # uvloop: the engine closed it and its connection_lost is still queued; that call
+            # reports the failure to the sink, as a stale connection's, retried on a fresh one.
+            pass
+
+    def _lost_before_send(self) -> None:
+        sink = self.sink
+        if sink is not None:
+            self.sink = None
+            what = "upstream closed the connection before answering"
+            sink.on_error(UpstreamError("reset", what, stale=self.reused and not self.got_bytes))
 
     def timed_out(self) -> None:
         self._fail("timeout", "upstream idle timeout")
@@ -342,7 +357,8 @@ class UpstreamPool:
         idle = self.idle
         while idle:
             c = idle.pop()
-            if not c.closed:
+            # A transport already closing (the engine went away; connection_lost not yet run) is skipped.
+            if not c.closed and c.tr is not None and not c.tr.is_closing():
                 c.reused = True
                 return c
         return None
