@@ -312,3 +312,15 @@ def test_a_pooled_connection_the_engine_closed_is_skipped_or_failed_as_stale_nev
         assert err.kind == "reset" and not err.stale
 
     asyncio.run(scenario())
+
+
+def test_a_write_to_a_client_that_just_reset_does_not_raise() -> None:
+    """The client resets its connection; before its connection_lost runs, the engine's next
+    chunk is written to it: the RuntimeError uvloop raises must not escape into the engine's
+    connection (it would be torn down with an error logged)."""
+    from cluster_cli.router.server import ClientConn
+
+    conn = ClientConn.__new__(ClientConn)
+    conn.closed = False
+    conn.tr = _ClosedTransport()  # type: ignore[assignment]
+    conn.write(b"data: {}\n\n")

@@ -283,7 +283,12 @@ class ClientConn(asyncio.Protocol):
     # ---------------------------------------------------------------- writing
     def write(self, data: bytes) -> None:
         if not self.closed:
-            self.tr.write(data)  # type: ignore[union-attr]
+            try:  # noqa: SIM105 - the hot path: a bare try costs nothing, suppress() a context manager
+                self.tr.write(data)  # type: ignore[union-attr]
+            except RuntimeError:
+                # uvloop: the client reset the connection and connection_lost (which cancels the
+                # request) is still queued; raising here would fail the engine's side instead.
+                pass
 
     def close(self) -> None:
         if not self.closed:
