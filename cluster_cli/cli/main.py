@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -130,9 +131,9 @@ class App:
     state: str  # --state / CLUSTERCTL_STATE as given, checked when a command first uses it
     verbose: bool = False
 
-    @property
+    @cached_property
     def state_path(self) -> Path:
-        """The state database's path; a path that cannot be one is a one-line error (exit 2)."""
+        """The state database's path (checked once); a path that cannot be one is a one-line error (exit 2)."""
         return checked_state_path(self.state)
 
 
