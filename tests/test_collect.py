@@ -285,3 +285,37 @@ def test_a_hostile_node_cannot_put_terminal_escapes_on_the_operators_screen(tmp_
         (back,) = s.nodes()
     assert all(t.isprintable() for t in _texts(back))
     assert back.error == "ssh: \\x1b]0;pwned\\x07"
+
+
+# --- rules a mutation audit found unguarded ----------------------------------------------
+
+TOPO_PAIR = "\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tNV12\t0-31\nGPU1\tNV12\t X \t0-31\n"
+
+
+def test_a_gpu_list_cut_short_has_unknown_topology_even_where_topo_matches_it() -> None:
+    first_two = "".join(GPUS.splitlines(keepends=True)[:2])
+    f = facts_from_outputs(INV, NODE, outputs(gpus=CommandResult(124, first_two, ""), topo=ok(TOPO_PAIR)))
+    assert len(f.gpus) == 2 and f.nvlink_domains is None
+    whole = facts_from_outputs(INV, NODE, outputs(gpus=ok(first_two), topo=ok(TOPO_PAIR)))
+    assert whole.nvlink_domains == ((0, 1),)  # the same topology, read when the list is whole
+
+
+def test_a_failed_topo_is_unknown_topology() -> None:
+    first_two = "".join(GPUS.splitlines(keepends=True)[:2])
+    f = facts_from_outputs(INV, NODE, outputs(gpus=ok(first_two), topo=CommandResult(1, TOPO_PAIR, "")))
+    assert f.nvlink_domains is None
+
+
+def test_a_node_whose_every_gpu_is_lost_lists_them_lost() -> None:
+    lost = "Unable to determine the device handle for GPU 0000:CA:00.0: GPU is lost. Reboot the system to recover this GPU\n"
+    f = facts_from_outputs(INV, NODE, outputs(gpus=CommandResult(15, lost, ""), apps=CommandResult(15, lost, "")))
+    assert [g.lost for g in f.gpus] == [True]
+    assert "gpu: 1 GPU(s) lost" in f.problems
+
+
+def test_ibstat_not_installed_is_no_ibstat_failure() -> None:
+    f = facts_from_outputs(INV, NODE, outputs(ibstat=CommandResult(127, "", "sh: 1: ibstat: not found\n")))
+    assert not any(p.startswith("ibstat:") for p in f.problems)
+    assert "fabric: declared on ib-a but no Active InfiniBand port" in f.problems
+    broken = facts_from_outputs(INV, NODE, outputs(ibstat=CommandResult(1, "ibpanic: no HCAs\n", "")))
+    assert any(p.startswith("ibstat: failed (rc 1)") for p in broken.problems)
