@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -319,3 +321,56 @@ def test_ibstat_not_installed_is_no_ibstat_failure() -> None:
     assert "fabric: declared on ib-a but no Active InfiniBand port" in f.problems
     broken = facts_from_outputs(INV, NODE, outputs(ibstat=CommandResult(1, "ibpanic: no HCAs\n", "")))
     assert any(p.startswith("ibstat: failed (rc 1)") for p in broken.problems)
+
+
+class _OneAnswer:
+    """A session that answers the batch with ``(rc, stdout, stderr)``; ``stdout`` may name the
+    batch's token as ``{tok}`` (read from the script it is sent)."""
+
+    def __init__(self, rc: int | None, out: str, err: bytes = b"") -> None:
+        self.rc, self.out, self.err = rc, out, err
+        self.timeouts: list[float] = []
+
+    async def run_raw(self, command: str, *, timeout: float, input: bytes | None = None):
+        self.timeouts.append(timeout)
+        script = (input or b"").decode()
+        tok = script.split("@@CC ", 1)[1].split(" ", 1)[0] if "@@CC " in script else ""
+        return self.rc, self.out.replace("{tok}", tok).encode(), self.err
+
+
+class _Connector:
+    def __init__(self, session: _OneAnswer) -> None:
+        self.s = session
+
+    @contextlib.asynccontextmanager
+    async def session(self, target):
+        yield self.s
+
+
+def test_a_batch_that_failed_says_how() -> None:
+    from cluster_cli.errors import SSHError
+    from cluster_cli.probe.collect import run_batch
+
+    with pytest.raises(SSHError, match=r"^probe script failed \(rc 255\): ssh: boom$"):
+        asyncio.run(run_batch(_OneAnswer(255, "", b"ssh: boom\n"), {"a": "true"}, 10))
+    with pytest.raises(SSHError, match=r"^probe script was killed by SIGKILL: no output$"):
+        asyncio.run(run_batch(_OneAnswer(137, ""), {"a": "true"}, 10))
+
+
+def test_a_killed_batch_keeps_the_records_it_finished() -> None:
+    from cluster_cli.probe.collect import run_batch
+
+    out = "@@CC {tok} RC\na 0\nb 0\n@@CC {tok} DATA\nfrom a\n@@CC {tok} SEP\n@@CC {tok} SEP\nhalf of b"
+    res = asyncio.run(run_batch(_OneAnswer(143, out), {"a": "echo a", "b": "echo b"}, 10))
+    assert (res["a"].rc, res["a"].stdout) == (0, "from a\n")
+    assert res["b"].rc is None
+
+
+def test_an_unreachable_nodes_error_is_made_printable_and_probes_fit_the_deadline() -> None:
+    from cluster_cli.probe.collect import discover
+
+    hostile = _OneAnswer(1, "", b"\x1b]52;c;aGk=\x07boom\n")
+    (f,) = asyncio.run(discover(INV, connector=_Connector(hostile), node_timeout_s=5))
+    assert not f.reachable and "\x1b" not in (f.error or "") and "boom" in (f.error or "")
+    # The inventory's command timeout is 30 s; the node has 5 s: its probes get less than that.
+    assert hostile.timeouts and hostile.timeouts[0] <= 5
