@@ -128,3 +128,13 @@ def test_an_unreachable_node_takes_its_new_host_labels_and_fabric_from_the_inven
         )
         (n,) = s.nodes()
     assert (n.host, n.labels, n.fabric, n.reachable, n.cpus) == ("10.0.0.9", {"rack": "r7"}, "ib-b", False, 8)
+
+
+def test_an_engines_own_reason_phrase_is_relayed_only_when_clean() -> None:
+    from types import SimpleNamespace
+
+    from cluster_cli.router.proxy import _engine_phrase
+
+    assert _engine_phrase(SimpleNamespace(status_line=b"HTTP/1.1 599 Network Timeout")) == b"Network Timeout"
+    for dirty in (b"HTTP/1.1 599 Bad\x1b[31m red", b"HTTP/1.1 599 a\rSet-Cookie: x", b"HTTP/1.1 599 nul\x00"):
+        assert _engine_phrase(SimpleNamespace(status_line=dirty)) == b""
