@@ -15,21 +15,27 @@ from cluster_cli.state.store import Store
 INVENTORY_HELP = "Inventory YAML (nodes and how to reach them)."
 INVENTORY_ENV = "CLUSTERCTL_INVENTORY"
 RECORDED_INVENTORY_HELP = (
-    "Inventory YAML (nodes and how to reach them). Default: the one the last 'discover' used with this state."
+    "Inventory YAML (nodes and how to reach them). Default: the one recorded in the state (by discover, or cordon -i)."
 )
 
 
+def stored_inventory(state_path: Path) -> Path | None:
+    """The inventory recorded in the state (by ``discover``, or a ``cordon -i`` before it);
+    None when there is no state or none is recorded."""
+    if not state_path.exists():
+        return None
+    try:
+        with Store(state_path, readonly=True) as store:
+            return store.inventory()
+    except ClusterctlError as e:
+        ui.fail(e)
+
+
 def recorded_inventory(given: Path | None, state_path: Path) -> Path:
-    """``given``, else the inventory the last ``discover`` recorded in the state; aborts if neither."""
+    """``given``, else the inventory recorded in the state; aborts if neither."""
     if given is not None:
         return given
-    recorded = None
-    if state_path.exists():
-        try:
-            with Store(state_path, readonly=True) as store:
-                recorded = store.inventory()
-        except ClusterctlError as e:
-            ui.fail(e)
+    recorded = stored_inventory(state_path)
     if recorded is None:
         ui.abort(
             f"no inventory given (-i INVENTORY or {INVENTORY_ENV}) and none recorded in {state_path} "

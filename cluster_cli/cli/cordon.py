@@ -20,6 +20,7 @@ from cluster_cli.cli.common import (
     inventory_or_abort,
     open_store,
     recorded_inventory,
+    stored_inventory,
 )
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError
@@ -59,14 +60,6 @@ def _cordoned_in_state(path: Path, node: str) -> bool:
         ui.fail(e)
 
 
-def _recorded(path: Path) -> Path | None:
-    try:
-        with Store(path, readonly=True) as store:
-            return store.inventory()
-    except ClusterctlError as e:
-        ui.fail(e)
-
-
 @app.command(epilog=CORDON_EXAMPLE)
 def cordon(
     ctx: typer.Context,
@@ -85,7 +78,7 @@ def cordon(
     _check_node(inv, node)
     # An inventory given here replaces a recorded one whose file is gone (later commands
     # without -i would otherwise keep failing on it until the next discover).
-    recorded = _recorded(state.state_path) if inventory is not None and state.state_path.exists() else None
+    recorded = stored_inventory(state.state_path) if inventory is not None else None
     gone = recorded is not None and not recorded.is_file()
     with open_store(state.state_path, say_new=True) as store:
         try:
@@ -141,7 +134,7 @@ def uncordon(
     # whatever the inventory says or whether it can be read; only a node with no cordon is
     # checked (a typo), against the inventory given or recorded (whose file must then still
     # be there), when there is one: a state with none recorded has nothing to check against.
-    if not _cordoned_in_state(state.state_path, node) and (inventory is not None or _recorded(state.state_path)):
+    if not _cordoned_in_state(state.state_path, node) and (inventory is not None or stored_inventory(state.state_path)):
         _check_node(recorded_inventory(inventory, state.state_path), node)
     with open_store(state.state_path, create=False) as store:
         try:
