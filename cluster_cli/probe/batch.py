@@ -62,7 +62,7 @@ _PRELUDE = r"""export LC_ALL=C
 # unless the system keeps them elsewhere (NixOS, Guix: only on the user's PATH).
 if [ -x /bin/cat ] || [ -x /usr/bin/cat ]; then cc_p='command -p'; else cc_p=; fi
 d=$($cc_p mktemp -d -p /dev/shm 2>/dev/null || $cc_p mktemp -d) || exit 97
-trap '$cc_p rm -rf "$d"' EXIT
+w=; trap 'cc_end' EXIT
 trap 'exit 129' HUP; trap 'exit 141' PIPE; trap 'exit 143' TERM INT  # the client left: still clean up
 g=; trap 'g=1' USR1  # from the watchdog: jobs that outlived KILL (D state) are given up on
 R=; n=0
@@ -79,6 +79,25 @@ val() {  # a record that is already done: stdout $2, rc 0 (1 when $2 is empty); 
   printf '%s\n' "$2" >"$d/$n.o"; : >"$d/$n.e"
   if [ -n "$2" ]; then eval "x$n=0"; else eval "x$n=1"; fi
   R="$R $n:$1:"; n=$((n+1))
+}
+stop_w() {  # end the watchdog (w=): KILL its sleep, which then ends the watchdog itself
+  [ -n "$w" ] || return 0
+  # Its sleep is known once $d/w holds the pid (on a loaded box that can take a moment).
+  c=0; while [ ! -s "$d/w" ] && [ $c -lt 1000000 ] && kill -0 $w 2>/dev/null; do c=$((c+1)); done
+  ws=; read -r ws <"$d/w" 2>/dev/null
+  if [ -n "$ws" ] && [ ! -e "$d/t" ] && [ -r /proc/$$/stat ]; then
+    l=; read -r l <"/proc/$ws/stat" 2>/dev/null; set -- ${l##*) }
+    [ "$2" = "$w" ] || ws=  # only while it is still the watchdog's own sleep
+  elif [ -e "$d/t" ]; then ws=; fi
+  # KILL, not TERM: a child forked but not yet exec'd still runs this shell's traps, and
+  # would swallow a TERM, leaving the sleep to run its whole timeout. Past the deadline
+  # (or with no sleep to find), the watchdog itself goes.
+  if [ -n "$ws" ]; then kill -KILL "$ws" 2>/dev/null; else kill -KILL "$w" 2>/dev/null; fi
+  w=
+}
+cc_end() {  # on any exit: stop the watchdog and any job still running, remove the scratch files
+  if [ -n "$w" ]; then stop_w; kl TERM; fi
+  $cc_p rm -rf "$d"
 }
 kl() {
   sig=$1; all=
@@ -105,10 +124,12 @@ kl() {
 
 # One watchdog for every job: at the deadline, flag it (``$d/t``), TERM the jobs still
 # running (recording their pids), KILL what is left a second later, and a second after that
-# wake the batch (USR1) so that it stops waiting for jobs that even KILL could not end.
+# wake the batch (USR1) so that it stops waiting for jobs that even KILL could not end. It
+# has no trap: the batch stops it by killing its sleep (``stop_w``), and a sleep that did
+# not end by itself ends the watchdog.
 _WATCHDOG = (
-    '( trap \'kill $s 2>/dev/null; exit\' TERM; $cc_p sleep {t} & s=$!; echo $s >"$d/w"; wait $s; : >"$d/t"; '
-    "kl TERM; $cc_p sleep 1 & s=$!; wait $s; kl KILL; $cc_p sleep 1 & s=$!; wait $s; kill -USR1 $$ ) "
+    '( $cc_p sleep {t} & s=$!; echo $s >"$d/w"; wait $s || exit; : >"$d/t"; '
+    "kl TERM; $cc_p sleep 1; kl KILL; $cc_p sleep 1; kill -USR1 $$ ) "
     ">/dev/null 2>&1 </dev/null & w=$!"
 )
 
@@ -124,16 +145,7 @@ _COLLECT = r"""for x in $R; do
     eval "x$i=\$r"
   fi
 done
-# Stop the watchdog once its sleep is known ($d/w holds its pid), and that sleep too: were the
-# TERM to land before the watchdog had noted the pid, its trap could not end the sleep, which
-# would outlive the batch. (On a loaded box the watchdog may take a while to get that far.)
-c=0; while [ ! -s "$d/w" ] && [ $c -lt 1000000 ] && kill -0 $w 2>/dev/null; do c=$((c+1)); done
-ws=; read -r ws <"$d/w" 2>/dev/null
-if [ -n "$ws" ] && [ ! -e "$d/t" ] && [ -r "/proc/$ws/stat" ]; then
-  l=; read -r l <"/proc/$ws/stat" 2>/dev/null; set -- ${{l##*) }}
-  [ "$2" = "$w" ] || ws=  # only while it is still the watchdog's own sleep
-else ws=; fi
-kill $w $ws 2>/dev/null
+stop_w
 K=" "
 if [ -e "$d/t" ]; then while read -r k; do K="$K$k "; done <"$d/t"; fi
 printf '@@CC {token} RC\n'
