@@ -20,6 +20,8 @@ deps:
 	  command -v ip >/dev/null || need="$$need iproute2"; \
 	  command -v cmake >/dev/null || need="$$need cmake"; \
 	  command -v g++ >/dev/null || need="$$need g++"; \
+	  command -v busybox >/dev/null || need="$$need busybox"; \
+	  command -v mksh >/dev/null || need="$$need mksh"; \
 	  $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || need="$$need python3-venv"; \
 	  if [ -n "$$need" ]; then \
 	    echo "installing:$$need" >&2; \

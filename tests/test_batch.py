@@ -211,6 +211,53 @@ def test_a_batch_told_to_stop_leaves_nothing_running() -> None:
         subprocess.run(["pkill", "-f", f"sleep {watchdog}"], check=False)
 
 
+# /bin/sh is dash on Debian and Ubuntu, bash on RHEL, Rocky and Fedora, busybox ash on
+# Alpine; mksh on some others. The batch is POSIX sh and must behave the same on each.
+SHELLS = ["dash", "bash", "busybox sh", "mksh"]
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_the_batch_behaves_the_same_under_every_common_sh(shell: str) -> None:
+    if shutil.which(shell.split()[0]) is None:
+        pytest.skip(f"no {shell}")
+    hang = str(7000 + os.getpid() % 1000 + 100 * SHELLS.index(shell))
+    fixture = Path(__file__).parent / "fixtures" / "probes" / "ibstat.hgx-h100-12ca-ib-plus-roce.txt"
+    cmds = {
+        "ok": "printf 'a, b\\nc'",
+        "err": "echo oops >&2; exit 3",
+        "missing": "definitely-not-a-command-xyz",
+        "bin": "printf '\\000\\377x'",
+        "hang": f"sleep {hang}",
+        "ibstat": f"cat {fixture}",
+    }
+    then = {
+        "ibstat": SMINFO_AFTER_IBSTAT.replace(" sminfo ", " echo "),
+        "ok": 'val v1 "hello world"; val v2 ""',
+    }
+    script, token = build_script(cmds, per_command_timeout_s=1, then=then)
+    try:
+        p = subprocess.run([*shell.split(), "-s"], input=script.encode(), capture_output=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        res = parse_records(cmds, p.stdout, token)
+        assert (res["ok"].rc, res["ok"].stdout) == (0, "a, b\nc")
+        assert (res["err"].rc, res["err"].stderr) == (3, "oops\n")
+        assert res["missing"].rc == 127
+        assert (res["bin"].rc, res["bin"].stdout) == (0, "\x00\ufffdx")
+        assert res["hang"].rc == 124 and "timed out" in res["hang"].stderr
+        assert (res["v1"].rc, res["v1"].stdout, res["v2"].rc) == (0, "hello world\n", 1)
+        active = [q for q in parse_ibstat(fixture.read_text()) if q.is_ib_attachment]
+        assert len(active) == 8
+        for q in active:
+            sm = res[sminfo_record(q.ca, q.port)]
+            assert sm.rc == 0 and sm.stdout.split() == ["-C", q.ca, "-P", str(q.port)]
+        deadline = time.monotonic() + 10
+        while _procs_with(hang) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _procs_with(hang) == []
+    finally:
+        subprocess.run(["pkill", "-f", f"sleep {hang}"], check=False)
+
+
 def test_simple_commands_run_without_a_wrapper_shell() -> None:
     # "direct" is simple (single-quoted words), so it is the job itself and its parent is the
     # batch's shell. "wrapped" has shell syntax, so it runs in its own sh, whose $PPID is
