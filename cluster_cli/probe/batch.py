@@ -34,7 +34,7 @@ disk costs more than running the probes).
 ``then`` maps a record to a sh snippet that runs in the batch's shell as soon as that
 record has finished with rc 0, while the others still run. ``$o`` is the record's
 stdout file and ``run NAME CMD [ARG...]`` starts another record. A snippet's own
-variables must not reuse the batch's names (``d g n o p R K w x<N> c s i``): prefix them ``cc_``. discover uses it to
+variables must not reuse the batch's names (``d g n o p R K w x<N> c s i l pp ws``): prefix them ``cc_``. discover uses it to
 start ``sminfo`` for every Active InfiniBand port that ``ibstat`` printed, without a
 second round trip. ``val NAME TEXT`` adds a record that needs no process (stdout TEXT,
 rc 0, or 1 when TEXT is empty): discover reads each such port's GID from sysfs with the
@@ -80,19 +80,25 @@ val() {  # a record that is already done: stdout $2, rc 0 (1 when $2 is empty); 
   if [ -n "$2" ]; then eval "x$n=0"; else eval "x$n=1"; fi
   R="$R $n:$1:"; n=$((n+1))
 }
+ours() {  # is $1 a live (not zombie) child of $2? Without /proc: is there a process $1 at all?
+  pp=$2
+  if [ -r /proc/$$/stat ]; then
+    l=; read -r l <"/proc/$1/stat" 2>/dev/null || return 1
+    set -- ${l##*) }
+    [ "$1" != Z ] && [ "$2" = "$pp" ]
+  else kill -0 "$1" 2>/dev/null; fi
+}
 stop_w() {  # end the watchdog (w=): KILL its sleep, which then ends the watchdog itself
   [ -n "$w" ] || return 0
   # Its sleep is known once $d/w holds the pid (on a loaded box that can take a moment).
-  c=0; while [ ! -s "$d/w" ] && [ $c -lt 1000000 ] && kill -0 $w 2>/dev/null; do c=$((c+1)); done
+  c=0; while [ ! -s "$d/w" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
   ws=; read -r ws <"$d/w" 2>/dev/null
-  if [ -n "$ws" ] && [ ! -e "$d/t" ] && [ -r /proc/$$/stat ]; then
-    l=; read -r l <"/proc/$ws/stat" 2>/dev/null; set -- ${l##*) }
-    [ "$2" = "$w" ] || ws=  # only while it is still the watchdog's own sleep
-  elif [ -e "$d/t" ]; then ws=; fi
-  # KILL, not TERM: a child forked but not yet exec'd still runs this shell's traps, and
-  # would swallow a TERM, leaving the sleep to run its whole timeout. Past the deadline
-  # (or with no sleep to find), the watchdog itself goes.
-  if [ -n "$ws" ]; then kill -KILL "$ws" 2>/dev/null; else kill -KILL "$w" 2>/dev/null; fi
+  [ -e "$d/t" ] && ws=  # past the deadline its sleep has ended: the watchdog itself goes
+  # KILL, not TERM: a child forked but not yet exec'd still runs this shell's traps and would
+  # swallow a TERM, leaving the sleep to run its whole timeout. Only pids still ours: one
+  # that has ended may belong to someone else now.
+  if [ -n "$ws" ] && ours "$ws" "$w"; then kill -KILL "$ws" 2>/dev/null
+  elif ours "$w" $$; then kill -KILL "$w" 2>/dev/null; fi
   w=
 }
 cc_end() {  # on any exit: stop the watchdog and any job still running, remove the scratch files
