@@ -8,7 +8,12 @@ DIR=${DEMO_DIR:-.demo}
 export CLUSTERCTL_STATE="$DIR/state.db"
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
-cleanup() { "$PY" -m testbed down --dir "$DIR" >/dev/null 2>&1 || true; }
+KEEP=${DEMO_KEEP:-0}  # DEMO_KEEP=1: leave the testbed running after a demo that went through
+ok=0
+cleanup() {
+  [ "$KEEP" = 1 ] && [ "$ok" = 1 ] && return 0
+  "$PY" -m testbed down --dir "$DIR" >/dev/null 2>&1 || true
+}
 trap cleanup EXIT
 
 say "Starting a testbed: 6 simulated servers, each a real sshd with its own nvidia-smi/ibstat"
@@ -63,4 +68,13 @@ if [ "${DEMO_ROUTER:-1}" = 1 ]; then
   LLAMA_SERVER="$LLAMA_SERVER" "$PY" scripts/demo_router.py --dir "$DIR"
 fi
 
-say "Done. The testbed is stopped on exit; state is in $DIR/state.db"
+ok=1
+if [ "$KEEP" = 1 ]; then
+  "$PY" -m testbed revive --dir "$DIR" h100-01 >/dev/null
+  say "Done. The testbed keeps running (h100-01 revived); state is in $DIR/state.db"
+  echo "Try:   . .venv/bin/activate && export CLUSTERCTL_STATE=$DIR/state.db"
+  echo "       clusterctl discover -i $DIR/inventory.yaml"
+  echo "Stop:  make demo-down"
+else
+  say "Done. The testbed is stopped on exit (DEMO_KEEP=1 keeps it); state is in $DIR/state.db"
+fi

@@ -91,10 +91,16 @@ def main() -> int:
                 print(chunk.choices[0].delta.content, end="", flush=True)
         print(f"\n  ({chunks} chunks streamed through the router)")
         metrics = httpx.get(f"{base}/metrics", timeout=5).text
-        lines = [m for m in metrics.splitlines() if m.startswith("clusterctl_router_requests_total")]
+        # The proxied requests (the router's own /health and /v1/models have no model label).
+        lines = [
+            m for m in metrics.splitlines() if m.startswith("clusterctl_router_requests_total") and 'model=""' not in m
+        ]
         print("router metrics:", *lines[:4], sep="\n  ")
         return 0 if chunks else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the replicas and the router are stopped on the way out
+        sys.exit(130)

@@ -69,6 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # `... | head`
         return 0
+    except OSError as e:  # a --dir that is not ours (another user's /tmp/tb), a full disk...
+        where = f": {e.filename}" if e.filename else ""
+        print(f"testbed: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -62,15 +62,14 @@ def test_a_hung_command_times_out_alone() -> None:
     assert res["fine"].rc == 0 and res["fine"].stdout == "fine\n"
 
 
-def test_commands_run_in_parallel() -> None:
+def test_commands_run_in_parallel(tmp_path: Path) -> None:
     # Three commands that each wait for the others' marker files can only finish if run at once.
-    d = "/tmp/clusterctl-batch-par"
+    d = tmp_path / "par"
     cmds = {
         str(i): f"mkdir -p {d}; touch {d}/{i}; n=0; while [ $(ls {d} | wc -l) -lt 3 ] && [ $n -lt 50 ]; "
         f"do sleep 0.1; n=$((n+1)); done; [ $n -lt 50 ] && echo together"
         for i in range(3)
     }
-    subprocess.run(["rm", "-rf", d], check=True)
     _, res = run_local(cmds)
     assert [r.stdout for r in res.values()] == ["together\n"] * 3
 

@@ -140,3 +140,14 @@ def test_a_cordon_with_an_inventory_replaces_a_recorded_one_that_is_gone(tmp_pat
     with Store(state, readonly=True) as s:
         assert s.inventory() == inv.resolve()
     assert cli("uncordon", "h2").exit_code == 0 and cli("cordon", "h2", "-r", "z").exit_code == 0
+
+
+def test_serve_router_help_paragraphs_wrap_at_the_terminal_width() -> None:
+    # rich keeps a help text's own line breaks: a paragraph written over several source lines
+    # broke there and again at the terminal's width, leaving ragged one-word lines.
+    r = CliRunner().invoke(app, ["serve-router", "--help"], env={"COLUMNS": "240"}, terminal_width=240)
+    assert r.exit_code == 0
+    lines = [ln.strip() for ln in r.output.splitlines()]
+    assert any("SIGHUP; an invalid new one is logged and the previous one keeps serving." in ln for ln in lines)
+    assert any("2 bad config, API keys file or option value, an access log" in ln for ln in lines)
+    assert any(ln.startswith("- {url:") and "draining: true}" in ln for ln in lines)  # the example stays verbatim

@@ -323,7 +323,7 @@ def test_ssh_config_supplies_user_key_and_accept_new_pins_by_name(testbed_factor
     d = c.inventory_path.parent
     n = c.nodes["n1"]
     (d / "ssh_config").write_text(
-        f"Host box-two\n  HostName {n.host}\n  Port {n.port}\n  User root\n"
+        f"Host box-two\n  HostName {n.host}\n  Port {n.port}\n  User {c.user}\n"
         f"  IdentityFile {d / 'id_ed25519'}\n  IdentitiesOnly yes\n"
     )
     data = yaml.safe_load(c.inventory_path.read_text())

@@ -39,7 +39,9 @@ def behind_jump(c: Any, jumps: list[str], nodes: list[str], *, chain: str | None
     cfg = []
     for j in jumps:
         n = c.nodes[j]
-        cfg.append(f"Host {j}\n  HostName {n.host}\n  Port {n.port}\n  User root\n  IdentityFile {d / 'id_ed25519'}\n")
+        cfg.append(
+            f"Host {j}\n  HostName {n.host}\n  Port {n.port}\n  User {c.user}\n  IdentityFile {d / 'id_ed25519'}\n"
+        )
     cfg.append(f"Host {pattern}\n  ProxyJump {chain or jumps[0]}\n")
     for name in nodes:
         cfg.append(f"Host node-{name}\n  HostName {c.nodes[name].host}\n  Port {c.nodes[name].port}\n")

@@ -13,7 +13,14 @@ from cluster_cli.cli import ui
 from cluster_cli.cli.main import app
 from cluster_cli.errors import ConfigError
 
-HELP = """Serve an OpenAI-compatible router in front of the endpoints listed in a router config.
+
+def _reflowed(text: str) -> str:
+    """``text`` with each paragraph on one line (rich keeps a docstring's line breaks, which
+    then break again at the terminal's width), except the verbatim ``\\b`` blocks."""
+    return "\n\n".join(p if p.startswith("\b") else " ".join(p.split("\n")) for p in text.split("\n\n"))
+
+
+HELP = _reflowed("""Serve an OpenAI-compatible router in front of the endpoints listed in a router config.
 
 Example config (router.yaml):
 
@@ -39,8 +46,7 @@ request (listed in "unavailable_models") or the last reload of either file was r
 
 Exit codes: 0 clean shutdown on SIGTERM or SIGINT; 2 bad config, API keys file or
 option value, an access log that cannot be opened, or an address it cannot listen on;
-130 interrupted before it started serving; 1 an unexpected internal error.
-"""
+130 interrupted before it started serving; 1 an unexpected internal error.""")
 
 
 class Policy(StrEnum):
