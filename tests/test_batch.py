@@ -135,6 +135,14 @@ def test_bad_record_names_are_refused() -> None:
         build_script({"a": "true"}, per_command_timeout_s=1, then={"b": "true"})
 
 
+def _own(k: int) -> str:
+    """A sleep duration no other test, and no other test run on the box, uses (pids < 10**7)."""
+    return str(k * 10_000_000 + os.getpid())
+
+
+LONG = _own(39)  # a job that would outlast any deadline here
+
+
 def _procs_with(arg: str) -> list[str]:
     ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     return [line for line in ps.splitlines() if arg in line.split(None, 1)[-1].split()]
@@ -142,8 +150,8 @@ def _procs_with(arg: str) -> list[str]:
 
 def test_nothing_is_left_running_after_the_batch() -> None:
     # The watchdog's sleep (the timeout) must go with the batch, and so must a timed-out job.
-    # Durations of this run's own (another test run on the box may have a "sleep 39" of its own).
-    job, watchdog = str(1000 + os.getpid() % 1000), str(2000 + os.getpid() % 1000)
+    # Durations of this run's own (another test run on the box has sleeps of its own).
+    job, watchdog = _own(1), _own(2)
     _, res = run_local({"hang": f"sleep {job}", "fine": "echo fine"}, timeout=1)
     assert res["hang"].rc == 124 and "timed out" in res["hang"].stderr
     _, res = run_local({"fine": "echo fine"}, timeout=int(watchdog))
@@ -166,7 +174,7 @@ def test_no_watchdog_outlives_its_batch_when_many_end_at_once(shell: str) -> Non
     # with dash; bash, /bin/sh on RHEL and Fedora, did so rarely: there this is a guard).
     if shutil.which(shell) is None:
         pytest.skip(f"no {shell}")
-    watchdog = str(3000 + os.getpid() % 1000 + (500 if shell == "bash" else 0))
+    watchdog = _own(3 if shell == "sh" else 4)
     cmds = {"fine": "echo fine"}
 
     def one(_: int) -> str:
@@ -185,10 +193,28 @@ def test_no_watchdog_outlives_its_batch_when_many_end_at_once(shell: str) -> Non
         subprocess.run(["pkill", "-f", f"sleep {watchdog}"], check=False)
 
 
+def test_every_process_of_a_timed_out_job_gets_its_term() -> None:
+    # The watchdog TERMs a timed-out job's whole tree, the job first. That wakes the batch,
+    # which stops the watchdog: were it stopped before the last TERM was out, the job's
+    # children would run on with no one left to signal them.
+    kid = _own(8)
+    job = f"i=0; while [ $i -lt 150 ]; do sleep {kid} & i=$((i+1)); done; echo started; wait"
+    try:
+        for _ in range(3):
+            _, res = run_local({"job": job}, timeout=1)
+            assert res["job"].rc == 124 and res["job"].stdout == "started\n"
+            deadline = time.monotonic() + 10
+            while _procs_with(kid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _procs_with(kid) == []
+    finally:
+        subprocess.run(["pkill", "-f", f"sleep {kid}"], check=False)
+
+
 def test_a_batch_told_to_stop_leaves_nothing_running() -> None:
     # The client went away (SIGHUP or SIGTERM to the batch's shell alone): its jobs and its
     # watchdog's sleep go with it, not only its scratch folder.
-    job, watchdog = str(5000 + os.getpid() % 1000), str(6000 + os.getpid() % 1000)
+    job, watchdog = _own(5), _own(6)
     script, _ = build_script({"hang": f"sleep {job}"}, per_command_timeout_s=int(watchdog))
     try:
         for sig in (signal.SIGHUP, signal.SIGTERM):
@@ -219,7 +245,7 @@ SHELLS = ["dash", "bash", "busybox sh", "mksh"]
 def test_the_batch_behaves_the_same_under_every_common_sh(shell: str) -> None:
     if shutil.which(shell.split()[0]) is None:
         pytest.skip(f"no {shell}")
-    hang = str(7000 + os.getpid() % 1000 + 100 * SHELLS.index(shell))
+    hang = _own(10 + SHELLS.index(shell))
     fixture = Path(__file__).parent / "fixtures" / "probes" / "ibstat.hgx-h100-12ca-ib-plus-roce.txt"
     cmds = {
         "ok": "printf 'a, b\\nc'",
@@ -379,7 +405,7 @@ def test_builtins_as_first_word_run_in_a_shell() -> None:
 
 
 def test_only_probes_still_running_at_the_deadline_are_labelled_timed_out() -> None:
-    _, res = run_local({"hang": "sleep 39", "crash": "sh -c 'kill -SEGV $$'"}, timeout=1)
+    _, res = run_local({"hang": f"sleep {LONG}", "crash": "sh -c 'kill -SEGV $$'"}, timeout=1)
     assert res["hang"].rc == 124
     assert res["crash"].rc == 128 + 11 and "timed out" not in res["crash"].stderr
 
@@ -389,7 +415,7 @@ def test_the_watchdog_never_signals_a_process_that_is_not_its_own_job() -> None:
     # the batch's pid list (found through the job's own stdout file) before the deadline.
     stranger = subprocess.Popen(["sleep", "60"])
     try:
-        add = f'sh -c \'d=$(dirname "$(readlink /proc/$$/fd/1)"); echo {stranger.pid} >>"$d/p"; sleep 39\''
+        add = f'sh -c \'d=$(dirname "$(readlink /proc/$$/fd/1)"); echo {stranger.pid} >>"$d/p"; sleep {LONG}\''
         _, res = run_local({"hang": add}, timeout=1)
         assert res["hang"].rc == 124
         assert stranger.poll() is None, "the watchdog killed a process that was not one of its jobs"
@@ -437,17 +463,19 @@ def test_the_probe_deadline_leaves_room_at_small_timeouts() -> None:
 
 def test_the_scratch_folder_goes_when_the_client_hangs_up() -> None:
     # The SSH client drops the connection (node deadline): sshd sends SIGHUP to the batch.
-    script, _ = build_script({"hang": "sh -c 'readlink /proc/$$/fd/1; sleep 39'"}, per_command_timeout_s=30)
+    script, _ = build_script(
+        {"hang": f"sh -c 'readlink /proc/$$/fd/1; echo {LONG}; sleep {LONG}'"}, per_command_timeout_s=30
+    )
     p = subprocess.Popen(BATCH_SHELL, shell=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
     p.stdin.write(script.encode())
     p.stdin.close()
 
     def mine() -> list[Path]:  # this batch's $d: the job printed the path of its own output file
-        found = []
+        found = []  # (and this run's own number: another run's batch may be doing the same)
         for f in [*Path("/dev/shm").glob("tmp.*/0.o"), *Path("/tmp").glob("tmp.*/0.o")]:
             with contextlib.suppress(OSError):
-                if f.read_text().strip() == str(f) and f.parent.stat().st_mtime > time.time() - 30:
+                if f.read_text().split() == [str(f), LONG]:
                     found.append(f.parent)
         return found
 
@@ -465,7 +493,7 @@ def test_the_scratch_folder_goes_when_the_client_hangs_up() -> None:
         assert not any(d.exists() for d in dirs)
     finally:
         subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
-        subprocess.run(["pkill", "-f", "sleep 39"], check=False)
+        subprocess.run(["pkill", "-f", f"sleep {LONG}"], check=False)
 
 
 FREEZER = Path("/sys/fs/cgroup/freezer")
@@ -477,7 +505,7 @@ def test_a_probe_that_even_kill_cannot_stop_is_given_up_on() -> None:
     cg = FREEZER / f"clusterctl-test-{os.getpid()}"
     cg.mkdir()
     try:
-        freeze = f"sh -c 'echo $$ > {cg}/cgroup.procs; echo FROZEN > {cg}/freezer.state; sleep 39'"
+        freeze = f"sh -c 'echo $$ > {cg}/cgroup.procs; echo FROZEN > {cg}/freezer.state; sleep {LONG}'"
         # A batch that waited for the stuck job would hang: run_local's 30 s subprocess timeout
         # (TimeoutExpired) fails the test then, far beyond the ~3 s the watchdog needs.
         rc, res = run_local({"stuck": freeze, "fine": "echo fine"}, timeout=1)

@@ -192,7 +192,7 @@ def test_a_client_that_stops_reading_is_dropped_without_blaming_the_engine() -> 
             pass
         s.close()
         assert b"upstream_stream_cut" not in got  # not reported as the engine's cut
-        time.sleep(0.3)
+        f.lt.wait_for(lambda: w.inflight == 0 and '"status":499' in log.getvalue(), what="the 499 logged")
         assert w.failed == 0 and f.lt.call(lambda: w.breaker.stats())["state"] == "closed"
         assert f.lt.call(lambda: w.inflight) == 0  # the engine slot was freed
         (line,) = [json.loads(x) for x in log.getvalue().splitlines() if '"status":499' in x]

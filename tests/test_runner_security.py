@@ -285,7 +285,7 @@ def test_reading_ssh_config_off_the_loop_never_holds_up_the_exit() -> None:
 
     try:
         asyncio.run(main())
-        assert started.is_set() and not release.is_set()  # returned while hangs() was still running
+        assert started.wait(10) and not release.is_set()  # returned while hangs() was still running
     finally:
         release.set()
     assert asyncio.run(_value(runner._off_loop(lambda: 42))) == 42

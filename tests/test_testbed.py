@@ -358,8 +358,11 @@ def test_faults_kill_freeze_partition(testbed_factory: ClusterFactory) -> None:
             await asyncio.sleep(0.1)
         assert engine
         # kill: the running command ends without exit status, everything is gone, connects are refused
-        running = asyncio.create_task(ck.run("sleep 30"))
-        await asyncio.sleep(0.3)
+        running = asyncio.create_task(ck.run(f"bash -c 'exec -a {tag}-cmd sleep 30'"))
+        for _ in range(100):  # the command must be running when the node dies, under load too
+            if any(f"{tag}-cmd" in cmdline(p) for p in c.nodes["k"].processes()):
+                break
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(c.kill, "k")
         res = await asyncio.wait_for(running, 5)
         # The command dies with the node: usually the connection just drops (no exit status);

@@ -34,7 +34,7 @@ disk costs more than running the probes).
 ``then`` maps a record to a sh snippet that runs in the batch's shell as soon as that
 record has finished with rc 0, while the others still run. ``$o`` is the record's
 stdout file and ``run NAME CMD [ARG...]`` starts another record. A snippet's own
-variables must not reuse the batch's names (``d g n o p R K w x<N> c s i l pp ws``): prefix them ``cc_``. discover uses it to
+variables must not reuse the batch's names (``d g n o p R K w x<N> c s i l pp ws k q cs all sig``): prefix them ``cc_``. discover uses it to
 start ``sminfo`` for every Active InfiniBand port that ``ibstat`` printed, without a
 second round trip. ``val NAME TEXT`` adds a record that needs no process (stdout TEXT,
 rc 0, or 1 when TEXT is empty): discover reads each such port's GID from sysfs with the
@@ -93,7 +93,11 @@ stop_w() {  # end the watchdog (w=): KILL its sleep, which then ends the watchdo
   # Its sleep is known once $d/w holds the pid (on a loaded box that can take a moment).
   c=0; while [ ! -s "$d/w" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
   ws=; read -r ws <"$d/w" 2>/dev/null
-  [ -e "$d/t" ] && ws=  # past the deadline its sleep has ended: the watchdog itself goes
+  if [ -e "$d/t" ]; then
+    # Past the deadline its sleep has ended and it is signalling the jobs' trees: it goes
+    # itself, but only once the TERMs are out ($d/k), or a job's children could miss theirs.
+    ws=; c=0; while [ ! -s "$d/k" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
+  fi
   # KILL, not TERM: a child forked but not yet exec'd still runs this shell's traps and would
   # swallow a TERM, leaving the sleep to run its whole timeout. Only pids still ours: one
   # that has ended may belong to someone else now.
@@ -125,6 +129,7 @@ kl() {
     done
   done <"$d/p"
   [ -n "$all" ] && kill -"$sig" $all 2>/dev/null
+  [ "$sig" = TERM ] && echo "$all" >>"$d/k"  # what it signalled; also says the TERMs are out
 }
 """
 
