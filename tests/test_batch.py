@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -211,14 +212,38 @@ def test_every_process_of_a_timed_out_job_gets_its_term() -> None:
         subprocess.run(["pkill", "-f", f"sleep {kid}"], check=False)
 
 
-def test_a_batch_told_to_stop_leaves_nothing_running() -> None:
+# /bin/sh is dash on Debian and Ubuntu, bash on RHEL, Rocky and Fedora, busybox ash on
+# Alpine; mksh on some others. The batch is POSIX sh and must behave the same on each.
+SHELLS = ["dash", "bash", "busybox sh", "mksh"]
+
+
+def _need(shell: str) -> None:
+    if shutil.which(shell.split()[0]) is None:
+        pytest.skip(f"no {shell}")
+
+
+def _left_in_session(sid: int, within: float) -> list[str]:
+    """Processes of session ``sid`` still running (zombies are dead) after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        ps = subprocess.run(["ps", "-o", "stat=,args=", "-s", str(sid)], capture_output=True, text=True).stdout
+        left = [ln.strip() for ln in ps.splitlines() if ln.strip() and not ln.split()[0].startswith("Z")]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_batch_told_to_stop_leaves_nothing_running(shell: str) -> None:
     # The client went away (SIGHUP or SIGTERM to the batch's shell alone): its jobs and its
-    # watchdog's sleep go with it, not only its scratch folder.
-    job, watchdog = _own(5), _own(6)
+    # watchdog's sleep go with it, not only its scratch folder; and it says how it ended
+    # (mksh exited 0 from its EXIT trap).
+    _need(shell)
+    job, watchdog = _own(5), _own(20 + SHELLS.index(shell))
     script, _ = build_script({"hang": f"sleep {job}"}, per_command_timeout_s=int(watchdog))
     try:
         for sig in (signal.SIGHUP, signal.SIGTERM):
-            p = subprocess.Popen(["sh", "-s"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+            p = subprocess.Popen([*shell.split(), "-s"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
             p.stdin.write(script.encode())
             p.stdin.close()
             deadline = time.monotonic() + 20
@@ -236,15 +261,9 @@ def test_a_batch_told_to_stop_leaves_nothing_running() -> None:
         subprocess.run(["pkill", "-f", f"sleep {watchdog}"], check=False)
 
 
-# /bin/sh is dash on Debian and Ubuntu, bash on RHEL, Rocky and Fedora, busybox ash on
-# Alpine; mksh on some others. The batch is POSIX sh and must behave the same on each.
-SHELLS = ["dash", "bash", "busybox sh", "mksh"]
-
-
 @pytest.mark.parametrize("shell", SHELLS)
 def test_the_batch_behaves_the_same_under_every_common_sh(shell: str) -> None:
-    if shutil.which(shell.split()[0]) is None:
-        pytest.skip(f"no {shell}")
+    _need(shell)
     hang = _own(10 + SHELLS.index(shell))
     fixture = Path(__file__).parent / "fixtures" / "probes" / "ibstat.hgx-h100-12ca-ib-plus-roce.txt"
     cmds = {
@@ -281,6 +300,61 @@ def test_the_batch_behaves_the_same_under_every_common_sh(shell: str) -> None:
         assert _procs_with(hang) == []
     finally:
         subprocess.run(["pkill", "-f", f"sleep {hang}"], check=False)
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_timed_out_batch_leaves_nothing_of_its_own_running(shell: str) -> None:
+    # Past the deadline the watchdog sits in its one-second waits between TERM and KILL; the
+    # batch, done once its jobs died, used to end the watchdog and leave that sleep behind.
+    _need(shell)
+    p = subprocess.Popen([*shell.split(), "-s"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    script, token = build_script({"hang": f"sleep {LONG}", "ok": "echo ok"}, per_command_timeout_s=1)
+    try:
+        out, _ = p.communicate(script.encode(), timeout=30)
+        res = parse_records({"hang": "", "ok": ""}, out, token)
+        assert res["hang"].rc == 124 and res["ok"].stdout == "ok\n"
+        assert _left_in_session(p.pid, within=0.5) == []
+    finally:
+        subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+@pytest.mark.parametrize("how", ["eof", "term"])
+def test_a_batch_cut_short_while_starting_its_jobs_leaves_nothing_running(shell: str, how: str) -> None:
+    # The client went away while the script was still arriving (its stdin ends before the
+    # watchdog's line), or a signal landed then: the jobs already started go with the batch.
+    _need(shell)
+    script, _ = build_script({"a": f"sleep {LONG}", "b": f"sh -c 'sleep {LONG}; :'"}, per_command_timeout_s=30)
+    lines = script.splitlines(keepends=True)
+    head = "".join(lines[: next(i for i, ln in enumerate(lines) if ln.rstrip().endswith("& w=$!"))])
+    p = subprocess.Popen([*shell.split(), "-s"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        p.communicate((head + ("kill -TERM $$\n" if how == "term" else "")).encode(), timeout=30)
+        assert p.returncode == (143 if how == "term" else 0)
+        assert _left_in_session(p.pid, within=5) == []
+    finally:
+        subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
+
+
+def test_a_threaded_probes_children_are_timed_out_too() -> None:
+    # A probe that forks from another thread (Go's os/exec, a Python thread) lists that child
+    # under the thread, not under its main task.
+    kid = _own(30)
+    probe = "python3 -c " + shlex.quote(
+        f"import subprocess, threading\nt = threading.Thread(target=lambda: subprocess.run(['sleep', '{kid}']))\n"
+        "t.start(); t.join()"
+    )
+    try:
+        _, res = run_local({"mt": probe}, timeout=1)
+        assert res["mt"].rc == 124
+        deadline = time.monotonic() + 10
+        while _procs_with(kid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _procs_with(kid) == []
+    finally:
+        subprocess.run(["pkill", "-f", f"sleep {kid}"], check=False)
 
 
 def test_simple_commands_run_without_a_wrapper_shell() -> None:

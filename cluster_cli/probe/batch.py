@@ -34,7 +34,7 @@ disk costs more than running the probes).
 ``then`` maps a record to a sh snippet that runs in the batch's shell as soon as that
 record has finished with rc 0, while the others still run. ``$o`` is the record's
 stdout file and ``run NAME CMD [ARG...]`` starts another record. A snippet's own
-variables must not reuse the batch's names (``d g n o p R K w x<N> c s i l pp ws k q cs all sig``): prefix them ``cc_``. discover uses it to
+variables must not reuse the batch's names (``d g n o p R K w x<N> c s i l pp ws k q cs cf all sig js kr cc_rc``): prefix them ``cc_``. discover uses it to
 start ``sminfo`` for every Active InfiniBand port that ``ibstat`` printed, without a
 second round trip. ``val NAME TEXT`` adds a record that needs no process (stdout TEXT,
 rc 0, or 1 when TEXT is empty): discover reads each such port's GID from sysfs with the
@@ -61,9 +61,10 @@ _PRELUDE = r"""export LC_ALL=C
 # The batch's own tools from the system's default PATH (never a look-alike on the user's),
 # unless the system keeps them elsewhere (NixOS, Guix: only on the user's PATH).
 if [ -x /bin/cat ] || [ -x /usr/bin/cat ]; then cc_p='command -p'; else cc_p=; fi
-d=$($cc_p mktemp -d -p /dev/shm 2>/dev/null || $cc_p mktemp -d) || exit 97
-w=; trap 'cc_end' EXIT
-trap 'exit 129' HUP; trap 'exit 141' PIPE; trap 'exit 143' TERM INT  # the client left: still clean up
+d=$($cc_p mktemp -d -p /dev/shm 2>/dev/null) || d=$($cc_p mktemp -d) || exit 97
+w=; cc_rc=; trap 'cc_end' EXIT
+# The client left: still clean up (cc_end exits with cc_rc: mksh would exit 0 from an EXIT trap).
+trap 'cc_rc=129; exit 129' HUP; trap 'cc_rc=141; exit 141' PIPE; trap 'cc_rc=143; exit 143' TERM INT
 g=; trap 'g=1' USR1  # from the watchdog: jobs that outlived KILL (D state) are given up on
 R=; n=0
 run() {
@@ -88,29 +89,51 @@ ours() {  # is $1 a live (not zombie) child of $2? Without /proc: is there a pro
     [ "$1" != Z ] && [ "$2" = "$pp" ]
   else kill -0 "$1" 2>/dev/null; fi
 }
-stop_w() {  # end the watchdog (w=): KILL its sleep, which then ends the watchdog itself
+tree() {  # every process under the pids given, each thread's children too, into $all (no fork)
+  all=; q=$*
+  while set -- $q; [ $# -gt 0 ]; do
+    c=$1; shift; q=$*; all="$all $c"
+    for cf in /proc/$c/task/*/children; do cs=; read -r cs <"$cf" 2>/dev/null; q="$q $cs"; done
+  done
+}
+kt() {  # KILL the trees under the pids given (ours): STOPped and walked again first, so none forks away
+  kr=0; while [ $kr -lt 3 ]; do tree "$@"; kill -STOP $all 2>/dev/null; kr=$((kr+1)); done
+  tree "$@"; kill -KILL $all 2>/dev/null
+}
+stop_w() {  # end the watchdog and its sleep (w=)
   [ -n "$w" ] || return 0
-  # Its sleep is known once $d/w holds the pid (on a loaded box that can take a moment).
-  c=0; while [ ! -s "$d/w" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
-  ws=; read -r ws <"$d/w" 2>/dev/null
   if [ -e "$d/t" ]; then
-    # Past the deadline its sleep has ended and it is signalling the jobs' trees: it goes
-    # itself, but only once the TERMs are out ($d/k), or a job's children could miss theirs.
-    ws=; c=0; while [ ! -s "$d/k" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
+    # Past the deadline it is signalling the jobs' trees: it goes, but only once the TERMs
+    # are out ($d/k), or a job's children could miss theirs.
+    c=0; while [ ! -s "$d/k" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
   fi
-  # KILL, not TERM: a child forked but not yet exec'd still runs this shell's traps and would
-  # swallow a TERM, leaving the sleep to run its whole timeout. Only pids still ours: one
-  # that has ended may belong to someone else now.
-  if [ -n "$ws" ] && ours "$ws" "$w"; then kill -KILL "$ws" 2>/dev/null
-  elif ours "$w" $$; then kill -KILL "$w" 2>/dev/null; fi
+  if [ -r /proc/$$/task/$$/children ]; then
+    ours "$w" $$ && kt "$w"
+  else
+    # No children lists (a kernel built without them): KILL the sleep whose pid the watchdog
+    # noted in $d/w (KILL, not TERM: a child forked but not yet exec'd still runs this shell's
+    # traps and would swallow a TERM), and the watchdog then ends itself. Only pids still
+    # ours: one that has ended may belong to someone else now.
+    c=0; while [ ! -s "$d/w" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
+    ws=; read -r ws <"$d/w" 2>/dev/null
+    [ -e "$d/t" ] && ws=  # past the deadline its sleep has ended: the watchdog itself goes
+    if [ -n "$ws" ] && ours "$ws" "$w"; then kill -KILL "$ws" 2>/dev/null
+    elif ours "$w" $$; then kill -KILL "$w" 2>/dev/null; fi
+  fi
   w=
 }
-cc_end() {  # on any exit: stop the watchdog and any job still running, remove the scratch files
-  if [ -n "$w" ]; then stop_w; kl TERM; fi
+cc_end() {  # on any exit: end everything the batch started, remove the scratch files
+  cc_rc=${cc_rc:-$?}
+  if [ -r /proc/$$/task/$$/children ]; then
+    # Whatever it got to (a signal may land while jobs or the watchdog are being started).
+    q=; read -r q <"/proc/$$/task/$$/children" 2>/dev/null
+    [ -z "$q" ] || kt $q
+  elif [ -n "$w" ]; then stop_w; kl TERM; fi
   $cc_p rm -rf "$d"
+  exit "$cc_rc"
 }
 kl() {
-  sig=$1; all=
+  sig=$1; js=
   while read -r k; do
     if [ -r /proc/$$/stat ]; then
       # Only our own jobs still running: a finished job's pid may belong to someone else now.
@@ -119,15 +142,11 @@ kl() {
       [ "$2" = "$$" ] && [ "$1" != Z ] || continue
     fi
     [ "$sig" = TERM ] && echo "$k" >>"$d/t"
-    # The job and everything it started (an `sh -c` probe's children would outlive it, still
-    # writing to its output): collect the whole tree first, then signal it at once.
-    q=$k
-    while set -- $q; [ $# -gt 0 ]; do
-      c=$1; shift; q=$*; all="$all $c"
-      cs=; read -r cs <"/proc/$c/task/$c/children" 2>/dev/null
-      q="$q $cs"
-    done
+    js="$js $k"
   done <"$d/p"
+  # Each job and everything it started (an `sh -c` probe's children would outlive it, still
+  # writing to its output): the whole tree first, then signal it at once.
+  all=; [ -n "$js" ] && tree $js
   [ -n "$all" ] && kill -"$sig" $all 2>/dev/null
   [ "$sig" = TERM ] && echo "$all" >>"$d/k"  # what it signalled; also says the TERMs are out
 }
@@ -135,12 +154,13 @@ kl() {
 
 # One watchdog for every job: at the deadline, flag it (``$d/t``), TERM the jobs still
 # running (recording their pids), KILL what is left a second later, and a second after that
-# wake the batch (USR1) so that it stops waiting for jobs that even KILL could not end. It
-# has no trap: the batch stops it by killing its sleep (``stop_w``), and a sleep that did
-# not end by itself ends the watchdog.
+# wake the batch (USR1) so that it stops waiting for jobs that even KILL could not end.
+# Only the batch ends it (``stop_w``, ``cc_end``): it ignores HUP, INT and TERM, so a signal
+# to the whole group cannot end it and leave its sleep out of the batch's reach. A sleep that
+# did not end by itself ends it too. It wakes the batch only while that is still there.
 _WATCHDOG = (
-    '( $cc_p sleep {t} & s=$!; echo $s >"$d/w"; wait $s || exit; : >"$d/t"; '
-    "kl TERM; $cc_p sleep 1; kl KILL; $cc_p sleep 1; kill -USR1 $$ ) "
+    '( trap "" HUP INT TERM; $cc_p sleep {t} & s=$!; echo $s >"$d/w"; wait $s || exit; : >"$d/t"; '
+    "kl TERM; $cc_p sleep 1; kl KILL; $cc_p sleep 1; ours $$ $PPID && kill -USR1 $$ ) "
     ">/dev/null 2>&1 </dev/null & w=$!"
 )
 
