@@ -149,6 +149,15 @@ def _procs_with(arg: str) -> list[str]:
     return [line for line in ps.splitlines() if arg in line.split(None, 1)[-1].split()]
 
 
+def _still_running(*durations: str, within: float = 10) -> list[str]:
+    """Processes with one of ``durations`` in their command line after up to ``within`` s
+    (a process just signalled, or a trap about to end one, may need a moment on a busy box)."""
+    deadline = time.monotonic() + within
+    while (left := [p for d in durations for p in _procs_with(d)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 def test_nothing_is_left_running_after_the_batch() -> None:
     # The watchdog's sleep (the timeout) must go with the batch, and so must a timed-out job.
     # Durations of this run's own (another test run on the box has sleeps of its own).
@@ -157,12 +166,9 @@ def test_nothing_is_left_running_after_the_batch() -> None:
     assert res["hang"].rc == 124 and "timed out" in res["hang"].stderr
     _, res = run_local({"fine": "echo fine"}, timeout=int(watchdog))
     assert res["fine"].stdout == "fine\n"
-    # The watchdog ends its sleep in its TERM trap, which may run just after the batch has
-    # returned on a busy box: give it a moment (it would otherwise live for its whole timeout).
-    deadline = time.monotonic() + 10
-    while (_procs_with(job) or _procs_with(watchdog)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = _procs_with(job) + _procs_with(watchdog)
+    # The batch KILLs the watchdog and its sleep before it exits (which may take a moment to
+    # land on a busy box); a sleep left behind would live for its whole timeout.
+    left = _still_running(job, watchdog)
     ps = subprocess.run(["ps", "-eo", "pid=,ppid=,etimes=,stat=,args="], capture_output=True, text=True).stdout
     assert left == [], [line for line in ps.splitlines() if "sleep" in line or "sh -s" in line]
 
@@ -186,10 +192,7 @@ def test_no_watchdog_outlives_its_batch_when_many_end_at_once(shell: str) -> Non
     try:
         with ThreadPoolExecutor(8) as pool:
             assert set(pool.map(one, range(160))) == {"fine\n"}
-        deadline = time.monotonic() + 10
-        while _procs_with(watchdog) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _procs_with(watchdog) == []
+        assert _still_running(watchdog) == []
     finally:
         subprocess.run(["pkill", "-f", f"sleep {watchdog}"], check=False)
 
@@ -204,10 +207,7 @@ def test_every_process_of_a_timed_out_job_gets_its_term() -> None:
         for _ in range(3):
             _, res = run_local({"job": job}, timeout=1)
             assert res["job"].rc == 124 and res["job"].stdout == "started\n"
-            deadline = time.monotonic() + 10
-            while _procs_with(kid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert _procs_with(kid) == []
+            assert _still_running(kid) == []
     finally:
         subprocess.run(["pkill", "-f", f"sleep {kid}"], check=False)
 
@@ -252,10 +252,7 @@ def test_a_batch_told_to_stop_leaves_nothing_running(shell: str) -> None:
             assert _procs_with(job) and _procs_with(watchdog)
             p.send_signal(sig)
             assert p.wait(timeout=20) == 128 + sig
-            deadline = time.monotonic() + 10
-            while (_procs_with(job) or _procs_with(watchdog)) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert _procs_with(job) + _procs_with(watchdog) == []
+            assert _still_running(job, watchdog) == []
     finally:
         subprocess.run(["pkill", "-f", f"sleep {job}"], check=False)
         subprocess.run(["pkill", "-f", f"sleep {watchdog}"], check=False)
@@ -294,10 +291,7 @@ def test_the_batch_behaves_the_same_under_every_common_sh(shell: str) -> None:
         for q in active:
             sm = res[sminfo_record(q.ca, q.port)]
             assert sm.rc == 0 and sm.stdout.split() == ["-C", q.ca, "-P", str(q.port)]
-        deadline = time.monotonic() + 10
-        while _procs_with(hang) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _procs_with(hang) == []
+        assert _still_running(hang) == []
     finally:
         subprocess.run(["pkill", "-f", f"sleep {hang}"], check=False)
 
@@ -349,10 +343,7 @@ def test_a_threaded_probes_children_are_timed_out_too() -> None:
     try:
         _, res = run_local({"mt": probe}, timeout=1)
         assert res["mt"].rc == 124
-        deadline = time.monotonic() + 10
-        while _procs_with(kid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _procs_with(kid) == []
+        assert _still_running(kid) == []
     finally:
         subprocess.run(["pkill", "-f", f"sleep {kid}"], check=False)
 
