@@ -179,19 +179,19 @@ done
 stop_w
 K=" "
 if [ -e "$d/t" ]; then while read -r k; do K="$K$k "; done <"$d/t"; fi
-printf '@@CC {token} RC\n'
+echo "@@CC {token} RC"  # echo: a builtin in every sh (printf is a program in mksh)
 set --
 for x in $R; do
   i=${{x%%:*}}; x=${{x#*:}}; nm=${{x%:*}}; pid=${{x##*:}}
   eval "r=\$x$i"
   case $K in *" $pid "*) if [ "$r" -gt 128 ]; then r={timed_out}; fi;; esac
-  printf '%s %s\n' "$nm" "$r"
+  echo "$nm $r"  # a checked name (no backslash) and a number
   set -- "$@" "$d/$i.o" "$d/s" "$d/$i.e" "$d/s"
 done
-printf '@@CC {token} SEP\n' >"$d/s"
-printf '@@CC {token} DATA\n'
+echo "@@CC {token} SEP" >"$d/s"
+echo "@@CC {token} DATA"
 [ $# -gt 0 ] && $cc_p cat "$@" </dev/null
-printf '@@CC {token} END\n'
+echo "@@CC {token} END"
 exit 0
 """
 
