@@ -332,6 +332,73 @@ def test_a_batch_cut_short_while_starting_its_jobs_leaves_nothing_running(shell:
         subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
 
 
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_second_signal_while_cleaning_up_does_not_cut_the_cleanup_short(shell: str) -> None:
+    # systemd stops a session with TERM, then HUP: the second signal landed inside the exit
+    # trap and ended the shell mid-cleanup, leaving jobs running (or STOPped) and the folder.
+    _need(shell)
+    cmds = {f"j{i}": f"sh -c 'readlink /proc/$$/fd/1; echo {LONG}; sleep {LONG}; :'" for i in range(8)}
+    script, _ = build_script(cmds, per_command_timeout_s=30)
+
+    def folders() -> list[Path]:  # this run's scratch folders: a job printed its own output file
+        found = []
+        for f in [*Path("/dev/shm").glob("tmp.*/*.o"), *Path("/tmp").glob("tmp.*/*.o")]:
+            with contextlib.suppress(OSError):
+                if f.read_text().split() == [str(f), LONG]:
+                    found.append(f.parent)
+        return found
+
+    for gap in (0.0, 0.001, 0.003):
+        p = subprocess.Popen([*shell.split(), "-s"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        try:
+            p.stdin.write(script.encode())
+            p.stdin.close()
+            deadline = time.monotonic() + 20
+            while len({f for f in folders()}) < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            mine = folders()
+            assert mine
+            os.kill(p.pid, signal.SIGTERM)
+            time.sleep(gap)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGHUP)
+            p.wait(timeout=20)
+            assert _left_in_session(p.pid, within=5) == []
+            assert not any(d.exists() for d in mine)
+        finally:
+            subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_batch_that_went_well_says_nothing_on_stderr(shell: str) -> None:
+    # bash reports a background job it killed and did not reap ("Killed ( trap ... )"): one
+    # more packet from every node, and noise in any error shown from it.
+    _need(shell)
+    cmds = {"a": "echo a", "b": "true"}
+    script, token = build_script(cmds, per_command_timeout_s=30)
+    p = subprocess.run([*shell.split(), "-s"], input=script.encode(), capture_output=True, timeout=30)
+    assert p.returncode == 0 and parse_records(cmds, p.stdout, token)["a"].stdout == "a\n"
+    assert p.stderr == b""
+
+
+@pytest.mark.parametrize("shell", ["dash", "bash"])
+def test_a_script_cut_short_anywhere_in_its_set_up_fails_cleanly(shell: str) -> None:
+    # The client gone while the script arrives: every prefix up to the jobs must end without
+    # the exit trap failing (it named a function not yet defined, so its folder was left).
+    # A prefix cut inside a function is a syntax error, before anything was started.
+    _need(shell)
+    script, _ = build_script({"a": "echo a"}, per_command_timeout_s=30)
+    lines = script.splitlines(keepends=True)
+    setup = next(i for i, ln in enumerate(lines) if ln.startswith("run a "))
+    errors = []
+    for k in range(1, setup + 1):
+        p = subprocess.run([shell, "-s"], input="".join(lines[:k]).encode(), capture_output=True, timeout=30)
+        if b"not found" in p.stderr:
+            errors.append((k, p.stderr.decode(errors="replace")))
+    assert errors == []
+
+
 def test_a_threaded_probes_children_are_timed_out_too() -> None:
     # A probe that forks from another thread (Go's os/exec, a Python thread) lists that child
     # under the thread, not under its main task.

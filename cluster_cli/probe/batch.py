@@ -34,7 +34,7 @@ disk costs more than running the probes).
 ``then`` maps a record to a sh snippet that runs in the batch's shell as soon as that
 record has finished with rc 0, while the others still run. ``$o`` is the record's
 stdout file and ``run NAME CMD [ARG...]`` starts another record. A snippet's own
-variables must not reuse the batch's names (``d g n o p R K w x<N> c s i l pp ws k q cs cf all sig js kr cc_rc``): prefix them ``cc_``. discover uses it to
+variables must not reuse the batch's names (``d g n o p R K w x<N> c s i l pp ws k q cs cf all sig js kr ka cc_rc cc_x``): prefix them ``cc_``. discover uses it to
 start ``sminfo`` for every Active InfiniBand port that ``ibstat`` printed, without a
 second round trip. ``val NAME TEXT`` adds a record that needs no process (stdout TEXT,
 rc 0, or 1 when TEXT is empty): discover reads each such port's GID from sysfs with the
@@ -61,12 +61,6 @@ _PRELUDE = r"""export LC_ALL=C
 # The batch's own tools from the system's default PATH (never a look-alike on the user's),
 # unless the system keeps them elsewhere (NixOS, Guix: only on the user's PATH).
 if [ -x /bin/cat ] || [ -x /usr/bin/cat ]; then cc_p='command -p'; else cc_p=; fi
-d=$($cc_p mktemp -d -p /dev/shm 2>/dev/null) || d=$($cc_p mktemp -d) || exit 97
-w=; cc_rc=; trap 'cc_end' EXIT
-# The client left: still clean up (cc_end exits with cc_rc: mksh would exit 0 from an EXIT trap).
-trap 'cc_rc=129; exit 129' HUP; trap 'cc_rc=141; exit 141' PIPE; trap 'cc_rc=143; exit 143' TERM INT
-g=; trap 'g=1' USR1  # from the watchdog: jobs that outlived KILL (D state) are given up on
-R=; n=0
 run() {
   case $1 in ''|*[!A-Za-z0-9_.:-]*) return 1;; esac
   [ -e "$d/t" ] && return 1  # the deadline has passed: start nothing more
@@ -97,8 +91,8 @@ tree() {  # every process under the pids given, each thread's children too, into
   done
 }
 kt() {  # KILL the trees under the pids given (ours): STOPped and walked again first, so none forks away
-  kr=0; while [ $kr -lt 3 ]; do tree "$@"; kill -STOP $all 2>/dev/null; kr=$((kr+1)); done
-  tree "$@"; kill -KILL $all 2>/dev/null
+  kr=0; ka=; while [ $kr -lt 3 ]; do tree "$@"; kill -STOP $all 2>/dev/null; ka="$ka $all"; kr=$((kr+1)); done
+  tree "$@"; kill -KILL $all $ka 2>/dev/null  # $ka too: one whose parent died since is no longer under it
 }
 stop_w() {  # end the watchdog and its sleep (w=)
   [ -n "$w" ] || return 0
@@ -108,7 +102,7 @@ stop_w() {  # end the watchdog and its sleep (w=)
     c=0; while [ ! -s "$d/k" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
   fi
   if [ -r /proc/$$/task/$$/children ]; then
-    ours "$w" $$ && kt "$w"
+    ours "$w" $$ && kt "$w" && wait "$w" 2>/dev/null  # reaped here: bash would report it Killed
   else
     # No children lists (a kernel built without them): KILL the sleep whose pid the watchdog
     # noted in $d/w (KILL, not TERM: a child forked but not yet exec'd still runs this shell's
@@ -118,18 +112,18 @@ stop_w() {  # end the watchdog and its sleep (w=)
     ws=; read -r ws <"$d/w" 2>/dev/null
     [ -e "$d/t" ] && ws=  # past the deadline its sleep has ended: the watchdog itself goes
     if [ -n "$ws" ] && ours "$ws" "$w"; then kill -KILL "$ws" 2>/dev/null
-    elif ours "$w" $$; then kill -KILL "$w" 2>/dev/null; fi
+    elif ours "$w" $$; then kill -KILL "$w" 2>/dev/null; wait "$w" 2>/dev/null; fi
   fi
   w=
 }
 cc_end() {  # on any exit: end everything the batch started, remove the scratch files
-  cc_rc=${cc_rc:-$?}
+  cc_rc=${cc_rc:-$?} cc_x=1
   if [ -r /proc/$$/task/$$/children ]; then
     # Whatever it got to (a signal may land while jobs or the watchdog are being started).
     q=; read -r q <"/proc/$$/task/$$/children" 2>/dev/null
     [ -z "$q" ] || kt $q
   elif [ -n "$w" ]; then stop_w; kl TERM; fi
-  $cc_p rm -rf "$d"
+  [ -z "$d" ] || $cc_p rm -rf "$d"
   exit "$cc_rc"
 }
 kl() {
@@ -150,6 +144,17 @@ kl() {
   [ -n "$all" ] && kill -"$sig" $all 2>/dev/null
   [ "$sig" = TERM ] && echo "$all" >>"$d/k"  # what it signalled; also says the TERMs are out
 }
+# Set up only now that every function is defined (a script cut short in the functions has
+# started nothing), the exit trap before the scratch folder is made.
+d=; w=; cc_rc=; cc_x=; trap 'cc_end' EXIT
+# The client left: still clean up (cc_end exits with cc_rc: mksh would exit 0 from an EXIT
+# trap). Once cleaning up, a second signal (TERM then HUP, say) must not cut it short.
+trap '[ -n "$cc_x" ] || { cc_x=1 cc_rc=129; exit 129; }' HUP
+trap '[ -n "$cc_x" ] || { cc_x=1 cc_rc=141; exit 141; }' PIPE
+trap '[ -n "$cc_x" ] || { cc_x=1 cc_rc=143; exit 143; }' TERM INT
+d=$($cc_p mktemp -d -p /dev/shm 2>/dev/null) || d=$($cc_p mktemp -d) || exit 97
+g=; trap 'g=1' USR1  # from the watchdog: jobs that outlived KILL (D state) are given up on
+R=; n=0
 """
 
 # One watchdog for every job: at the deadline, flag it (``$d/t``), TERM the jobs still
