@@ -94,26 +94,26 @@ kt() {  # KILL the trees under the pids given (ours): STOPped and walked again f
   kr=0; ka=; while [ $kr -lt 3 ]; do tree "$@"; kill -STOP $all 2>/dev/null; ka="$ka $all"; kr=$((kr+1)); done
   tree "$@"; kill -KILL $all $ka 2>/dev/null  # $ka too: one whose parent died since is no longer under it
 }
-stop_w() {  # end the watchdog and its sleep (w=)
+stop_w() {  # end the watchdog and its sleep (w=), and reap it (bash would report it Killed)
   [ -n "$w" ] || return 0
   if [ -e "$d/t" ]; then
-    # Past the deadline it is signalling the jobs' trees: it goes, but only once the TERMs
-    # are out ($d/k), or a job's children could miss theirs.
+    # Past the deadline it is signalling the jobs' trees, then waits a second twice: it goes
+    # with its tree, but only once the TERMs are out ($d/k), or a job's children could miss
+    # theirs.
     c=0; while [ ! -s "$d/k" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
-  fi
-  if [ -r /proc/$$/task/$$/children ]; then
-    ours "$w" $$ && kt "$w" && wait "$w" 2>/dev/null  # reaped here: bash would report it Killed
+    ws=
   else
-    # No children lists (a kernel built without them): KILL the sleep whose pid the watchdog
-    # noted in $d/w (KILL, not TERM: a child forked but not yet exec'd still runs this shell's
-    # traps and would swallow a TERM), and the watchdog then ends itself. Only pids still
-    # ours: one that has ended may belong to someone else now.
+    # Before it: KILL its sleep, whose pid it notes in $d/w, and it ends itself (KILL, not
+    # TERM: a child forked but not yet exec'd still runs this shell's traps and would swallow
+    # a TERM). Only pids still ours: one that has ended may belong to someone else now.
     c=0; while [ ! -s "$d/w" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
     ws=; read -r ws <"$d/w" 2>/dev/null
-    [ -e "$d/t" ] && ws=  # past the deadline its sleep has ended: the watchdog itself goes
-    if [ -n "$ws" ] && ours "$ws" "$w"; then kill -KILL "$ws" 2>/dev/null
-    elif ours "$w" $$; then kill -KILL "$w" 2>/dev/null; wait "$w" 2>/dev/null; fi
   fi
+  if [ -n "$ws" ] && ours "$ws" "$w"; then kill -KILL "$ws" 2>/dev/null
+  elif ! ours "$w" $$; then :
+  elif [ -r /proc/$$/task/$$/children ]; then kt "$w"
+  else kill -KILL "$w" 2>/dev/null; fi  # (a kernel without children lists: its sleep may stay)
+  wait "$w" 2>/dev/null
   w=
 }
 cc_end() {  # on any exit: end everything the batch started, remove the scratch files
