@@ -256,6 +256,15 @@ _NOT_PROGRAMS = frozenset(
 )
 
 
+def _without_comment_lines(script: str) -> str:
+    """The batch's own text without its comment lines: it goes to every node on every run."""
+    return "".join(ln for ln in script.splitlines(keepends=True) if not ln.lstrip().startswith("#"))
+
+
+_PRELUDE = _without_comment_lines(_PRELUDE)
+_COLLECT = _without_comment_lines(_COLLECT)
+
+
 def _is_simple(cmd: str) -> bool:
     """Plain words and single-quoted words (what ``shlex.quote`` makes), no assignment first."""
     if cmd.count("'") % 2:
