@@ -399,6 +399,23 @@ def test_a_script_cut_short_anywhere_in_its_set_up_fails_cleanly(shell: str) -> 
     assert errors == []
 
 
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_timed_out_jobs_child_that_ignores_term_goes_too(shell: str) -> None:
+    # The job dies of its TERM, its child does not: orphaned, it was out of every later walk
+    # (the KILL a second later starts from the jobs still running) and ran on for good.
+    _need(shell)
+    kid = _own(40 + SHELLS.index(shell))
+    cmds = {"t": f"sh -c '(trap \"\" TERM; exec sleep {kid}) & wait'", "e": "echo e"}
+    script, token = build_script(cmds, per_command_timeout_s=1)
+    try:
+        p = subprocess.run([*shell.split(), "-s"], input=script.encode(), capture_output=True, timeout=30)
+        res = parse_records(cmds, p.stdout, token)
+        assert (p.returncode, res["t"].rc, res["e"].stdout) == (0, 124, "e\n")
+        assert _still_running(kid) == []
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", f"sleep {kid}"], check=False)
+
+
 def test_a_threaded_probes_children_are_timed_out_too() -> None:
     # A probe that forks from another thread (Go's os/exec, a Python thread) lists that child
     # under the thread, not under its main task.

@@ -34,7 +34,7 @@ disk costs more than running the probes).
 ``then`` maps a record to a sh snippet that runs in the batch's shell as soon as that
 record has finished with rc 0, while the others still run. ``$o`` is the record's
 stdout file and ``run NAME CMD [ARG...]`` starts another record. A snippet's own
-variables must not reuse the batch's names (``d g n o p R K w x<N> c s i l pp ws k q cs cf all sig js kr ka cc_rc cc_x``): prefix them ``cc_``. discover uses it to
+variables must not reuse the batch's names (``d g n o p R K w x<N> c s i l pp ws k q cs cf all sig js kr ka ks kp kq cc_rc cc_x``): prefix them ``cc_``. discover uses it to
 start ``sminfo`` for every Active InfiniBand port that ``ibstat`` printed, without a
 second round trip. ``val NAME TEXT`` adds a record that needs no process (stdout TEXT,
 rc 0, or 1 when TEXT is empty): discover reads each such port's GID from sysfs with the
@@ -78,7 +78,7 @@ val() {  # a record that is already done: stdout $2, rc 0 (1 when $2 is empty); 
 ours() {  # is $1 a live (not zombie) child of $2? Without /proc: is there a process $1 at all?
   pp=$2
   if [ -r /proc/$$/stat ]; then
-    l=; read -r l <"/proc/$1/stat" 2>/dev/null || return 1
+    l=; read -r l 2>/dev/null <"/proc/$1/stat" || return 1
     set -- ${l##*) }
     [ "$1" != Z ] && [ "$2" = "$pp" ]
   else kill -0 "$1" 2>/dev/null; fi
@@ -87,7 +87,7 @@ tree() {  # every process under the pids given, each thread's children too, into
   all=; q=$*
   while set -- $q; [ $# -gt 0 ]; do
     c=$1; shift; q=$*; all="$all $c"
-    for cf in /proc/$c/task/*/children; do cs=; read -r cs <"$cf" 2>/dev/null; q="$q $cs"; done
+    for cf in /proc/$c/task/*/children; do cs=; read -r cs 2>/dev/null <"$cf"; q="$q $cs"; done
   done
 }
 kt() {  # KILL the trees under the pids given (ours): STOPped and walked again first, so none forks away
@@ -101,13 +101,13 @@ stop_w() {  # end the watchdog and its sleep (w=), and reap it (bash would repor
     # with its tree, but only once the TERMs are out ($d/k), or a job's children could miss
     # theirs.
     c=0; while [ ! -s "$d/k" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
-    ws=
+    ws=; kk
   else
     # Before it: KILL its sleep, whose pid it notes in $d/w, and it ends itself (KILL, not
     # TERM: a child forked but not yet exec'd still runs this shell's traps and would swallow
     # a TERM). Only pids still ours: one that has ended may belong to someone else now.
     c=0; while [ ! -s "$d/w" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
-    ws=; read -r ws <"$d/w" 2>/dev/null
+    ws=; read -r ws 2>/dev/null <"$d/w"
   fi
   if [ -n "$ws" ] && ours "$ws" "$w"; then kill -KILL "$ws" 2>/dev/null
   elif ! ours "$w" $$; then :
@@ -120,8 +120,9 @@ cc_end() {  # on any exit: end everything the batch started, remove the scratch 
   cc_rc=${cc_rc:-$?} cc_x=1
   if [ -r /proc/$$/task/$$/children ]; then
     # Whatever it got to (a signal may land while jobs or the watchdog are being started).
-    q=; read -r q <"/proc/$$/task/$$/children" 2>/dev/null
+    q=; read -r q 2>/dev/null <"/proc/$$/task/$$/children"
     [ -z "$q" ] || kt $q
+    kk
   elif [ -n "$w" ]; then stop_w; kl TERM; fi
   [ -z "$d" ] || $cc_p rm -rf "$d"
   exit "$cc_rc"
@@ -131,7 +132,7 @@ kl() {
   while read -r k; do
     if [ -r /proc/$$/stat ]; then
       # Only our own jobs still running: a finished job's pid may belong to someone else now.
-      l=; read -r l <"/proc/$k/stat" 2>/dev/null || continue
+      l=; read -r l 2>/dev/null <"/proc/$k/stat" || continue
       set -- ${l##*) }
       [ "$2" = "$$" ] && [ "$1" != Z ] || continue
     fi
@@ -142,7 +143,26 @@ kl() {
   # writing to its output): the whole tree first, then signal it at once.
   all=; [ -n "$js" ] && tree $js
   [ -n "$all" ] && kill -"$sig" $all 2>/dev/null
-  [ "$sig" = TERM ] && echo "$all" >>"$d/k"  # what it signalled; also says the TERMs are out
+  [ "$sig" = TERM ] || return 0
+  # What it signalled, each pid with its start time (the same pid and start time is the same
+  # process); the line also says the TERMs are out.
+  ks=
+  for c in $all; do
+    l=; read -r l 2>/dev/null <"/proc/$c/stat" || continue
+    set -- ${l##*) }
+    ks="$ks $c:${20}"
+  done
+  echo "$ks" >>"$d/k"
+}
+kk() {  # KILL what the watchdog TERMed and still runs: a job that died may have left children
+  [ -s "$d/k" ] || return 0
+  while read -r kp; do
+    for kq in $kp; do
+      l=; read -r l 2>/dev/null <"/proc/${kq%%:*}/stat" || continue
+      set -- ${l##*) }
+      [ "$1" != Z ] && [ "${20}" = "${kq#*:}" ] && kill -KILL "${kq%%:*}" 2>/dev/null
+    done
+  done <"$d/k"
 }
 # Set up only now that every function is defined (a script cut short in the functions has
 # started nothing), the exit trap before the scratch folder is made.
