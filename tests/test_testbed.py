@@ -617,12 +617,18 @@ def test_kill_also_ends_what_lives_only_in_the_nodes_network(testbed_factory: Cl
     # Entered with `ip netns exec`: in the node's network, outside its PID namespace.
     p = subprocess.Popen(["ip", "netns", "exec", str(n.netns), "bash", "-c", f"exec -a {tag} sleep 300"],
                          stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    def tagged() -> list[int]:  # the sleep itself (argv[0] is the tag once bash has exec'd it)
+        return [q for q in all_pids() if cmdline(q).split(" ")[0] == tag]
+
     try:
         deadline = time.monotonic() + 30
-        while not [q for q in all_pids() if tag in cmdline(q)] and time.monotonic() < deadline:
+        # Not "tag in cmdline": bash's own command line holds the tag too, and reads empty for
+        # a moment while it execs the sleep.
+        while not (found := tagged()) and time.monotonic() < deadline:
             assert p.poll() is None, f"ip netns exec failed (rc {p.returncode}): {p.stderr.read() if p.stderr else ''}"
             time.sleep(0.05)
-        assert [q for q in all_pids() if tag in cmdline(q)], _stuck(p.pid)
+        assert found, _stuck(p.pid)
         c.kill("z")
         assert p.wait(timeout=5) is not None
         assert not [q for q in all_pids() if tag in cmdline(q)]
