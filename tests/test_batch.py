@@ -149,6 +149,17 @@ def _procs_with(arg: str) -> list[str]:
     return [line for line in ps.splitlines() if arg in line.split(None, 1)[-1].split()]
 
 
+def _scratch_folders() -> list[Path]:
+    """This run's batch scratch folders ($d): a job in them printed the path of its own output
+    file and this run's own number (another run's batch may be doing the same)."""
+    found = set()
+    for f in [*Path("/dev/shm").glob("tmp.*/*.o"), *Path("/tmp").glob("tmp.*/*.o")]:
+        with contextlib.suppress(OSError):
+            if f.read_text().split() == [str(f), LONG]:
+                found.add(f.parent)
+    return sorted(found)
+
+
 def _still_running(*durations: str, within: float = 10) -> list[str]:
     """Processes with one of ``durations`` in their command line after up to ``within`` s
     (a process just signalled, or a trap about to end one, may need a moment on a busy box)."""
@@ -340,14 +351,6 @@ def test_a_second_signal_while_cleaning_up_does_not_cut_the_cleanup_short(shell:
     cmds = {f"j{i}": f"sh -c 'readlink /proc/$$/fd/1; echo {LONG}; sleep {LONG}; :'" for i in range(8)}
     script, _ = build_script(cmds, per_command_timeout_s=30)
 
-    def folders() -> list[Path]:  # this run's scratch folders: a job printed its own output file
-        found = []
-        for f in [*Path("/dev/shm").glob("tmp.*/*.o"), *Path("/tmp").glob("tmp.*/*.o")]:
-            with contextlib.suppress(OSError):
-                if f.read_text().split() == [str(f), LONG]:
-                    found.append(f.parent)
-        return found
-
     for gap in (0.0, 0.001, 0.003):
         p = subprocess.Popen([*shell.split(), "-s"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
@@ -355,9 +358,9 @@ def test_a_second_signal_while_cleaning_up_does_not_cut_the_cleanup_short(shell:
             p.stdin.write(script.encode())
             p.stdin.close()
             deadline = time.monotonic() + 20
-            while len({f for f in folders()}) < 1 and time.monotonic() < deadline:
+            while not _scratch_folders() and time.monotonic() < deadline:
                 time.sleep(0.02)
-            mine = folders()
+            mine = _scratch_folders()
             assert mine
             os.kill(p.pid, signal.SIGTERM)
             time.sleep(gap)
@@ -620,20 +623,12 @@ def test_the_scratch_folder_goes_when_the_client_hangs_up() -> None:
     p.stdin.write(script.encode())
     p.stdin.close()
 
-    def mine() -> list[Path]:  # this batch's $d: the job printed the path of its own output file
-        found = []  # (and this run's own number: another run's batch may be doing the same)
-        for f in [*Path("/dev/shm").glob("tmp.*/0.o"), *Path("/tmp").glob("tmp.*/0.o")]:
-            with contextlib.suppress(OSError):
-                if f.read_text().split() == [str(f), LONG]:
-                    found.append(f.parent)
-        return found
-
     try:
         deadline = time.monotonic() + 20  # a busy box may take a while to get the job going
-        while not mine() and time.monotonic() < deadline:
+        while not _scratch_folders() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert mine()
-        dirs = mine()
+        assert _scratch_folders()
+        dirs = _scratch_folders()
         subprocess.run(["pkill", "-HUP", "-s", str(p.pid), "-x", "sh"], check=False)
         p.wait(timeout=20)
         deadline = time.monotonic() + 10

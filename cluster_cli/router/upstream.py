@@ -291,7 +291,7 @@ class UpstreamConn(asyncio.Protocol):
         self.got_bytes = False
         self.last_io = _monotonic()
         if self.closed:  # lost while the caller was getting to this (a fresh connect's await)
-            asyncio.get_running_loop().call_soon(self._lost_before_send)
+            asyncio.get_running_loop().call_soon(self.connection_lost, None)  # reported as any close
             return
         self.pool.active.add(self)
         try:  # noqa: SIM105 - the hot path: a bare try costs nothing, suppress() a context manager
@@ -300,13 +300,6 @@ class UpstreamConn(asyncio.Protocol):
             # uvloop: the engine closed it and its connection_lost is still queued; that call
             # reports the failure to the sink, as a stale connection's, retried on a fresh one.
             pass
-
-    def _lost_before_send(self) -> None:
-        sink = self.sink
-        if sink is not None:
-            self.sink = None
-            what = "upstream closed the connection before answering"
-            sink.on_error(UpstreamError("reset", what, stale=self.reused and not self.got_bytes))
 
     def timed_out(self) -> None:
         self._fail("timeout", "upstream idle timeout")
