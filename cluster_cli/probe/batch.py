@@ -130,12 +130,7 @@ cc_end() {  # on any exit: end everything the batch started, remove the scratch 
 kl() {
   sig=$1; js=
   while read -r k; do
-    if [ -r /proc/$$/stat ]; then
-      # Only our own jobs still running: a finished job's pid may belong to someone else now.
-      l=; read -r l 2>/dev/null <"/proc/$k/stat" || continue
-      set -- ${l##*) }
-      [ "$2" = "$$" ] && [ "$1" != Z ] || continue
-    fi
+    ours "$k" $$ || continue  # a finished job's pid may belong to someone else now
     [ "$sig" = TERM ] && echo "$k" >>"$d/t"
     js="$js $k"
   done <"$d/p"
