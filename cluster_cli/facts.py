@@ -39,6 +39,25 @@ def _bool(d: dict[str, Any], key: str, default: bool | None) -> Any:
     raise ValueError(f"{key}: expected true or false, got {v!r}")
 
 
+def _text(d: dict[str, Any], key: str) -> str | None:
+    """``d[key]`` if it is a string, None if missing/null; anything else is a ValueError naming
+    the key (a name compared or sorted with others must not be a number in one file)."""
+    v = d.get(key)
+    if v is None or isinstance(v, str):
+        return v
+    raise ValueError(f"{key}: expected a string, got {v!r}")
+
+
+def _texts(d: dict[str, Any], key: str) -> tuple[str, ...]:
+    """``d[key]`` as a tuple of strings (missing/null: empty); else a ValueError naming the key."""
+    v = d.get(key)
+    if v is None:
+        return ()
+    if isinstance(v, list | tuple) and all(isinstance(x, str) for x in v):
+        return tuple(v)
+    raise ValueError(f"{key}: expected a list of strings, got {v!r}")
+
+
 @dataclass(frozen=True)
 class GpuProcess:
     """A compute process on a GPU, from ``nvidia-smi --query-compute-apps``."""
@@ -131,7 +150,7 @@ class Gpu:
                 GpuProcess(int(p["pid"]), str(p.get("name", "")), str(p.get("gpu_uuid", "")), p.get("used_mib"))
                 for p in d.get("processes") or ()
             ),
-            problems=tuple(str(p) for p in d.get("problems") or ()),
+            problems=_texts(d, "problems"),
         )
         have = {problem_key(p) for p in g.problems}
         implied = [
@@ -253,11 +272,11 @@ class HcaPort:
             link_layer=str(d.get("link_layer") or ""),
             rate_gbps=None if d.get("rate_gbps") is None else float(d["rate_gbps"]),
             port_guid=int(guid, 16) if isinstance(guid, str) else guid,
-            base_lid=d.get("base_lid"),
-            sm_lid=d.get("sm_lid"),
+            base_lid=_num(d, "base_lid"),
+            sm_lid=_num(d, "sm_lid"),
             ca_type=d.get("ca_type"),
             sm_guid=int(d["sm_guid"], 16) if isinstance(d.get("sm_guid"), str) else d.get("sm_guid"),
-            fabric=d.get("fabric"),
+            fabric=_text(d, "fabric"),
             subnet_prefix=prefix_value(d.get("subnet_prefix")),
         )
 
@@ -330,15 +349,24 @@ class NodeFacts:
                 gpus=tuple(Gpu.from_dict(g, away=not reachable) for g in d.get("gpus") or ()),
                 nvlink_domains=None if doms is None else tuple(tuple(int(i) for i in x) for x in doms),
                 hcas=tuple(HcaPort.from_dict(h) for h in d.get("hcas") or ()),
-                fabric=d.get("fabric"),
-                labels=dict(d.get("labels") or {}),
+                fabric=_text(d, "fabric"),
+                labels=_labels(d),
                 cordoned=_bool(d, "cordoned", False),
                 cordon_reason=d.get("cordon_reason"),
-                problems=tuple(d.get("problems") or ()),
+                problems=_texts(d, "problems"),
                 probed_at=_num(d, "probed_at"),
                 last_seen_at=_num(d, "last_seen_at"),
             )
         )
+
+
+def _labels(d: dict[str, Any]) -> dict[str, str]:
+    v = d.get("labels")
+    if v is None:
+        return {}
+    if isinstance(v, dict) and all(isinstance(x, str) for x in v.values()):
+        return {str(k): x for k, x in v.items()}
+    raise ValueError(f"labels: expected a mapping of strings, got {v!r}")
 
 
 def printable(text: str) -> str:

@@ -96,7 +96,9 @@ def test_a_replica_that_fell_back_says_why_each_better_profile_did_not_fit(tmp_p
     r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts))
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    i = lines.index("  llama-70b [1] on cpu: 2 nodes evaluated")
+    i = lines.index(
+        "  llama-70b [1] on cpu: 2 nodes evaluated; capacity checked up to the first node that fits, in spread order"
+    )
     assert lines[i + 1 : i + 3] == [
         "    not h100-tp8 (8x H100): 0/2 nodes are available: 1 insufficient gpus, 1 no H100 gpu.",
         "    not a100-2x8 (2 nodes x 8x A100): 0/2 nodes are available: 2 no A100 gpu.",

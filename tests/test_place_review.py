@@ -142,7 +142,10 @@ def test_cordoned_node_without_facts_is_explained_as_cordoned(tmp_path: Path) ->
     assert r.exit_code == 3, r.output
     (u,) = json.loads(r.stdout)["unplaced"]
     (reason,) = u["reasons"]
-    assert (reason["constraint"], reason["detail"]) == ("cordoned", "cordoned (RMA 4411)")
+    assert (reason["constraint"], reason["detail"]) == (
+        "cordoned",
+        "cordoned (RMA 4411); also unreachable: no facts (not discovered yet)",
+    )
     assert u["attempts"][0]["metrics"]["filtered_by"] == {"cordoned": 1}
     assert u["attempts"][0]["placed"] is False and u["attempts"][0]["summary"].startswith("0/")
 

@@ -189,7 +189,8 @@ def still_valid(r: Replica, by_name: dict[str, NodeFacts], cat: Catalog, held: s
     its model, replica number and profile are in the catalog and the profile still asks for
     what it holds; every node has facts and is reachable; every GPU exists, is healthy (not
     lost, no ECC or pending retirement/remap) and of the class, and no replica kept before it
-    holds it; a multi-node replica's nodes still have an Active port on its fabric. A cordon
+    holds it; a multi-node replica's nodes still have an Active port on its fabric, and every
+    HCA a shard uses still is one. A cordon
     does not stop a running replica, nor does a foreign process or MIG on its GPUs."""
     model = cat.model(r.model)
     if model is None or not 0 <= r.replica < model.replicas:
@@ -211,8 +212,10 @@ def still_valid(r: Replica, by_name: dict[str, NodeFacts], cat: Catalog, held: s
             g = next((g for g in n.gpus if g.index == i), None)
             if g is None or g.lost or not g.healthy or g.gpu_class != prof.gpu_class or (s.node, i) in held:
                 return False
-        if prof.nodes > 1 and not any(h.is_ib_attachment and h.fabric == r.fabric for h in n.hcas):
-            return False
+        if prof.nodes > 1:
+            active = {h.ca for h in n.hcas if h.is_ib_attachment and h.fabric == r.fabric}
+            if not active or not set(s.hcas) <= active:
+                return False
     return True
 
 

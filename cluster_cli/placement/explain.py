@@ -214,9 +214,12 @@ def render_plan(plan: Plan, *, header: str = "", max_nodes: int = 10) -> list[st
         won = [a for a in ps[0].attempts if a.placed]
         counts = "; ".join(filter_lines(won[0].metrics)) if won else ""
         ids = ",".join(str(p.replica.replica) for p in ps)
+        n = won[0].metrics.evaluated if won else 0
+        partial = "; capacity checked up to the first node that fits, in spread order"
         lines.append(
-            f"  {model} [{ids}] on {prof}: {won[0].metrics.evaluated if won else 0} nodes evaluated"
+            f"  {model} [{ids}] on {prof}: {n} node{'s' if n != 1 else ''} evaluated"
             + (f"; {counts}" if counts else "")
+            + (partial if won and won[0].metrics.partial else "")
         )
         # A fallback: why each profile of higher priority did not fit (place -v: every node).
         for a in ps[0].attempts:

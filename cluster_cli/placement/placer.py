@@ -8,7 +8,8 @@ Order of work
    not lost, is healthy (no uncorrected ECC error, pending page retirement or row
    remap), is of the class and is not held by a replica kept before it (by index on
    its node, and by UUID under another node name: one machine seen twice), and
-   (multi-node) each node still has an Active port on its fabric. A replica on a
+   (multi-node) each node still has an Active port on its fabric, and every HCA its
+   shard uses still is one. A replica on a
    *cordoned* node, or sharing a GPU with a foreign process, is kept: a cordon stops
    new work, moving running work is ``drain``'s job. A second allocation of one
    replica is stopped. Anything else is stopped, whole (all shards together), and its
@@ -40,14 +41,15 @@ from __future__ import annotations
 
 import gc
 import heapq
-from collections.abc import Iterator, Sequence
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.facts import NodeFacts, Replica, Shard, problem_key
 from cluster_cli.machines import is_gpu_uuid
 from cluster_cli.placement import scoring
-from cluster_cli.placement.constraints import NODE_LEVEL, choose_gpus, mark_duplicate_gpus
+from cluster_cli.placement.constraints import CAPACITY, NODE_LEVEL, choose_gpus, gpus_known, mark_duplicate_gpus
 from cluster_cli.placement.constraints.base import NodeState, Request
 from cluster_cli.placement.constraints.nvlink import fits_one_domain
 from cluster_cli.placement.explain import explain_request, fit_message, node_verdicts
@@ -58,8 +60,6 @@ if TYPE_CHECKING:
 
 ACTIONS = ("stop", "keep", "start")
 _ANY = "\x00any"  # group key of nodes attached to some fabric (any)
-# How many nodes past the best fit a single-node TP group may look at for a whole NVLink domain.
-DOMAIN_SCAN = 64
 
 
 # --------------------------------------------------------------------------- results
@@ -244,26 +244,6 @@ class _Buckets:
                 return top
         return None
 
-    def in_fit_order(self, k: int, limit: int) -> Iterator[int]:
-        """Nodes with at least ``k`` free in best-fit order (bucket, then name), at most
-        ``limit`` heap entries looked at: O(limit log limit), whatever the fleet size."""
-        seen = 0
-        for j in range(max(k, 1), len(self.heaps)):
-            h = self.heaps[j]
-            if not h:
-                continue
-            frontier = [(h[0], 0)]  # walk the heap's implicit tree in sorted order
-            while frontier:
-                i, pos = heapq.heappop(frontier)
-                seen += 1
-                if seen > limit:
-                    return
-                if self.count[i] == j:
-                    yield i
-                for c in (2 * pos + 1, 2 * pos + 2):
-                    if c < len(h):
-                        heapq.heappush(frontier, (h[c], c))
-
     def emptiest(self, k: int, m: int) -> list[int]:
         """Up to ``m`` nodes with at least ``k`` free, most free first, then name order."""
         out: list[int] = []
@@ -282,10 +262,77 @@ class _Buckets:
         return out
 
 
+def _room(free: Sequence[int], domains: Sequence[Sequence[int]]) -> int:
+    """The most free GPUs that one NVLink domain of the node holds."""
+    fs = set(free)
+    return max((sum(1 for i in set(d) if i in fs) for d in domains), default=0)
+
+
+class _DomainIndex:
+    """The nodes of one GPU class with a known NVLink topology, by (free GPUs in their
+    roomiest domain, free GPUs of the class), for a tensor-parallel group that the best-fit
+    node would split: the best-fitting node that keeps it in one domain, over the whole
+    group, in O(G² + log N). Lazy deletion as in ``_Buckets``: ``at[i]`` is current."""
+
+    __slots__ = ("at", "heaps", "maxk")
+
+    def __init__(self, maxk: int) -> None:
+        self.maxk = maxk
+        self.heaps: dict[tuple[int, int], list[int]] = {}
+        self.at: dict[int, tuple[int, int]] = {}
+
+    def put(self, i: int, room: int, free: int) -> None:
+        self.at[i] = (room, free)
+        if room >= 2:
+            heapq.heappush(self.heaps.setdefault((room, free), []), i)
+
+    def best(self, k: int) -> int | None:
+        """First node (name order) of the smallest free count whose roomiest domain holds ``k``."""
+        for j in range(k, self.maxk + 1):
+            found: int | None = None
+            for d in range(k, j + 1):
+                h = self.heaps.get((d, j))
+                while h and self.at.get(h[0]) != (d, j):
+                    heapq.heappop(h)
+                if h and (found is None or h[0] < found):
+                    found = h[0]
+            if found is not None:
+                return found
+        return None
+
+
 @dataclass
 class _CpuHeap:
-    heap: list[tuple[tuple[int, int, int], int]] = field(default_factory=list)
-    dropped: int = 0
+    """The nodes a CPU request of one model may still use, in spread order (lazy: a key
+    that went stale is re-filed when it surfaces), and the nodes dropped as not fitting,
+    counted as the capacity check counts them."""
+
+    heap: list[tuple[tuple[int, int, int, int], int]] = field(default_factory=list)
+    rejected: PlacementMetrics = field(default_factory=PlacementMetrics)
+
+
+# One profile tried for one replica: the profile, its request, its counts (None: skipped,
+# it failed an earlier replica), and why it fits nowhere (None: it placed the replica).
+_Tried = tuple["Profile", Request, PlacementMetrics | None, tuple[PlacementMetrics, tuple[Reason, ...]] | None]
+
+
+def _canonical(obj: NodeFacts | Replica) -> str:
+    """A total order on facts or allocations (to choose between two of one name, whatever the input order)."""
+    return json.dumps(obj.to_dict(), sort_keys=True, default=str)
+
+
+def _in_order(current: Sequence[Replica]) -> list[Replica]:
+    """``current`` by model and replica number, two allocations of one replica in ``_canonical`` order."""
+    out = sorted(current, key=lambda r: (r.model, r.replica))
+    i = 0
+    while i < len(out):
+        j = i + 1
+        while j < len(out) and out[j].key == out[i].key:
+            j += 1
+        if j - i > 1:
+            out[i:j] = sorted(out[i:j], key=_canonical)
+        i = j
+    return out
 
 
 def _sig(req: Request) -> tuple[Any, ...]:
@@ -301,13 +348,17 @@ class _Planner:
         self.catalog = catalog
         uniq: dict[str, NodeFacts] = {}
         for f in nodes:
-            uniq.setdefault(f.name, f)
+            other = uniq.setdefault(f.name, f)
+            if other is not f and _canonical(f) < _canonical(other):  # one of two by the same name, whatever the order
+                uniq[f.name] = f
         # A GPU UUID on two nodes is one machine under two names: the later name is left out.
         facts = mark_duplicate_gpus(sorted(uniq.values(), key=lambda f: f.name))
         self.states = [NodeState.build(f, i) for i, f in enumerate(facts)]
         self.by_name = {s.name: s for s in self.states}
         self.placements: list[Placement] = []
         self.kept: set[tuple[str, int]] = set()
+        self.domain_index: dict[str, _DomainIndex] = {}  # GPU class -> its nodes by NVLink room
+        self.version = 0  # bumped by every allocation this plan makes (explanations record it)
 
     # ---- 1. current allocations --------------------------------------------
     def apply_current(self, current: Sequence[Replica]) -> None:
@@ -315,15 +366,17 @@ class _Planner:
         # A kept replica holds its GPUs by UUID too: one machine under two names (one of
         # them marked duplicate-gpu) must not have the same GPU handed out under the other.
         held: dict[str, tuple[str, str]] = {}  # GPU UUID -> (replica, the node it is held on)
-        for rep in sorted(current, key=lambda r: (r.model, r.replica, r.profile)):
+        # Two allocations of one replica: the first valid one (in a fixed order, whatever the
+        # input's) is kept, the rest are stopped.
+        for rep in _in_order(current):
             if rep.key in seen:
                 self.placements.append(Placement(rep, "stop", "duplicate allocation of this replica"))
                 continue
-            seen.add(rep.key)
             why = self._invalid(rep, held)
             if why:
                 self.placements.append(Placement(rep, "stop", why))
                 continue
+            seen.add(rep.key)
             key = f"{rep.model}/{rep.replica}"
             for s in rep.shards:
                 node = self.by_name[s.node]
@@ -396,8 +449,13 @@ class _Planner:
                     return f"GPU {i} of {s.node} ({g.uuid}) is also held by {who}, on {where}: the same machine"
                 if is_gpu_uuid(g.uuid) and mine.setdefault(g.uuid, s.node) != s.node:
                     return f"GPU {i} of {s.node} ({g.uuid}) is also this replica's on {mine[g.uuid]}: the same machine"
-            if prof.nodes > 1 and rep.fabric not in node.attachments:
-                return f"node {s.node} has no Active port on fabric {rep.fabric}"
+            if prof.nodes > 1:
+                if rep.fabric not in node.attachments:
+                    return f"node {s.node} has no Active port on fabric {rep.fabric}"
+                gone = [ca for ca in s.hcas if ca not in node.attachments[rep.fabric]]
+                if gone:
+                    are = "is" if len(gone) == 1 else "are"
+                    return f"{', '.join(gone)} of {s.node} {are} no longer Active on fabric {rep.fabric}"
         return ""
 
     # ---- 2. index -----------------------------------------------------------
@@ -417,7 +475,7 @@ class _Planner:
             if v is not None:
                 reason, n = self.node_filtered.get(v.constraint, (v.reason, 0))
                 self.node_filtered[v.constraint] = (reason, n + 1)
-                if s.class_total:
+                if gpus_known(s):
                     self.filtered_known[v.constraint] = self.filtered_known.get(v.constraint, 0) + 1
                     for cls in s.class_total:
                         k = (v.constraint, cls)
@@ -460,11 +518,15 @@ class _Planner:
             for r in range(model.replicas):
                 if (model.name, r) in self.kept:
                     continue
-                tried: list[tuple[Profile, Request, PlacementMetrics | None]] = []
+                tried: list[_Tried] = []
                 placed: Replica | None = None
                 for p, req in zip(profiles, reqs, strict=True):
-                    if _sig(req) in dead:  # did not fit earlier; allocations only grew since
-                        tried.append((p, req, None))
+                    sig = _sig(req)
+                    if sig in dead:  # did not fit earlier; allocations only grew since
+                        # Its counts stand (a node filtered or full stays so as allocations
+                        # grow; one that fit alone for a multi-node profile may since be
+                        # full instead); the details of full nodes change: retaken if unplaced.
+                        tried.append((p, req, None, self.explained[sig][1]))
                         if self.tracing:
                             why = "did not fit an earlier replica, and allocations only grew since"
                             self.trace.append(Considered(model.name, r, p.name, p.describe(), skipped=why))
@@ -472,7 +534,6 @@ class _Planner:
                     metrics = self.quick_metrics(req)
                     verdicts = node_verdicts(self.states, req) if self.tracing else ()
                     placed = self._try(model, r, p, req, metrics)
-                    tried.append((p, req, metrics))
                     if self.tracing:
                         chosen = tuple(sh.node for sh in placed.shards) if placed is not None else ()
                         self.trace.append(
@@ -480,17 +541,29 @@ class _Planner:
                                        tuple(verdicts), dict(metrics.scores), _strategy(req))
                         )  # fmt: skip
                     if placed is not None:
+                        tried.append((p, req, metrics, None))
                         break
-                    dead.add(_sig(req))
-                    # Explained now, against the allocations it failed on: replicas placed
-                    # later (by other profiles) must not be blamed for it.
-                    self.explained[_sig(req)] = explain_request(self.states, req)
+                    dead.add(sig)
+                    tried.append((p, req, metrics, self._explain(req)))
                 if placed is None:
+                    # Its reasons say what each node had when this replica was tried.
+                    tried = [(p, req, m, self._explain(req)) for p, req, m, _ in tried]
                     failed.append((model, r, profiles))
                 else:
                     starts.append(placed)
                 self.tried[(model.name, r)] = tried
         return starts, failed
+
+    def _explain(self, req: Request) -> tuple[PlacementMetrics, tuple[Reason, ...]]:
+        """Why ``req`` fits nowhere, against the allocations of this moment: replicas placed
+        later are not blamed for it, and one placed since it last failed is (its GPUs are
+        counted as allocated). Taken again only when something was allocated since: O(N),
+        so once per failing profile, and again only for a replica left unplaced."""
+        sig = _sig(req)
+        got = self.explained.get(sig)
+        if got is None or got[0] != self.version:
+            got = self.explained[sig] = (self.version, explain_request(self.states, req))
+        return got[1]
 
     def quick_metrics(self, req: Request) -> PlacementMetrics:
         """Counts at this moment, from the index: static filters exactly, GPU exhaustion from bucket sizes."""
@@ -508,9 +581,6 @@ class _Planner:
                     fb = self.groups.get((cls, fab))
                     if fb is not None:
                         m.fabrics[fab] = fb.at_least(req.gpus)
-        else:
-            h = self.cpu_heaps.get(sig)
-            m.add("exhausted", "cpus/memory", "insufficient cpus or memory", h.dropped if h else 0)
         return m
 
     def _static_metrics(self, req: Request) -> PlacementMetrics:
@@ -549,6 +619,10 @@ class _Planner:
         left = len(node.free[cls])
         for b in self.node_groups.get((node.order, cls), ()):
             b.move(node.order, left)
+        dix = self.domain_index.get(cls)
+        if dix is not None and node.order in dix.at:
+            dix.put(node.order, _room(node.free[cls], node.facts.nvlink_domains or ()), left)
+        self.version += 1
         return gpus, in_dom
 
     def _single(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
@@ -595,16 +669,20 @@ class _Planner:
 
     def _keep_in_one_domain(self, b: _Buckets, cls: str, k: int, best: int) -> int:
         """The best-fit node, unless it would split the TP group across NVLink domains while
-        a nearby node in best-fit order (the first ``DOMAIN_SCAN`` looked at) has a whole
-        domain free: then that node. Packing yields to NVLink locality, never to unknowns."""
+        another node of the class has a whole domain free: then the best-fitting such node.
+        Packing yields to NVLink locality, never to unknowns."""
         st = self.states[best]
         if fits_one_domain(st.free[cls], k, st.facts.nvlink_domains) is not False:
             return best
-        for i in b.in_fit_order(k, DOMAIN_SCAN):
-            st = self.states[i]
-            if fits_one_domain(st.free[cls], k, st.facts.nvlink_domains):
-                return i
-        return best
+        dix = self.domain_index.get(cls)
+        if dix is None:  # built on first need: most fleets never split a group
+            dix = self.domain_index[cls] = _DomainIndex(len(b.heaps) - 1)
+            for i in b.count:
+                s = self.states[i]
+                if s.facts.nvlink_domains is not None:
+                    dix.put(i, _room(s.free[cls], s.facts.nvlink_domains), len(s.free[cls]))
+        found = dix.best(k)
+        return best if found is None else found
 
     def _multi(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
         cls = req.gpu_class or ""
@@ -644,47 +722,38 @@ class _Planner:
         return True
 
     def _cpu(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
-        sig = _sig(req)
-        h = self.cpu_heaps.get(sig)
+        # One heap per request and model, keyed first by the model's replicas on the node: a
+        # second replica on a node adds capacity but no availability, so it goes there only
+        # when every node that fits has one (then to the one with the fewest), whatever the
+        # fleet's size; O(log N) a replica.
+        key = (_sig(req), model.name)
+        h = self.cpu_heaps.get(key)
         if h is None:
-            h = self.cpu_heaps[sig] = _CpuHeap(
-                [(scoring.spread_key(s), s.order) for s in self.states if self.ok[s.order]]
+            h = self.cpu_heaps[key] = _CpuHeap(
+                [(_spread(s, model.name), s.order) for s in self.states if self.ok[s.order]]
             )
             heapq.heapify(h.heap)
         heap = h.heap
-        # Nodes that fit but already run a replica of this model are held aside: a second
-        # replica on the same node adds capacity but no availability, so it goes there only
-        # when every node that fits has one. (The heap is shared by every model with the same
-        # request; at most this model's replica count of entries is held.)
-        held: list[tuple[tuple[int, int, int], int]] = []
         chosen: int | None = None
         while heap:
-            key, i = heap[0]
+            k, i = heap[0]
             node = self.states[i]
-            cur = scoring.spread_key(node)
-            if key != cur:  # replicas landed here since: re-file it
+            cur = _spread(node, model.name)
+            if k != cur:  # replicas landed here since: re-file it
                 heapq.heapreplace(heap, (cur, i))
                 continue
             if not self._cpu_fits(node, req):  # resources only shrink: never again for this request
                 heapq.heappop(heap)
-                h.dropped += 1
-                continue
-            if node.models.get(model.name):
-                held.append(heapq.heappop(heap))
+                h.rejected.record(CAPACITY.check(node, req))  # counted as the explanation counts it
                 continue
             chosen = i
             break
-        if chosen is None and held:
-            chosen = held[0][1]  # the best of them in spread order
-        for entry in held:
-            heapq.heappush(heap, entry)  # keys only grow: a stale one is re-filed when it surfaces
-        if h.dropped:
-            m.exhausted_by["cpus/memory"] = h.dropped
-            m.reasons["insufficient cpus or memory"] = h.dropped
+        m.merge(h.rejected)  # nodes looked at and dropped (partial: the first that fits is taken)
         if chosen is None:
             return None
         node = self.states[chosen]
         before = node.replicas
+        self.version += 1
         node.reserved_cpus += req.cpus or 0
         node.reserved_mib += req.memory_mib or 0
         node.cpu_replicas += 1
@@ -698,21 +767,22 @@ class _Planner:
         self.tracing = trace
         self.trace: list[Considered] = []
         self.notes: dict[tuple[str, int], str] = {}  # (model, replica) -> a note on its start
-        self.tried: dict[tuple[str, int], list[tuple[Profile, Request, PlacementMetrics | None]]] = {}
-        # Signature of a profile that did not fit -> its explanation, taken when it failed.
-        self.explained: dict[tuple[Any, ...], tuple[PlacementMetrics, tuple[Reason, ...]]] = {}
+        self.tried: dict[tuple[str, int], list[_Tried]] = {}
+        # Signature of a profile that did not fit -> (allocation version, its explanation then).
+        self.explained: dict[tuple[Any, ...], tuple[int, tuple[PlacementMetrics, tuple[Reason, ...]]]] = {}
         self.apply_current(current)
         self.index()
         starts, failed = self.place_all()
-        explained = self.explained
 
-        labelled: dict[tuple[Any, ...], tuple[PlacementMetrics, tuple[Reason, ...]]] = {}
+        labelled: dict[tuple[int, str], tuple[PlacementMetrics, tuple[Reason, ...]]] = {}
 
-        def relabel(req: Request) -> tuple[PlacementMetrics, tuple[Reason, ...]]:
-            """The explanation of ``req``'s signature, under ``req``'s profile name (built once)."""
-            key = (*_sig(req), req.profile)
+        def relabel(
+            req: Request, expl: tuple[PlacementMetrics, tuple[Reason, ...]]
+        ) -> tuple[PlacementMetrics, tuple[Reason, ...]]:
+            """An explanation of ``req``'s signature, under ``req``'s profile name (built once)."""
+            key = (id(expl), req.profile)
             if key not in labelled:
-                m, reasons = explained[_sig(req)]
+                m, reasons = expl
                 if reasons and reasons[0].profile != req.profile:
                     reasons = tuple(
                         Reason(req.profile, x.node, x.constraint, x.detail, x.kind, x.reason) for x in reasons
@@ -723,18 +793,18 @@ class _Planner:
         def attempts(key: tuple[str, int], placed: bool) -> tuple[Attempt, ...]:
             out = []
             tried = self.tried[key]
-            for j, (p, req, m) in enumerate(tried):
-                ok = placed and j == len(tried) - 1
-                metrics = m if ok and m is not None else relabel(req)[0]
+            for p, req, m, expl in tried:
+                ok = expl is None
+                metrics = m if expl is None and m is not None else relabel(req, expl)[0]  # type: ignore[arg-type]
                 out.append(Attempt(p.name, p.describe(), ok, metrics))
             return tuple(out)
 
         started = [Placement(rep, "start", self.notes.get(rep.key, ""), attempts(rep.key, True)) for rep in starts]
         unplaced: list[Unplaced] = []
-        for model, r, profiles in failed:
+        for model, r, _profiles in failed:
             reasons: list[Reason] = []
-            for p in profiles:
-                reasons.extend(relabel(Request.of(p))[1])
+            for _p, req, _m, expl in self.tried[(model.name, r)]:
+                reasons.extend(relabel(req, expl)[1])  # type: ignore[arg-type]
             unplaced.append(Unplaced(model.name, r, attempts((model.name, r), False), tuple(reasons)))
 
         order = {m.name: i for i, m in enumerate(self.catalog.models)}
@@ -746,11 +816,16 @@ class _Planner:
         return Plan(tuple(placements), tuple(unplaced), len(self.states), tuple(self.trace))
 
 
+def _spread(node: NodeState, model: str) -> tuple[int, int, int, int]:
+    """A CPU candidate's place in the heap: fewest replicas of the model, then ``spread_key``."""
+    return (node.models.get(model, 0), *scoring.spread_key(node))
+
+
 def _strategy(req: Request) -> str:
     """How the placer picks among the nodes that fit ``req``."""
     if not req.gpu_class:
         return (
-            "CPU replicas spread: nodes without a replica of the model first, then GPU-less nodes, "
+            "CPU replicas spread: nodes with the fewest replicas of the model first, then GPU-less nodes, "
             "then the fewest replicas, then name"
         )
     if req.multi_node:

@@ -8,9 +8,9 @@ the rules, written once, plus the scores recorded for the node that was chosen:
   node afterwards (best fit), so whole nodes stay free for replicas that can't split.
 * ``emptiest`` multi-node replicas: the nodes with the most free GPUs of the class,
   on the fabric whose chosen nodes are emptiest together.
-* ``spread``   CPU replicas: a node not yet running a replica of the model first (a
-  second one there adds capacity but no availability, so it goes to a GPU host before
-  doubling up on a CPU box); among those, nodes without GPUs first (GPU hosts keep
+* ``spread``   CPU replicas: the nodes running the fewest replicas of the model first
+  (a second one on a node adds capacity but no availability, so it goes to a GPU host
+  before doubling up on a CPU box); among those, nodes without GPUs first (GPU hosts keep
   their cores for their engines), then fewest replicas already on the node.
 * ``nvlink``   1 when the tensor-parallel group sits in one NVLink domain, 0 when the
   topology is known and it could not, 0.5 when the topology is unknown.

@@ -90,6 +90,16 @@ class PlacementMetrics:
             _bump(self.filtered_by if kind == "filtered" else self.exhausted_by, key, n)
             _bump(self.reasons, reason, n)
 
+    def merge(self, other: PlacementMetrics) -> None:
+        """Add ``other``'s filtered and exhausted counts to these."""
+        for mine, theirs in (
+            (self.filtered_by, other.filtered_by),
+            (self.exhausted_by, other.exhausted_by),
+            (self.reasons, other.reasons),
+        ):
+            for k, n in theirs.items():
+                _bump(mine, k, n)
+
     def copy(self) -> PlacementMetrics:
         return PlacementMetrics(
             self.evaluated, dict(self.filtered_by), dict(self.exhausted_by), dict(self.reasons),

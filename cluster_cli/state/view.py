@@ -27,7 +27,8 @@ def for_inventory(
     from_state: bool = False,
     cordons: Mapping[str, str | None] | None = None,
 ) -> list[NodeFacts]:
-    """Only the inventory's nodes, with its fabric assignments, GPU classes and labels applied.
+    """Only the inventory's nodes, with its fabric assignments, GPU classes and labels applied
+    (a GPU whose facts give a product but no class gets the product's class).
 
     The inventory is the source of truth for fabrics: on a node it puts on a fabric, every
     Active InfiniBand port's fabric is the one it gives now (node default or per-HCA
@@ -62,7 +63,8 @@ def for_inventory(
             replace(h, fabric=inv.fabric_for(n, h.ca) if h.is_ib_attachment else None) if declared else h
             for h in f.hcas
         )
-        gpus = tuple(_reclass(g, inv) if g.product in listed else g for g in f.gpus)
+        # A class left out of hand-written facts is the product's, as discover would name it.
+        gpus = tuple(_reclass(g, inv) if g.product in listed or (not g.gpu_class and g.product) else g for g in f.gpus)
         fabric = n.fabric if declared else f.fabric
         labels = dict(n.labels) if from_state else {**f.labels, **n.labels}  # stored labels were the inventory's
         out.append(replace(f, hcas=hcas, gpus=gpus, fabric=fabric, labels=labels))
