@@ -60,6 +60,11 @@ def test_example_catalog_loads_and_has_tiny_cpu_model() -> None:
     assert any(not p.is_cpu for m in cat.models for p in m.profiles)
 
 
+def test_a_catalog_without_engines_uses_the_built_in_ones(tmp_path: Path) -> None:
+    cat = load_catalog(write(tmp_path, one_model("      - {name: a, engine: llamacpp, cpus: 1}\n")))
+    assert cat.command("llamacpp") == "llama-server"
+
+
 def test_defaults_and_tie_order(tmp_path: Path) -> None:
     body = one_model(
         "      - {name: a, engine: vllm, gpu_class: H100}\n"
@@ -88,6 +93,16 @@ def test_defaults_and_tie_order(tmp_path: Path) -> None:
             "unknown engine 'tgi'",
         ),
         ("engines: {tgi: {command: tgi}}\nmodels: []\n", "engines.tgi", "unknown engine"),
+        (
+            "engines: {vllm: {command: vllm}}\n" + one_model("      - {name: a, engine: llamacpp, cpus: 1}\n"),
+            "models.0.profiles.0.engine",
+            "'llamacpp' is not in this catalog's engines (vllm)",
+        ),
+        (
+            "engines: {}\n" + one_model("      - {name: a, engine: vllm, gpu_class: H100}\n"),
+            "models.0.profiles.0.engine",
+            "'vllm' is not in this catalog's engines (none)",
+        ),
         (
             one_model("      - {name: a, engine: vllm, gpu_class: H100}\n")
             + one_model("      - {name: b, engine: vllm, gpu_class: H100}\n")[7:],

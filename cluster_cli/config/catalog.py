@@ -147,6 +147,7 @@ class Catalog(_Strict):
     @model_validator(mode="after")
     def _check(self) -> Catalog:
         known = ", ".join(sorted(ENGINES))
+        declared = "engines" in self.model_fields_set
         for name in self.engines:
             if get_engine(name) is None:
                 raise ValueError(f"engines.{name}: unknown engine {name!r} (known: {known})")
@@ -169,6 +170,13 @@ class Catalog(_Strict):
                 engine = get_engine(p.engine)
                 if engine is None:
                     raise ValueError(f"{where}.engine: unknown engine {p.engine!r} (known: {known})")
+                if declared and p.engine not in self.engines:
+                    # A catalog that lists its engines lists every one it uses: a profile naming
+                    # another is a slip (its command would be a guess), not a default.
+                    raise ValueError(
+                        f"{where}.engine: {p.engine!r} is not in this catalog's engines "
+                        f"({', '.join(self.engines) or 'none'}); add it there, or leave engines out for the defaults"
+                    )
                 problem = engine.validate_profile(gpu_class=p.gpu_class, gpus=p.gpus_per_node, nodes=p.nodes)
                 if problem:
                     raise ValueError(f"{where}{_field_of(problem, p)}: {problem}")
