@@ -275,3 +275,76 @@ def test_every_endpoint_down_is_503_with_retry_after():
         assert r.status_code == 503 and 1 <= int(r.headers["Retry-After"]) <= 7  # refused up front, same answer
     finally:
         f.close()
+
+
+def test_a_request_refused_on_its_head_reaches_the_async_client_as_its_status() -> None:
+    """A body over the limit (413) or a wrong key (401) is answered before the body is read;
+    the router then reads and drops the rest instead of closing on it, so the client, which
+    reads only once it has sent everything, gets the answer and not a reset connection (the
+    async client saw ReadError, retried, and uploaded the body three times)."""
+    import asyncio
+
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=3).start(
+        router={"limits": {"max_body_bytes": 16 << 20}}, api_keys=ApiKeys({digest("sk-right")})
+    )
+    try:
+
+        async def call(key: str, size: int) -> BaseException:
+            c = openai.AsyncOpenAI(base_url=f.base, api_key=key, max_retries=0, timeout=30)
+            try:
+                await c.chat.completions.create(
+                    model="sim", max_tokens=1, messages=[{"role": "user", "content": "a" * size}]
+                )
+            except BaseException as e:
+                return e
+            finally:
+                await c.close()
+            raise AssertionError("no error")
+
+        for _ in range(3):
+            e = asyncio.run(call("sk-right", 24 << 20))
+            assert isinstance(e, openai.APIStatusError) and e.status_code == 413, repr(e)
+            assert e.body["code"] == "request_too_large"
+            e = asyncio.run(call("sk-wrong", 8 << 20))
+            assert isinstance(e, openai.AuthenticationError) and e.body["code"] == "invalid_api_key", repr(e)
+        # The router still serves (nothing was left half-read).
+        ok = openai.OpenAI(base_url=f.base, api_key="sk-right", max_retries=0, timeout=20)
+        assert ok.chat.completions.create(model="sim", messages=MSG).choices[0].message.content
+    finally:
+        f.close()
+
+
+def test_a_client_that_never_finishes_its_body_is_let_go() -> None:
+    """Lingering after a refusal is bounded: a client that keeps the connection open without
+    sending is dropped once LINGER_IDLE_S passes without a byte."""
+    import time
+
+    from cluster_cli.router import server
+
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=3).start(router={"limits": {"max_body_bytes": 1024}})
+    old = server.LINGER_IDLE_S
+    server.LINGER_IDLE_S = 0.3
+    try:
+        with socket.create_connection(("127.0.0.1", f.port), timeout=5) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 5000\r\n\r\n" + b"x" * 100)
+            got = b""
+            t0 = time.monotonic()
+            while b"\r\n\r\n" not in got:
+                got += s.recv(4096)
+            assert got.startswith(b"HTTP/1.1 413 ")
+            # Half-closed by the router: the answer ends (EOF) while the client may still send.
+            while chunk := s.recv(4096):
+                got += chunk
+            for _ in range(3):  # still read (and dropped) while it keeps coming, not reset
+                s.sendall(b"y" * 100)
+                time.sleep(0.1)
+            # Idle now for longer than the bound: the router drops it (a reset greets the next sends).
+            time.sleep(1.0)
+            with pytest.raises((ConnectionResetError, BrokenPipeError)):
+                for _ in range(5):
+                    s.sendall(b"z")
+                    time.sleep(0.1)
+            assert time.monotonic() - t0 < 4
+    finally:
+        server.LINGER_IDLE_S = old
+        f.close()

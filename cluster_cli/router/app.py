@@ -312,7 +312,14 @@ class Router:
         could otherwise make the router hold max_body_bytes per connection for a 404)."""
         if req.method != b"POST" or req.path not in PROXY_PATHS:
             if body_bytes < 0 or body_bytes > _UNUSED_BODY_MAX:
-                return 413, f"{req.path.decode('latin-1')[:100]} takes no request body", "request_too_large", b""
+                # What the route would answer anyway (no route: 404, wrong method: 405) comes
+                # first; a body too big to read is the answer only where one would be served.
+                return _unroutable(req) or (
+                    413,
+                    f"{req.path.decode('latin-1')[:100]} takes no request body",
+                    "request_too_large",
+                    b"",
+                )
             return None
         keys = self.api_keys
         if keys is None:
@@ -688,6 +695,21 @@ class Router:
 
 
 _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})
+
+
+def _unroutable(req: Request) -> tuple[int, str, str, bytes] | None:
+    """The 404 or 405 a request gets for its method and path alone (as ``_answer`` gives it), or None."""
+    path = req.path
+    if path in PROXY_PATHS:
+        return None if req.method == b"POST" else (405, "use POST", "method_not_allowed", b"Allow: POST\r\n")
+    if req.method in (b"GET", b"HEAD"):
+        if path in _GET_PATHS or path.startswith(b"/v1/models/"):
+            return None
+    elif path in _GET_PATHS:
+        return 405, f"{path.decode('latin-1')} takes GET or HEAD", "method_not_allowed", b"Allow: GET, HEAD\r\n"
+    return 404, f"no route for {path.decode('latin-1')}", "not_found", b""
+
+
 _UNUSED_BODY_MAX = 16 * 1024  # what a route that reads no body may still be sent (and is discarded)
 _RETRY_1S = b"Retry-After: 1\r\n"
 _NOWHERE_ELSE = Rejected(503, "no_endpoint", "no other endpoint to retry on")

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("clusterctl.router")
 _EMPTY_LINES = re.compile(rb"(?:\r\n)*")
+# A connection answered before its request was read whole is read and dropped for at most
+# this long in all, and this long without a byte (nginx: lingering_time 30 s, lingering_timeout 5 s).
+LINGER_S = 30.0
+LINGER_IDLE_S = 5.0
 _monotonic = time.monotonic
 
 
@@ -59,6 +63,7 @@ class ClientConn(asyncio.Protocol):
         "h",
         "keep_alive",
         "last_io",
+        "lingering",
         "paused",
         "peer",
         "reading_paused",
@@ -89,6 +94,7 @@ class ClientConn(asyncio.Protocol):
         self.exchange: Exchange | None = None
         self.last_io = _monotonic()
         self.peer = ""
+        self.lingering = 0.0  # when the router answered and began to discard what the client still sends
 
     now = staticmethod(_monotonic)
 
@@ -104,7 +110,7 @@ class ClientConn(asyncio.Protocol):
         if len(self.h.conns) >= self.h.max_connections:
             # Over the limit: answered and closed at once, so a flood of idle connections cannot
             # take the file descriptors that the serving ones need.
-            self._reject(None, 503, "too many connections to the router", "too_many_connections")
+            self._reject(None, 503, "too many connections to the router", "too_many_connections", linger=False)
             return
         self.h.conns.add(self)
 
@@ -125,6 +131,8 @@ class ClientConn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_io = _monotonic()
+        if self.lingering:
+            return  # answered and closing: what is still coming is read and dropped
         buf = self._buf
         if not buf:
             self._buf = data
@@ -240,12 +248,21 @@ class ClientConn(asyncio.Protocol):
         """The request being read did not arrive whole in time (a slow or stalled sender)."""
         self._reject(self._req, 408, f"the request did not arrive within {timeout:g} s", "request_timeout")
 
-    def _reject(self, req: Request | None, status: int, message: str, code: str, extra: bytes = b"") -> None:
-        """Answer an error before the request was read whole (``req``: its head, when parsed), and close."""
+    def _reject(
+        self, req: Request | None, status: int, message: str, code: str, extra: bytes = b"", *, linger: bool = True
+    ) -> None:
+        """Answer an error before the request was read whole (``req``: its head, when parsed), and close.
+
+        The client may still be sending (the body of a 413 or a 401): closing with its bytes
+        unread would reset the connection, and a reset can destroy the answer before the client
+        reads it (an HTTP client reads only once it has sent the whole body). So the router
+        half-closes, then reads and drops what still comes for up to ``LINGER_S`` (``LINGER_IDLE_S``
+        without a byte), as nginx's lingering close does, and closes once the client has."""
         self.keep_alive = False
         self.reading_since = 0.0
         self.write(error_response(status, message, code, keep_alive=False, extra=extra))
-        self.close()
+        if not (linger and self._linger()):
+            self.close()
         try:
             self.h.refused(self, req, status, code)
         except Exception:  # its log line must never take the connection handling down
@@ -289,6 +306,38 @@ class ClientConn(asyncio.Protocol):
                 # uvloop: the client reset the connection and connection_lost (which cancels the
                 # request) is still queued; raising here would fail the engine's side instead.
                 pass
+
+    def _linger(self) -> bool:
+        tr = self.tr
+        if tr is None or self.closed or not tr.can_write_eof():
+            return False
+        self.closed = True  # no more answers on it
+        self.h.conns.discard(self)
+        self._buf = b""
+        self._body_parts = []
+        self.lingering = self.last_io = _monotonic()
+        try:
+            tr.write_eof()
+        except (OSError, RuntimeError):
+            tr.abort()
+            return True
+        if self.reading_paused:
+            self.reading_paused = False
+            tr.resume_reading()
+        asyncio.get_running_loop().call_later(LINGER_IDLE_S, self._linger_check)
+        return True
+
+    def _linger_check(self) -> None:
+        tr = self.tr
+        if tr is None or tr.is_closing():
+            return
+        now = _monotonic()
+        idle_left = self.last_io + LINGER_IDLE_S - now
+        total_left = self.lingering + LINGER_S - now
+        if idle_left <= 0 or total_left <= 0:
+            tr.abort()  # the client neither finished nor closed: give up on it
+            return
+        asyncio.get_running_loop().call_later(min(idle_left, total_left), self._linger_check)
 
     def close(self) -> None:
         if not self.closed:
