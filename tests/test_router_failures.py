@@ -178,9 +178,47 @@ def test_upstream_idle_timeout_gives_504_in_openai_shape():
     )
     f.engines[0].hang = True
     try:
-        r = chat(f)
+        r = chat(f, stream=True)
         assert r.status_code == 504
         assert r.json()["error"]["code"] == "upstream_error" and "timeout" in r.json()["error"]["message"]
+    finally:
+        f.close()
+
+
+def test_a_non_streamed_answer_may_take_longer_than_the_idle_timeout():
+    """A non-streamed reply comes only once generated: silence before it is the engine's work.
+    Past the idle timeout it is still served, by one generation, and no breaker is struck."""
+    f = Fleet(2, capacity=4, token_delay_s=0.05, tokens=20).start(router={"limits": {"idle_timeout_s": 0.3}})
+    try:
+        for _ in range(2):
+            r = chat(f)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"][0]["message"]["content"].split()) == 20
+        assert sum(e.requests for e in f.engines) == 2
+        states = f.lt.call(lambda: [w.breaker.state for w in f.router.table.workers.values()])
+        assert all(s.name == "CLOSED" for s in states), states
+    finally:
+        f.close()
+
+
+def test_a_response_timeout_is_a_504_not_retried_and_no_breaker_strike():
+    """Past response_timeout_s with no answer the client gets 504 upstream_timeout, marked not to
+    be retried (x-should-retry: false, which OpenAI's clients honour); no other endpoint starts
+    the work over, and the engine's breaker stays closed (its health checks pass)."""
+    f = Fleet(2, capacity=4, token_delay_s=0.05, tokens=40).start(
+        router={"limits": {"idle_timeout_s": 0.3, "response_timeout_s": 0.5}}
+    )
+    try:
+        c = openai.OpenAI(base_url=f.base, api_key="x", timeout=20)  # the client's default retries on
+        with pytest.raises(openai.APIStatusError) as ei:
+            c.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
+        assert ei.value.status_code == 504 and ei.value.body["code"] == "upstream_timeout"
+        assert ei.value.response.headers["x-should-retry"] == "false"
+        assert sum(e.requests for e in f.engines) == 1  # not retried by the router nor the client
+        states = f.lt.call(lambda: [w.breaker.state for w in f.router.table.workers.values()])
+        assert all(s.name == "CLOSED" for s in states), states
+        # A stream's head comes at once: the same engines serve it under the same limits.
+        assert chat(f, stream=True).status_code == 200
     finally:
         f.close()
 

@@ -144,7 +144,8 @@ def test_a_retry_after_a_reload_uses_the_new_endpoints() -> None:
         f.lt.call(lambda: setattr(old, "hang", True))
         res: dict[str, httpx.Response] = {}
         t = threading.Thread(target=lambda: res.setdefault(
-            "r", httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": []}, timeout=10)))  # fmt: skip
+            "r", httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": [], "stream": True},
+                            timeout=10)))  # fmt: skip
         t.start()
         # The request hangs on the old endpoint; a reload swaps in the new one.
         f.lt.wait_for(lambda: old.requests == 1, what="the request to reach the old endpoint")
@@ -153,7 +154,8 @@ def test_a_retry_after_a_reload_uses_the_new_endpoints() -> None:
         t.join(30)
         assert not t.is_alive(), "the request never ended"
         assert res["r"].status_code == 200, res["r"].text
-        # The old endpoint timed out (idle timeout) without answering; the retry went to the new one.
+        # The old endpoint timed out (idle timeout: a stream's head comes at once) without
+        # answering; the retry went to the new one.
         assert f.lt.call(lambda: (old.requests, old.served, new.requests, new.served)) == (1, 0, 1, 1)
         assert f.lt.call(lambda: _retries(f.router)) == {"timeout": 1.0}
     finally:

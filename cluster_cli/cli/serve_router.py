@@ -100,8 +100,17 @@ def serve_router(
     idle_timeout: float | None = typer.Option(
         None,
         "--idle-timeout",
-        help="Seconds an upstream may send no bytes before the request fails; default the config's "
+        help="Seconds an engine that has started answering may send no bytes before the request fails; "
+        "default the config's "
         "router.limits.idle_timeout_s, 300 if unset.",
+        show_default=False,
+    ),
+    response_timeout: float | None = typer.Option(
+        None,
+        "--response-timeout",
+        help="Seconds an engine may take to start answering a request (a non-streamed reply starts only "
+        "once generated; 0: no limit); past it the client gets 504, not retried; default the config's "
+        "router.limits.response_timeout_s, 3600 if unset.",
         show_default=False,
     ),
     max_queue: int | None = typer.Option(
@@ -148,6 +157,7 @@ def serve_router(
             "max_body_bytes": max_body_bytes,
             "connect_timeout_s": connect_timeout,
             "idle_timeout_s": idle_timeout,
+            "response_timeout_s": response_timeout,
         },
         "admission": {"max_queue": max_queue, "max_wait_s": queue_timeout},
     }
@@ -157,6 +167,7 @@ def serve_router(
         ("router", "limits", "max_body_bytes"): "--max-body-bytes",
         ("router", "limits", "connect_timeout_s"): "--connect-timeout",
         ("router", "limits", "idle_timeout_s"): "--idle-timeout",
+        ("router", "limits", "response_timeout_s"): "--response-timeout",
         ("router", "admission", "max_queue"): "--max-queue",
         ("router", "admission", "max_wait_s"): "--queue-timeout",
     }

@@ -94,6 +94,7 @@ class Router:
         self.max_body_bytes = lim.max_body_bytes
         self.connect_timeout = lim.connect_timeout_s
         self.idle_timeout = lim.idle_timeout_s
+        self.response_timeout = lim.response_timeout_s
         self.client_idle_timeout = lim.client_idle_timeout_s
         self.request_read_timeout = lim.request_read_timeout_s
         self.max_connections = lim.max_connections
@@ -269,7 +270,7 @@ class Router:
             if pool is None:
                 continue
             if pool.active:
-                pool.sweep(mono, self.idle_timeout)
+                pool.sweep(mono, self.idle_timeout, self.response_timeout)
             if pool.idle:
                 # A draining endpoint's kept connections are closed (it gets no new requests, and
                 # its engine may be replaced before it is undrained); elsewhere the ones unused for
@@ -277,7 +278,7 @@ class Router:
                 pool.close_idle(mono, 0.0 if w.view.draining else IDLE_KEEP_S)
         for w in list(t.retired):
             if w.pool is not None and w.pool.active:
-                w.pool.sweep(mono, self.idle_timeout)
+                w.pool.sweep(mono, self.idle_timeout, self.response_timeout)
             if w.inflight == 0:
                 t.retired.remove(w)
                 if w.pool is not None:
@@ -553,6 +554,7 @@ class Router:
             return self._fail(conn, 404, msg, "model_not_found")
         trace.model = model
 
+        waits_long = obj.get("stream") is not True  # its answer starts only once it is generated
         head_tail = b"\r\n" + req.forward + b"Content-Length: %d\r\n\r\n" % len(req.body)
         start_line = req.method + b" " + req.target + b" HTTP/1.1\r\nHost: "
 
@@ -619,6 +621,7 @@ class Router:
                     if budget is not None and budget.held:
                         ex.on_answer = budget.give_back
                     conn.exchange = trace.exchange = ex
+                    up.waits_long = waits_long
                     up.send(start_line + w.host_header + head_tail + req.body, ex)
                     code = await fut
                 except UpstreamError as e:  # connect failed
@@ -664,6 +667,15 @@ class Router:
                     reason = "5xx"
                 elif code == FAIL_BEFORE:
                     e = ex.error  # type: ignore[union-attr]
+                    if e is not None and e.kind == "response_timeout":
+                        # Sent whole and not answered within the response timeout: the engine may
+                        # still be generating it. Another endpoint (or the client's own retry)
+                        # would start the work over, and one slow request is no verdict on an
+                        # engine whose health checks pass: 504, not retried, no breaker strike.
+                        lease.release(None)
+                        msg = f"{w.view.replica}: {e.message}"
+                        extra = b"x-should-retry: false\r\n"
+                        return self._fail(conn, 504, msg, "upstream_timeout", model, endpoint, attempts, extra)
                     if e is not None and e.stale and stale_retries < _STALE_RETRIES:
                         lease.release(None)  # a keep-alive connection the engine had closed: not its fault
                         stale_retries += 1

@@ -139,6 +139,10 @@ class LimitsSpec(_Strict):
     max_header_bytes: StrictInt = Field(default=64 * 1024, ge=1024)
     connect_timeout_s: StrictFloat = Field(default=5.0, gt=0)
     idle_timeout_s: StrictFloat = Field(default=300.0, gt=0)
+    # An engine's answer (its response head) to a request sent whole: a non-streamed reply comes
+    # only once it is generated, so silence then is work, not a failure (0: no limit). Past
+    # it the client gets 504, with no retry elsewhere (the work would start over).
+    response_timeout_s: StrictFloat = Field(default=3600.0, ge=0)
     client_idle_timeout_s: StrictFloat = Field(default=75.0, gt=0)
     # A request's head and body must arrive whole within this, however they trickle in
     # (the idle timeout alone restarts on every byte: a slow sender could hold a connection).

@@ -68,6 +68,7 @@ class UpstreamConn(asyncio.Protocol):
         "sink",
         "status_line",
         "tr",
+        "waits_long",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -86,6 +87,9 @@ class UpstreamConn(asyncio.Protocol):
         self.last_io = _monotonic()
         self.paused_at: float | None = None
         self.paused_backlog = -1  # the client's unsent bytes at the last sweep while paused
+        # The exchange's answer may rightly be long in coming (a non-streamed reply is sent once
+        # generated): its head is waited for under the response timeout, not the idle one.
+        self.waits_long = False
 
     # ---------------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -393,7 +397,10 @@ class UpstreamPool:
     def forget(self, conn: UpstreamConn) -> None:
         self.active.discard(conn)
 
-    def sweep(self, now: float, idle_timeout: float) -> None:
+    def sweep(self, now: float, idle_timeout: float, response_timeout: float = 0.0) -> None:
+        """Fail the exchanges that waited too long: ``idle_timeout`` without a byte, except for
+        the head of an answer that ``waits_long`` (a non-streamed one, sent once generated):
+        ``response_timeout`` (0: no limit). A client that stopped reading is dropped instead."""
         for c in list(self.active):
             if c.paused_at is not None:
                 # Paused because the client is not reading fast enough: the engine is not at
@@ -404,6 +411,9 @@ class UpstreamPool:
                     c.paused_backlog, c.paused_at = backlog, now
                 elif now - c.paused_at > idle_timeout and c.sink is not None:
                     c.sink.client_stalled()
+            elif c._mode == HEAD and c.waits_long:
+                if response_timeout and now - c.last_io > response_timeout:
+                    c.fail("response_timeout", f"no answer within {response_timeout:g} s")
             elif now - c.last_io > idle_timeout:
                 c.timed_out()
 
