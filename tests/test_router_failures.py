@@ -576,7 +576,7 @@ def test_the_same_5xx_from_every_endpoint_is_the_requests_fault_and_opens_no_bre
 
 def test_a_501_is_relayed_not_retried_and_blames_no_engine():
     """501: the engine does not do this (embeddings asked of a chat-only llama-server). Every
-    replica would say the same: relayed at once, counted against none."""
+    replica would say the same: relayed at once, counted against none, marked not to be retried."""
     f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(router={"breaker": {"failure_threshold": 1}})
     for e in f.engines:
         f.lt.call(lambda e=e: setattr(e, "fail_status", 501))
@@ -584,6 +584,12 @@ def test_a_501_is_relayed_not_retried_and_blames_no_engine():
         for _ in range(4):
             assert chat(f).status_code == 501
         assert sum(e.requests for e in f.engines) == 4  # one engine each time: not retried
+        # Nor by OpenAI's client (its default retries), which the answer tells not to.
+        c = openai.OpenAI(base_url=f.base, api_key="x", timeout=20)
+        with pytest.raises(openai.APIStatusError) as ei:
+            c.embeddings.create(model="sim", input="x")
+        assert ei.value.status_code == 501 and ei.value.response.headers["x-should-retry"] == "false"
+        assert sum(e.requests for e in f.engines) == 5
         assert [w.breaker.state for w in f.router.table.workers.values()] == [State.CLOSED, State.CLOSED]
     finally:
         f.close()

@@ -108,6 +108,9 @@ class Exchange:
         if phrase is None:
             phrase = _engine_phrase(self.conn)
         head = [b"HTTP/1.1 %d %s" % (status, phrase), *lines]
+        if status in NOT_RETRIED:
+            # Every replica would say the same: OpenAI's clients retry 5xx unless told not to.
+            head.append(b"x-should-retry: false")
         if framing == LENGTH:
             if status != 204 and status != 304:  # a 204 carries no Content-Length (RFC 9110 8.6), a 304 no 0
                 head.append(b"Content-Length: %d" % self.conn._remaining)
