@@ -263,7 +263,6 @@ class HcaPort:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HcaPort:
-        guid = d.get("port_guid")
         return cls(
             ca=str(d["name"]),
             port=int(d["port"]),
@@ -271,11 +270,11 @@ class HcaPort:
             physical_state=str(d.get("physical_state") or ""),
             link_layer=str(d.get("link_layer") or ""),
             rate_gbps=None if d.get("rate_gbps") is None else float(d["rate_gbps"]),
-            port_guid=int(guid, 16) if isinstance(guid, str) else guid,
+            port_guid=_guid(d, "port_guid"),
             base_lid=_num(d, "base_lid"),
             sm_lid=_num(d, "sm_lid"),
             ca_type=d.get("ca_type"),
-            sm_guid=int(d["sm_guid"], 16) if isinstance(d.get("sm_guid"), str) else d.get("sm_guid"),
+            sm_guid=_guid(d, "sm_guid"),
             fabric=_text(d, "fabric"),
             subnet_prefix=prefix_value(d.get("subnet_prefix")),
         )
@@ -336,7 +335,6 @@ class NodeFacts:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NodeFacts:
         """Read back ``to_dict``'s form (the state, a facts file); its text made printable."""
-        doms = d.get("nvlink_domains")
         reachable = _bool(d, "reachable", True)
         return printable_facts(
             cls(
@@ -347,7 +345,7 @@ class NodeFacts:
                 cpus=_num(d, "cpus"),
                 memory_mib=_num(d, "memory_mib"),
                 gpus=tuple(Gpu.from_dict(g, away=not reachable) for g in d.get("gpus") or ()),
-                nvlink_domains=None if doms is None else tuple(tuple(int(i) for i in x) for x in doms),
+                nvlink_domains=_domains(d),
                 hcas=tuple(HcaPort.from_dict(h) for h in d.get("hcas") or ()),
                 fabric=_text(d, "fabric"),
                 labels=_labels(d),
@@ -358,6 +356,37 @@ class NodeFacts:
                 last_seen_at=_num(d, "last_seen_at"),
             )
         )
+
+
+def _guid(d: dict[str, Any], key: str) -> int | None:
+    """A 64-bit GUID: ``0x``-hex text (as ``to_dict`` writes it) or an integer; else a ValueError naming the key."""
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, str):
+        try:
+            n = int(v, 16)
+        except ValueError:
+            n = -1
+    elif isinstance(v, int) and not isinstance(v, bool):
+        n = v
+    else:
+        n = -1
+    if not 0 <= n < 1 << 64:
+        raise ValueError(f"{key}: expected a 64-bit GUID like 0x0002c90300a1b2c3, got {v!r}")
+    return n
+
+
+def _domains(d: dict[str, Any]) -> tuple[tuple[int, ...], ...] | None:
+    """NVLink domains: null (unknown) or a list of lists of GPU indices; else a ValueError."""
+    v = d.get("nvlink_domains")
+    if v is None:
+        return None
+    if isinstance(v, list) and all(
+        isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x) for x in v
+    ):
+        return tuple(tuple(x) for x in v)
+    raise ValueError(f"nvlink_domains: expected null or a list of lists of GPU indices, got {v!r}")
 
 
 def _labels(d: dict[str, Any]) -> dict[str, str]:

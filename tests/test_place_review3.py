@@ -6,7 +6,6 @@ files with missing classes or values of the wrong type."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from test_placement_clusters import catalog, cpu_node, dgx, node, profile
 from typer.testing import CliRunner
 
 from cluster_cli.cli.main import app
-from cluster_cli.facts import NodeFacts
 from cluster_cli.placement import plan, render_plan
 
 runner = CliRunner()
@@ -78,9 +76,27 @@ def test_an_unplaced_replica_is_explained_by_the_allocations_when_it_was_tried()
 # --------------------------------------------------------------------------- CPU replicas
 
 
-def test_cpu_replicas_beyond_the_node_count_spread_evenly_and_fast() -> None:
+def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of the planner's ``name`` (a method of ``_Planner`` or a function it imported)."""
+    from cluster_cli.placement import placer
+
+    calls = [0]
+    owner = placer._Planner if hasattr(placer._Planner, name) else placer
+    real = getattr(owner, name)
+
+    def counted(*a: object, **kw: object) -> object:
+        calls[0] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def test_cpu_replicas_beyond_the_node_count_spread_evenly(monkeypatch: pytest.MonkeyPatch) -> None:
     """More replicas of one model than nodes: every node gets one before any gets a second,
-    and so on (not all extra ones on the first node), in about linear time."""
+    and so on (not all extra ones on the first node), each replica looking at a few nodes (the
+    old placer looked at every node for each replica past the node count: 50 x 80 here)."""
+    fits = _counting(monkeypatch, "_cpu_fits")
     nodes = [cpu_node(f"n{i:03d}", cpus=1024) for i in range(50)]
     p = plan(nodes, catalog(("m", 130, [profile("c", engine="llamacpp", cpus=1)])))
     per: dict[str, int] = {}
@@ -88,20 +104,45 @@ def test_cpu_replicas_beyond_the_node_count_spread_evenly_and_fast() -> None:
         per[st.replica.shards[0].node] = per.get(st.replica.shards[0].node, 0) + 1
     assert sorted(per.values()) == [2] * 20 + [3] * 30
     assert not p.unplaced
-    # Twice the nodes and replicas: about twice the time (the old placer scanned every node
-    # per extra replica: four times). Compared, not timed against a constant.
-    small = [cpu_node(f"n{i:04d}", cpus=1 << 16) for i in range(400)]
-    big = [cpu_node(f"n{i:04d}", cpus=1 << 16) for i in range(1600)]
+    assert fits[0] <= 3 * 130 + 50, fits[0]
 
-    def took(ns: list[NodeFacts], r: int) -> float:
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            plan(ns, catalog(("m", r, [profile("c", engine="llamacpp", cpus=1)])))
-            best = min(best, time.perf_counter() - t)
-        return best
 
-    assert took(big, 6400) < 8 * took(small, 1600)  # quadratic would be 16x
+def test_nodes_too_small_are_looked_at_once_per_request_not_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many CPU models asking for the same: a node that cannot take it is dropped once for all."""
+    from cluster_cli.placement import placer
+
+    checks = [0]
+    real = placer.CAPACITY
+
+    class Counting:
+        name = real.name
+
+        def check(self, node: object, req: object) -> object:
+            checks[0] += 1
+            return real.check(node, req)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(placer, "CAPACITY", Counting())
+    nodes = [cpu_node(f"c{i:04d}", cpus=1024 if i % 100 == 0 else 8) for i in range(1000)]
+    p = plan(nodes, catalog(*[(f"m{j}", 2, [profile("cpu", engine="llamacpp", cpus=16)]) for j in range(20)]))
+    assert len(p.starts) == 40 and not p.unplaced
+    assert checks[0] == 990  # each small node once (the big ones fit)
+    # Each model's counts still name the small ones it skipped.
+    assert p.starts[-1].attempts[-1].metrics.exhausted_by == {"cpus": 990}
+
+
+def test_an_unplaced_model_is_explained_again_only_after_allocations_of_its_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A B200 model no node can take is explained once: H100 replicas placed between its
+    replicas' attempts cannot change why (each explanation is a pass over the whole fleet)."""
+    calls = _counting(monkeypatch, "explain_request")
+    models = []
+    for j in range(5):
+        models += [(f"big{j}", 1, [profile("b200", gpu_class="B200", gpus=8)])]
+        models += [(f"small{j}", 1, [profile("tp1", gpu_class="H100", gpus=1)])]
+    p = plan([dgx(f"g{i:02d}") for i in range(10)], catalog(*models))
+    assert len(p.unplaced) == 5 and len(p.starts) == 5
+    assert calls[0] == 1
 
 
 def test_cpu_counts_say_unknown_resources_as_the_explanation_does_and_that_they_are_partial() -> None:
@@ -240,6 +281,12 @@ def test_facts_without_a_class_get_the_products_class(tmp_path: Path) -> None:
         ({"name": "n1", "labels": {"rack": 3}}, "labels"),
         ({"name": "n1", "gpus": [{"index": 0, "uuid": "G", "product": "P", "problems": [1]}]}, "problems"),
         ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "sm_lid": "x"}]}, "sm_lid"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "sm_guid": [1]}]}, "sm_guid"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "sm_guid": 1.5}]}, "sm_guid"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "port_guid": 1.5}]}, "port_guid"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "port_guid": "0xzz"}]}, "port_guid"),
+        ({"name": "n1", "nvlink_domains": "0123"}, "nvlink_domains"),
+        ({"name": "n1", "nvlink_domains": [[0, True]]}, "nvlink_domains"),
     ],
 )  # fmt: skip
 def test_facts_of_the_wrong_type_are_a_one_line_error(tmp_path: Path, doc: dict, field: str) -> None:

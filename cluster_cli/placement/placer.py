@@ -303,12 +303,15 @@ class _DomainIndex:
 
 @dataclass
 class _CpuHeap:
-    """The nodes a CPU request of one model may still use, in spread order (lazy: a key
-    that went stale is re-filed when it surfaces), and the nodes dropped as not fitting,
-    counted as the capacity check counts them."""
+    """The nodes a CPU request may still use, in spread order (lazy: a key that went stale is
+    re-filed when it surfaces), shared by every model that asks for it; the nodes dropped as
+    not fitting (resources only shrink), counted as the capacity check counts them; and, for
+    a model with a replica on every node that fits, a heap of its own led by its replicas there."""
 
-    heap: list[tuple[tuple[int, int, int, int], int]] = field(default_factory=list)
+    heap: list[tuple[tuple[int, int, int], int]] = field(default_factory=list)
     rejected: PlacementMetrics = field(default_factory=PlacementMetrics)
+    dropped: set[int] = field(default_factory=set)
+    by_model: dict[str, list[tuple[tuple[int, int, int, int], int]]] = field(default_factory=dict)
 
 
 # One profile tried for one replica: the profile, its request, its counts (None: skipped,
@@ -358,7 +361,9 @@ class _Planner:
         self.placements: list[Placement] = []
         self.kept: set[tuple[str, int]] = set()
         self.domain_index: dict[str, _DomainIndex] = {}  # GPU class -> its nodes by NVLink room
-        self.version = 0  # bumped by every allocation this plan makes (explanations record it)
+        # Bumped by every allocation this plan makes, per GPU class ("": CPU reservations): an
+        # explanation records the one its request depends on, and is retaken only when it moved.
+        self.versions: dict[str, int] = {}
 
     # ---- 1. current allocations --------------------------------------------
     def apply_current(self, current: Sequence[Replica]) -> None:
@@ -561,8 +566,9 @@ class _Planner:
         so once per failing profile, and again only for a replica left unplaced."""
         sig = _sig(req)
         got = self.explained.get(sig)
-        if got is None or got[0] != self.version:
-            got = self.explained[sig] = (self.version, explain_request(self.states, req))
+        version = self.versions.get(req.gpu_class or "", 0)
+        if got is None or got[0] != version:
+            got = self.explained[sig] = (version, explain_request(self.states, req))
         return got[1]
 
     def quick_metrics(self, req: Request) -> PlacementMetrics:
@@ -622,7 +628,7 @@ class _Planner:
         dix = self.domain_index.get(cls)
         if dix is not None and node.order in dix.at:
             dix.put(node.order, _room(node.free[cls], node.facts.nvlink_domains or ()), left)
-        self.version += 1
+        self.versions[cls] = self.versions.get(cls, 0) + 1
         return gpus, in_dom
 
     def _single(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
@@ -722,38 +728,21 @@ class _Planner:
         return True
 
     def _cpu(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
-        # One heap per request and model, keyed first by the model's replicas on the node: a
-        # second replica on a node adds capacity but no availability, so it goes there only
-        # when every node that fits has one (then to the one with the fewest), whatever the
-        # fleet's size; O(log N) a replica.
-        key = (_sig(req), model.name)
-        h = self.cpu_heaps.get(key)
+        sig = _sig(req)
+        h = self.cpu_heaps.get(sig)
         if h is None:
-            h = self.cpu_heaps[key] = _CpuHeap(
-                [(_spread(s, model.name), s.order) for s in self.states if self.ok[s.order]]
+            h = self.cpu_heaps[sig] = _CpuHeap(
+                [(scoring.spread_key(s), s.order) for s in self.states if self.ok[s.order]]
             )
             heapq.heapify(h.heap)
-        heap = h.heap
-        chosen: int | None = None
-        while heap:
-            k, i = heap[0]
-            node = self.states[i]
-            cur = _spread(node, model.name)
-            if k != cur:  # replicas landed here since: re-file it
-                heapq.heapreplace(heap, (cur, i))
-                continue
-            if not self._cpu_fits(node, req):  # resources only shrink: never again for this request
-                heapq.heappop(heap)
-                h.rejected.record(CAPACITY.check(node, req))  # counted as the explanation counts it
-                continue
-            chosen = i
-            break
+        own = h.by_model.get(model.name)
+        chosen = self._cpu_shared(h, model.name, req) if own is None else self._cpu_own(h, own, model.name, req)
         m.merge(h.rejected)  # nodes looked at and dropped (partial: the first that fits is taken)
         if chosen is None:
             return None
         node = self.states[chosen]
         before = node.replicas
-        self.version += 1
+        self.versions[""] = self.versions.get("", 0) + 1
         node.reserved_cpus += req.cpus or 0
         node.reserved_mib += req.memory_mib or 0
         node.cpu_replicas += 1
@@ -761,6 +750,66 @@ class _Planner:
         node.models[model.name] = node.models.get(model.name, 0) + 1
         m.scores[node.name] = scoring.normalise({"spread": scoring.spread(before)})
         return Replica(model.name, r, p.name, p.engine, (Shard(node.name, (), ()),), None, None, p.cpus, p.memory_mib)
+
+    def _cpu_drop(self, h: _CpuHeap, i: int, req: Request) -> None:
+        h.dropped.add(i)
+        h.rejected.record(CAPACITY.check(self.states[i], req))  # counted as the explanation counts it
+
+    def _cpu_shared(self, h: _CpuHeap, model: str, req: Request) -> int | None:
+        """The first node in spread order that fits and has no replica of ``model``. Nodes that
+        have one are set aside while looking (they sink in spread order as their replicas grow,
+        so few are); when every node that fits has one, ``model`` gets a heap of its own."""
+        heap = h.heap
+        held: list[tuple[tuple[int, int, int], int]] = []
+        chosen: int | None = None
+        while heap:
+            key, i = heap[0]
+            node = self.states[i]
+            if i in h.dropped:  # dropped through another model's heap
+                heapq.heappop(heap)
+                continue
+            cur = scoring.spread_key(node)
+            if key != cur:  # replicas landed here since: re-file it
+                heapq.heapreplace(heap, (cur, i))
+                continue
+            if not self._cpu_fits(node, req):
+                heapq.heappop(heap)
+                self._cpu_drop(h, i, req)
+                continue
+            if node.models.get(model):
+                held.append(heapq.heappop(heap))
+                continue
+            chosen = i
+            break
+        for entry in held:
+            heapq.heappush(heap, entry)
+        if chosen is None and held:
+            own = [(_spread(self.states[i], model), i) for _, i in held]
+            heapq.heapify(own)
+            h.by_model[model] = own
+            chosen = self._cpu_own(h, own, model, req)
+        return chosen
+
+    def _cpu_own(
+        self, h: _CpuHeap, own: list[tuple[tuple[int, int, int, int], int]], model: str, req: Request
+    ) -> int | None:
+        """The node with the fewest replicas of ``model`` (then spread order) that fits."""
+        while own:
+            key, i = own[0]
+            node = self.states[i]
+            if i in h.dropped:
+                heapq.heappop(own)
+                continue
+            cur = _spread(node, model)
+            if key != cur:
+                heapq.heapreplace(own, (cur, i))
+                continue
+            if not self._cpu_fits(node, req):
+                heapq.heappop(own)
+                self._cpu_drop(h, i, req)
+                continue
+            return i
+        return None
 
     # ---- 4. explain and assemble -------------------------------------------
     def run(self, current: Sequence[Replica], *, trace: bool = False) -> Plan:
