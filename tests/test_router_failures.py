@@ -650,3 +650,28 @@ def test_a_retried_stream_gives_its_retry_budget_slot_back_once_answered():
         assert f.lt.call(lambda: f.router.budget.active) == 0
     finally:
         f.close()
+
+
+def test_a_half_open_probe_that_times_out_reopens_the_breaker():
+    """The response timeout is no verdict on an engine, except for a half-open breaker's probe:
+    that request had to show the engine serves. Left undecided, the breaker stayed half-open
+    and the next request probed (and hung) as long."""
+    f = Fleet(1, capacity=4, token_delay_s=0.01, tokens=4).start(
+        router={
+            "limits": {"idle_timeout_s": 0.5, "response_timeout_s": 0.6},
+            "breaker": {"failure_threshold": 1, "open_for_s": 0.3},
+        }
+    )
+    e = f.engines[0]
+    w = f.router.table.workers[e.url]
+    try:
+        f.lt.call(lambda: setattr(e, "fail_status", 500))
+        assert chat(f).status_code == 500
+        assert f.lt.call(lambda: w.breaker.state) is State.OPEN
+        f.lt.call(lambda: (setattr(e, "fail_status", None), setattr(e, "hang", True)))
+        time.sleep(0.4)  # past open_for_s: the next request is the probe
+        r = chat(f)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+        assert f.lt.call(lambda: w.breaker.state) is State.OPEN
+    finally:
+        f.close()

@@ -348,3 +348,78 @@ def test_a_client_that_never_finishes_its_body_is_let_go() -> None:
     finally:
         server.LINGER_IDLE_S = old
         f.close()
+
+
+def _lingering(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections refused (a malformed head), each answered and now lingering."""
+    out = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"BAD REQUEST LINE\r\n\r\n")
+        got = b""
+        while chunk := s.recv(4096):  # the 400, then the router's half-close
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 400 "), got
+        out.append(s)
+    return out
+
+
+def test_lingering_connections_count_against_max_connections_and_go_with_the_router() -> None:
+    """A refused connection still reading holds a descriptor: it counts against
+    max_connections (a flood of bad requests gets 503s, not the descriptors that health checks
+    and served clients need), and the router's stop closes it."""
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=3).start(router={"limits": {"max_connections": 6}})
+    try:
+        socks = _lingering(f.port, 6)
+        assert f.lt.call(lambda: len(f.router.lingering)) == 6
+        with socket.create_connection(("127.0.0.1", f.port), timeout=5) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 503 ")
+        for s in socks[:3]:
+            s.close()
+        f.lt.wait_for(lambda: len(f.router.lingering) == 3, what="the closed ones to be let go")
+        assert httpx.get(f.url + "/health").status_code == 200
+        f.lt.run(f.router.stop(0.2))
+        f.lt.wait_for(lambda: not f.router.lingering, what="stop to close the lingering connections")
+        for s in socks[3:]:
+            s.close()
+    finally:
+        f.close()
+
+
+def test_lingering_reads_the_refused_body_and_no_more() -> None:
+    """A 401 refused on its head is read on only for the body it announced: then the router
+    closes, instead of taking whatever the client sends for half a minute."""
+    import time
+
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=3).start(api_keys=ApiKeys({digest("sk-right")}))
+    try:
+        with socket.create_connection(("127.0.0.1", f.port), timeout=5) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 200000\r\n\r\n")
+            got = b""
+            while chunk := s.recv(4096):
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 401 ")
+            s.sendall(b"x" * 200000)  # the body it announced: read and dropped
+            t0 = time.monotonic()
+            with pytest.raises((ConnectionResetError, BrokenPipeError)):
+                while time.monotonic() - t0 < 10:  # more than announced: not read for long
+                    s.sendall(b"y" * 65536)
+                    time.sleep(0.01)
+            assert time.monotonic() - t0 < 3
+    finally:
+        f.close()
+
+
+def test_a_refused_head_request_gets_a_head_alone() -> None:
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=3).start()
+    try:
+        for target in (b"/v1/chat/completions", b"/nope"):
+            with socket.create_connection(("127.0.0.1", f.port), timeout=5) as s:
+                s.sendall(b"HEAD " + target + b" HTTP/1.1\r\nHost: r\r\nContent-Length: 100000\r\n\r\n")
+                got = b""
+                while chunk := s.recv(4096):
+                    got += chunk
+                assert got.startswith((b"HTTP/1.1 405 ", b"HTTP/1.1 404 ")) and got.endswith(b"\r\n\r\n"), got
+    finally:
+        f.close()

@@ -64,6 +64,7 @@ class Router:
         self.access = access_log or AccessLog(None)
         self.source = source
         self.conns: set[ClientConn] = set()
+        self.lingering: set[ClientConn] = set()  # refused, reading the rest of what they send
         self.reloads_ok = 0
         self.reloads_rejected = 0
         self.last_reload_error: str | None = None
@@ -241,6 +242,9 @@ class Router:
         closing = list(self.conns)
         for c in closing:
             c.close()  # what was written to it (an error event, a last chunk, a 503) still goes out
+        for c in list(self.lingering):
+            if c.tr is not None:
+                c.tr.close()  # its answer is out (half-closed); what it still sends is not waited for
         for w in list(self.table.workers.values()) + list(self.table.retired):
             if w.pool is not None:
                 w.pool.close()
@@ -671,8 +675,10 @@ class Router:
                         # Sent whole and not answered within the response timeout: the engine may
                         # still be generating it. Another endpoint (or the client's own retry)
                         # would start the work over, and one slow request is no verdict on an
-                        # engine whose health checks pass: 504, not retried, no breaker strike.
-                        lease.release(None)
+                        # engine whose health checks pass: 504, not retried, no breaker strike;
+                        # unless it was a half-open breaker's probe, which had to prove the
+                        # engine serves (left undecided, the next request would probe as long).
+                        lease.release(False if ex.probe is not None else None)  # type: ignore[union-attr]
                         msg = f"{w.view.replica}: {e.message}"
                         extra = b"x-should-retry: false\r\n"
                         return self._fail(conn, 504, msg, "upstream_timeout", model, endpoint, attempts, extra)

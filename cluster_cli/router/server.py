@@ -37,6 +37,7 @@ class Handler(Protocol):
     max_body_bytes: int
     max_connections: int
     conns: set[ClientConn]
+    lingering: set[ClientConn]  # answered and closing, still reading: they hold a descriptor too
 
     def handle(self, conn: ClientConn, req: Request) -> Awaitable[None] | None: ...
 
@@ -63,6 +64,7 @@ class ClientConn(asyncio.Protocol):
         "h",
         "keep_alive",
         "last_io",
+        "linger_left",
         "lingering",
         "paused",
         "peer",
@@ -95,6 +97,7 @@ class ClientConn(asyncio.Protocol):
         self.last_io = _monotonic()
         self.peer = ""
         self.lingering = 0.0  # when the router answered and began to discard what the client still sends
+        self.linger_left = 0  # bytes it will still read and drop: the rest of the refused body
 
     now = staticmethod(_monotonic)
 
@@ -107,7 +110,7 @@ class ClientConn(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""
-        if len(self.h.conns) >= self.h.max_connections:
+        if len(self.h.conns) + len(self.h.lingering) >= self.h.max_connections:
             # Over the limit: answered and closed at once, so a flood of idle connections cannot
             # take the file descriptors that the serving ones need.
             self._reject(None, 503, "too many connections to the router", "too_many_connections", linger=False)
@@ -117,6 +120,7 @@ class ClientConn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.h.conns.discard(self)
+        self.h.lingering.discard(self)
         if self.task is not None and not self.task.done():
             self.task.cancel()
 
@@ -132,7 +136,12 @@ class ClientConn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last_io = _monotonic()
         if self.lingering:
-            return  # answered and closing: what is still coming is read and dropped
+            # Answered and closing: what is still coming is read and dropped, up to the rest of
+            # the refused body, then the connection is closed (nothing unread: no reset).
+            self.linger_left -= len(data)
+            if self.linger_left <= 0 and self.tr is not None:
+                self.tr.close()
+            return
         buf = self._buf
         if not buf:
             self._buf = data
@@ -193,14 +202,14 @@ class ClientConn(asyncio.Protocol):
                     clen = clen or 0
                     if clen > h.max_body_bytes:
                         msg = f"request body is {clen} bytes; the limit is {h.max_body_bytes}"
-                        self._reject(req, 413, msg, "request_too_large")
+                        self._reject(req, 413, msg, "request_too_large", left=clen - len(buf))
                         return
                     self._clen = clen
                 if chunked or len(buf) < clen:
                     # Refused on its head (no API key, ...): the body is never read, nor buffered.
                     refusal = h.check_head(req, -1 if chunked else clen)
                     if refusal is not None:
-                        self._reject(req, *refusal)
+                        self._reject(req, *refusal, left=None if chunked else clen - len(buf))
                         return
                 self._req = req
                 if req.expect_continue and (chunked or len(buf) < self._clen):
@@ -246,22 +255,37 @@ class ClientConn(asyncio.Protocol):
 
     def read_timed_out(self, timeout: float) -> None:
         """The request being read did not arrive whole in time (a slow or stalled sender)."""
-        self._reject(self._req, 408, f"the request did not arrive within {timeout:g} s", "request_timeout")
+        req = self._req
+        left = self._clen - len(self._buf) if req is not None and self._clen >= 0 else None
+        self._reject(req, 408, f"the request did not arrive within {timeout:g} s", "request_timeout", left=left)
 
     def _reject(
-        self, req: Request | None, status: int, message: str, code: str, extra: bytes = b"", *, linger: bool = True
+        self,
+        req: Request | None,
+        status: int,
+        message: str,
+        code: str,
+        extra: bytes = b"",
+        *,
+        linger: bool = True,
+        left: int | None = None,
     ) -> None:
         """Answer an error before the request was read whole (``req``: its head, when parsed), and close.
 
         The client may still be sending (the body of a 413 or a 401): closing with its bytes
         unread would reset the connection, and a reset can destroy the answer before the client
         reads it (an HTTP client reads only once it has sent the whole body). So the router
-        half-closes, then reads and drops what still comes for up to ``LINGER_S`` (``LINGER_IDLE_S``
-        without a byte), as nginx's lingering close does, and closes once the client has."""
+        half-closes, then reads and drops what still comes, as nginx's lingering close does: up
+        to ``left`` bytes (the rest of the refused body; None: not known, as much as a body
+        may be), for up to ``LINGER_S`` (``LINGER_IDLE_S`` without a byte), and closes then or
+        once the client has. Lingering connections count against ``max_connections``."""
         self.keep_alive = False
         self.reading_since = 0.0
-        self.write(error_response(status, message, code, keep_alive=False, extra=extra))
-        if not (linger and self._linger()):
+        data = error_response(status, message, code, keep_alive=False, extra=extra)
+        if req is not None and req.method == b"HEAD":
+            data = data[: data.find(b"\r\n\r\n") + 4]  # a HEAD answer is a head alone
+        self.write(data)
+        if not (linger and self._linger(left)):
             self.close()
         try:
             self.h.refused(self, req, status, code)
@@ -307,12 +331,17 @@ class ClientConn(asyncio.Protocol):
                 # request) is still queued; raising here would fail the engine's side instead.
                 pass
 
-    def _linger(self) -> bool:
+    def _linger(self, left: int | None) -> bool:
         tr = self.tr
         if tr is None or self.closed or not tr.can_write_eof():
             return False
+        limit = 2 * self.h.max_body_bytes  # what one refused request may make the router read, at most
+        if left is not None and left <= 0:
+            return False  # all of it is here: nothing to wait for
+        self.linger_left = limit if left is None else min(left, limit)
         self.closed = True  # no more answers on it
         self.h.conns.discard(self)
+        self.h.lingering.add(self)
         self._buf = b""
         self._body_parts = []
         self.lingering = self.last_io = _monotonic()
