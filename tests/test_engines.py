@@ -157,6 +157,20 @@ def test_two_multi_node_replicas_sharing_nodes_get_their_own_ray_clusters() -> N
     assert workers == ["--address=10.0.0.12:6379", "--address=10.0.0.12:6380"]
 
 
+def test_vllm_multi_node_tells_ray_and_vllm_the_nodes_own_address() -> None:
+    """On a machine with several networks Ray and vLLM may each pick another address; given the
+    node's own, the Ray head or worker is started on it and vllm serve's VLLM_HOST_IP names it."""
+    for rank, addr in ((0, "10.0.0.11"), (1, "10.0.0.12")):
+        spec = _multi_node(rank, node_address=addr)
+        argv = VLLM.command(spec, binary="vllm")
+        ray = shlex.split(argv[2].split(" && ")[0]) if rank == 0 else argv
+        assert ray[-1] == f"--node-ip-address={addr}"
+        assert VLLM.env(spec)["VLLM_HOST_IP"] == addr
+    assert "VLLM_HOST_IP" not in VLLM.env(_multi_node(0))
+    single = LaunchSpec(model="m", served_name="m", host="h", port=1, gpus=(0,), node_address="10.0.0.11")
+    assert "VLLM_HOST_IP" not in VLLM.env(single) and not any("node-ip" in a for a in VLLM.command(single))
+
+
 def test_vllm_multi_node_pins_nccl_to_the_shards_hcas() -> None:
     for rank in (0, 1):
         env = VLLM.env(_multi_node(rank, hcas=("mlx5_0", "mlx5_3")))
@@ -178,7 +192,7 @@ def test_llamacpp_command_line() -> None:
     spec = LaunchSpec(model="/m/tiny.gguf", served_name="tiny", host="127.0.0.1", port=8080, cpus=4)
     assert LLAMA.command(spec, binary="llama-server") == [
         "llama-server", "-m", "/m/tiny.gguf", "--alias", "tiny", "--host", "127.0.0.1", "--port", "8080",
-        "--metrics", "-t", "4", "-ngl", "0",
+        "--metrics", "-t", "4", "-ngl", "0", "-dev", "none",
     ]  # fmt: skip
     gpu = LaunchSpec(model="x", served_name="x", host="h", port=1, gpus=(3,))
     assert LLAMA.command(gpu)[-2:] == ["-ngl", "999"]
@@ -191,4 +205,6 @@ def test_llamacpp_cpu_replica_touches_no_gpu() -> None:
     spec = LaunchSpec(model="/m/tiny.gguf", served_name="tiny", host="0.0.0.0", port=8081, cpus=8)
     argv = LLAMA.command(spec)
     assert argv[argv.index("-ngl") + 1] == "0"
-    assert LLAMA.env(spec) == {"CUDA_VISIBLE_DEVICES": ""}  # empty: no device visible
+    assert argv[argv.index("-dev") + 1] == "none"  # no offloading device, whatever the backend
+    assert LLAMA.env(spec) == {"CUDA_VISIBLE_DEVICES": ""}  # empty: no device visible to CUDA
+    assert "-dev" not in LLAMA.command(LaunchSpec(model="x", served_name="x", host="h", port=1, gpus=(0,)))

@@ -130,3 +130,54 @@ def test_metrics(client: openai.OpenAI, llama_base_url: str) -> None:
     assert samples["llamacpp:requests_deferred"] == 0
     assert samples["llamacpp:tokens_predicted_total"] >= 4
     assert samples["llamacpp:prompt_tokens_total"] > 0
+
+
+def test_the_adapters_own_command_line_starts_a_serving_llama_server(
+    llama_server_bin: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The argv and environment the llama.cpp adapter builds for a CPU replica, run as they are
+    (with the catalog's extra_args as an operator would give them): every flag exists in this
+    build, the alias is served, and /metrics has the names the adapter's mapping reads."""
+    import subprocess
+    import time
+
+    from cluster_cli.engines import LaunchSpec, get_engine
+
+    engine = get_engine("llamacpp")
+    assert engine is not None
+    model = make_tiny_gguf(tmp_path_factory.mktemp("adapter") / "tiny.gguf")
+    port = free_port()
+    spec = LaunchSpec(
+        model=str(model), served_name="tiny-adapter", host="127.0.0.1", port=port, cpus=1,
+        extra_args=("-c", "512", "-np", "2", "-n", "8", "--no-warmup"),
+    )  # fmt: skip
+    argv = engine.command(spec, binary=llama_server_bin)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")} | engine.env(spec)
+    log = tmp_path_factory.mktemp("adapter-log") / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"llama-server exited {proc.returncode}: {log.read_text()[-2000:]}"
+            try:
+                if httpx.get(base + engine.health_path, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        with openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0) as c:
+            assert "tiny-adapter" in [m.id for m in c.models.list()]
+            r = c.chat.completions.create(model="tiny-adapter", messages=MESSAGES, max_tokens=4)
+            assert r.usage is not None and r.usage.completion_tokens == 4
+        names = {line.split("{")[0].split(" ")[0] for line in httpx.get(base + "/metrics").text.splitlines()}
+        assert engine.metrics.running in names and engine.metrics.waiting in names
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -106,6 +106,10 @@ class LaunchSpec:
     cpus: int | None = None
     extra_args: tuple[str, ...] = ()
     hcas: tuple[str, ...] = ()  # multi-node: this shard's InfiniBand CA names on the replica's fabric
+    # Multi-node: this node's address as the other nodes reach it. On a machine with several
+    # networks, Ray and vLLM may each pick another one and never find each other (vLLM's
+    # troubleshooting guide: set VLLM_HOST_IP per node); given, both are told.
+    node_address: str | None = None
 
 
 def cuda_env(gpus: tuple[int, ...]) -> dict[str, str]:

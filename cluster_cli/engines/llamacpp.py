@@ -44,9 +44,14 @@ class LlamaCpp:
         # every visible GPU, including ones other replicas hold. Always say it: all layers
         # onto the assigned GPUs (999 = all, accepted by old and new builds), or none.
         argv += ["-ngl", "999" if spec.gpus else "0"]
+        if not spec.gpus:
+            # A CPU replica uses no device at all, whatever the build: with -ngl 0 a GPU build
+            # still offloads large operations (--op-offload), and CUDA_VISIBLE_DEVICES (below)
+            # hides nothing from a Vulkan, ROCm or SYCL build. "none" = no offloading device.
+            argv += ["-dev", "none"]
         return argv + list(spec.extra_args)
 
     def env(self, spec: LaunchSpec) -> dict[str, str]:
-        # A CPU replica also hides every GPU: even with -ngl 0 a CUDA build offloads
-        # large-batch matmuls to a visible GPU.
+        # The replica's GPU for a CUDA build (the catalog's GPUs are NVIDIA ones, numbered as
+        # nvidia-smi numbers them); a CPU replica also hides every GPU from CUDA.
         return cuda_env(spec.gpus)

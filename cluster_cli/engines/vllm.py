@@ -22,6 +22,8 @@ def _ray_resources(spec: LaunchSpec) -> list[str]:
     res = [f"--num-gpus={len(spec.gpus)}"]
     if spec.cpus:
         res.append(f"--num-cpus={spec.cpus}")
+    if spec.node_address:
+        res.append(f"--node-ip-address={spec.node_address}")
     return res
 
 
@@ -78,4 +80,6 @@ class VLLM:
         if spec.nodes > 1 and spec.hcas:
             # "=" makes the names exact: a bare mlx5_1 is a prefix that also matches mlx5_10...
             env["NCCL_IB_HCA"] = "=" + ",".join(spec.hcas)
+        if spec.nodes > 1 and spec.node_address:
+            env["VLLM_HOST_IP"] = spec.node_address  # the address Ray was told (--node-ip-address)
         return env
