@@ -15,7 +15,7 @@ from typing import Protocol
 VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_KV_CACHE = "vllm:kv_cache_usage_perc"
-VLLM_KV_CACHE_LEGACY = "vllm:gpu_cache_usage_perc"  # the only name before 0.9.2; removed in 0.12
+VLLM_KV_CACHE_LEGACY = "vllm:gpu_cache_usage_perc"  # the only name before 0.9.2; since removed (vLLM PR #29330)
 
 METRIC_KEYS = ("running", "waiting", "kv_cache_usage")
 RAY_PORT = 6379  # a Ray head's GCS port by default (Ray's and vLLM's multi-node docs)
@@ -27,7 +27,7 @@ class MetricMapping:
 
     A signal whose name is ``None`` is *unknown*, never zero.
     ``fallbacks`` lists alternative names per signal, tried in order when the primary
-    name is absent from a scrape (e.g. vLLM's pre-0.10 KV-cache gauge).
+    name is absent from a scrape (e.g. vLLM's pre-0.9.2 KV-cache gauge).
     """
 
     running: str | None
