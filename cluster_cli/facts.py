@@ -137,19 +137,16 @@ class Gpu:
             index=int(d["index"]),
             uuid=str(d.get("uuid") or ""),
             product=str(d.get("product") or (UNREAD if lost else "")),
-            gpu_class=str(d.get("class") or d.get("gpu_class") or (UNREAD if lost else "")),
+            gpu_class=_text(d, "class") or _text(d, "gpu_class") or (UNREAD if lost else ""),
             memory_total_mib=_num(d, "memory_total_mib"),
             memory_used_mib=_num(d, "memory_used_mib"),
-            pci_bus_id=d.get("pci_bus_id"),
+            pci_bus_id=_text(d, "pci_bus_id"),
             ecc_uncorrected=_num(d, "ecc_uncorrected"),
             retired_pages_pending=_bool(d, "retired_pages_pending", None),
             remapped_rows_pending=_bool(d, "remapped_rows_pending", None),
             mig_mode=_bool(d, "mig_mode", None),
             lost=lost,
-            processes=tuple(
-                GpuProcess(int(p["pid"]), str(p.get("name", "")), str(p.get("gpu_uuid", "")), p.get("used_mib"))
-                for p in d.get("processes") or ()
-            ),
+            processes=tuple(_process(p) for p in d.get("processes") or ()),
             problems=_texts(d, "problems"),
         )
         have = {problem_key(p) for p in g.problems}
@@ -269,11 +266,11 @@ class HcaPort:
             state=str(d.get("state") or ""),
             physical_state=str(d.get("physical_state") or ""),
             link_layer=str(d.get("link_layer") or ""),
-            rate_gbps=None if d.get("rate_gbps") is None else float(d["rate_gbps"]),
+            rate_gbps=None if (rate := _num(d, "rate_gbps")) is None else float(rate),
             port_guid=_guid(d, "port_guid"),
             base_lid=_num(d, "base_lid"),
             sm_lid=_num(d, "sm_lid"),
-            ca_type=d.get("ca_type"),
+            ca_type=_text(d, "ca_type"),
             sm_guid=_guid(d, "sm_guid"),
             fabric=_text(d, "fabric"),
             subnet_prefix=prefix_value(d.get("subnet_prefix")),
@@ -341,7 +338,7 @@ class NodeFacts:
                 name=str(d["name"]),
                 host=str(d.get("host") or ""),
                 reachable=reachable,
-                error=d.get("error"),
+                error=_text(d, "error"),
                 cpus=_num(d, "cpus"),
                 memory_mib=_num(d, "memory_mib"),
                 gpus=tuple(Gpu.from_dict(g, away=not reachable) for g in d.get("gpus") or ()),
@@ -350,12 +347,19 @@ class NodeFacts:
                 fabric=_text(d, "fabric"),
                 labels=_labels(d),
                 cordoned=_bool(d, "cordoned", False),
-                cordon_reason=d.get("cordon_reason"),
+                cordon_reason=_text(d, "cordon_reason"),
                 problems=_texts(d, "problems"),
                 probed_at=_num(d, "probed_at"),
                 last_seen_at=_num(d, "last_seen_at"),
             )
         )
+
+
+def _process(p: Any) -> GpuProcess:
+    """A compute process of ``Gpu.to_dict``'s shape; a ValueError naming the field otherwise."""
+    if not isinstance(p, dict) or not isinstance(p.get("pid"), int) or isinstance(p.get("pid"), bool):
+        raise ValueError(f"processes: expected objects with an integer pid, got {p!r}")
+    return GpuProcess(p["pid"], _text(p, "name") or "", _text(p, "gpu_uuid") or "", _num(p, "used_mib"))
 
 
 def _guid(d: dict[str, Any], key: str) -> int | None:

@@ -107,6 +107,23 @@ def test_cpu_replicas_beyond_the_node_count_spread_evenly(monkeypatch: pytest.Mo
     assert fits[0] <= 3 * 130 + 50, fits[0]
 
 
+def test_cpu_replicas_on_a_mixed_fleet_take_every_node_then_the_gpu_less_ones_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPU-less nodes come first in spread order, so once each has a replica they stand before
+    every GPU host without one: set aside for each further replica, that was quadratic. Now
+    the model gets a heap of its own: each node once, then the GPU-less ones again."""
+    fits = _counting(monkeypatch, "_cpu_fits")
+    nodes = [cpu_node(f"c{i:03d}", cpus=1024) for i in range(100)] + [dgx(f"g{i:03d}") for i in range(100)]
+    p = plan(nodes, catalog(("m", 300, [profile("c", engine="llamacpp", cpus=1)])))
+    per: dict[str, int] = {}
+    for st in p.starts:
+        per[st.replica.shards[0].node] = per.get(st.replica.shards[0].node, 0) + 1
+    assert {n: k for n, k in per.items() if n.startswith("c")} == {f"c{i:03d}": 2 for i in range(100)}
+    assert {n: k for n, k in per.items() if n.startswith("g")} == {f"g{i:03d}": 1 for i in range(100)}
+    assert fits[0] < 2000, fits[0]  # set aside 100 nodes per replica: 20,000
+
+
 def test_nodes_too_small_are_looked_at_once_per_request_not_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many CPU models asking for the same: a node that cannot take it is dropped once for all."""
     from cluster_cli.placement import placer
@@ -286,6 +303,11 @@ def test_facts_without_a_class_get_the_products_class(tmp_path: Path) -> None:
         ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "port_guid": 1.5}]}, "port_guid"),
         ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "port_guid": "0xzz"}]}, "port_guid"),
         ({"name": "n1", "nvlink_domains": "0123"}, "nvlink_domains"),
+        ({"name": "n1", "cordoned": True, "cordon_reason": 5}, "cordon_reason"),
+        ({"name": "n1", "reachable": False, "error": 5}, "error"),
+        ({"name": "n1", "gpus": [{"index": 0, "uuid": "G", "product": "P", "class": 5}]}, "class"),
+        ({"name": "n1", "gpus": [{"index": 0, "uuid": "G", "product": "P", "processes": [{"pid": "x"}]}]}, "processes"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "rate_gbps": "x"}]}, "rate_gbps"),
         ({"name": "n1", "nvlink_domains": [[0, True]]}, "nvlink_domains"),
     ],
 )  # fmt: skip

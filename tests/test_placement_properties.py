@@ -8,6 +8,7 @@ time" is checked exactly, not against the final state.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 from typing import Any
@@ -127,7 +128,9 @@ def scenario_st(draw: Any) -> tuple[list[NodeFacts], Catalog, list[Replica]]:
         node = nodes[i]
         k = next((j for j, g in enumerate(node.gpus) if g.index in held.get(node.name, ())), 0)
         change = draw(
-            st.sampled_from(["unreachable", "gone", "ports", "lost", "ecc", "foreign", "cordon", "fewer", "none"])
+            st.sampled_from(
+                ["unreachable", "gone", "ports", "port", "lost", "ecc", "foreign", "cordon", "fewer", "none"]
+            )
         )
         if change == "unreachable":
             nodes[i] = replace(node, reachable=False, error="timeout")
@@ -135,6 +138,8 @@ def scenario_st(draw: Any) -> tuple[list[NodeFacts], Catalog, list[Replica]]:
             del nodes[i]
         elif change == "ports":
             nodes[i] = replace(node, hcas=tuple(replace(h, state="Down") for h in node.hcas))
+        elif change == "port" and node.hcas:  # one rail down: a shard using it must go
+            nodes[i] = replace(node, hcas=(replace(node.hcas[0], state="Down"), *node.hcas[1:]))
         elif change in ("lost", "ecc", "foreign") and node.gpus:
             g = node.gpus[k]
             bad = {
@@ -148,6 +153,12 @@ def scenario_st(draw: Any) -> tuple[list[NodeFacts], Catalog, list[Replica]]:
         elif change == "fewer":
             ms = [m.model_copy(update={"replicas": max(1, m.replicas - 1)}) for m in cat.models]
             cat = cat.model_copy(update={"models": ms})
+        if current and nodes and draw(st.booleans()):
+            # A second allocation of one replica, elsewhere (a record written twice), in any order.
+            dup = draw(st.sampled_from(current))
+            other = draw(st.sampled_from(nodes)).name
+            current = [*current, replace(dup, shards=tuple(replace(s, node=other) for s in dup.shards))]
+        current = list(draw(st.permutations(current)))
     return nodes, cat, current
 
 
@@ -221,15 +232,18 @@ def still_valid(r: Replica, by_name: dict[str, NodeFacts], cat: Catalog, held: s
 
 def check_keeps_and_stops(nodes: list[NodeFacts], cat: Catalog, current: list[Replica], result: Plan) -> None:
     """Every current replica is kept if still valid (no churn) and stopped otherwise (no
-    needless stop); a second allocation of the same replica is stopped."""
+    needless stop); of two allocations of one replica, the first valid one (in an order
+    that does not depend on the input's: by model, number, then the whole allocation) is kept."""
     by_name = {n.name: n for n in nodes}
     held: set[tuple[str, int]] = set()
     seen: set[tuple[str, int]] = set()
     keep: list[Replica] = []
     stop: list[Replica] = []
-    for r in sorted(current, key=lambda r: (r.model, r.replica, r.profile)):
+    canonical = {id(r): json.dumps(r.to_dict(), sort_keys=True, default=str) for r in current}
+    for r in sorted(current, key=lambda r: (r.model, r.replica, canonical[id(r)])):
         ok = r.key not in seen and still_valid(r, by_name, cat, held)
-        seen.add(r.key)
+        if ok:
+            seen.add(r.key)
         (keep if ok else stop).append(r)
         if ok:
             held.update((s.node, g) for s in r.shards for g in s.gpus)

@@ -652,13 +652,14 @@ def test_a_retried_stream_gives_its_retry_budget_slot_back_once_answered():
         f.close()
 
 
-def test_a_half_open_probe_that_times_out_reopens_the_breaker():
-    """The response timeout is no verdict on an engine, except for a half-open breaker's probe:
-    that request had to show the engine serves. Left undecided, the breaker stayed half-open
-    and the next request probed (and hung) as long."""
+def test_a_half_open_probe_is_bounded_by_the_idle_timeout_and_reopens_the_breaker():
+    """A half-open breaker's probe holds the endpoint's one slot: even non-streamed, its wait
+    for an answer is bounded by the idle timeout, not the (long) response timeout, and a
+    probe that gets nothing reopens the breaker (left half-open, the next request probed and
+    hung as long, while the model's queue timed out)."""
     f = Fleet(1, capacity=4, token_delay_s=0.01, tokens=4).start(
         router={
-            "limits": {"idle_timeout_s": 0.5, "response_timeout_s": 0.6},
+            "limits": {"idle_timeout_s": 0.5, "response_timeout_s": 60},
             "breaker": {"failure_threshold": 1, "open_for_s": 0.3},
         }
     )
@@ -670,8 +671,12 @@ def test_a_half_open_probe_that_times_out_reopens_the_breaker():
         assert f.lt.call(lambda: w.breaker.state) is State.OPEN
         f.lt.call(lambda: (setattr(e, "fail_status", None), setattr(e, "hang", True)))
         time.sleep(0.4)  # past open_for_s: the next request is the probe
+        t0 = time.monotonic()
         r = chat(f)
-        assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+        # Failed by the idle timeout (seconds, not the response timeout's minute); its failure
+        # reopened the breaker, so the model has no endpoint now: 503 with Retry-After.
+        assert time.monotonic() - t0 < 10
+        assert r.status_code == 503 and "idle timeout" in r.json()["error"]["message"], r.text
         assert f.lt.call(lambda: w.breaker.state) is State.OPEN
     finally:
         f.close()

@@ -100,8 +100,8 @@ def serve_router(
     idle_timeout: float | None = typer.Option(
         None,
         "--idle-timeout",
-        help="Seconds an engine that has started answering may send no bytes before the request fails; "
-        "default the config's "
+        help="Seconds an engine may send no bytes before the request fails: a stream's start, and any "
+        "silence once it is answering; default the config's "
         "router.limits.idle_timeout_s, 300 if unset.",
         show_default=False,
     ),

@@ -45,9 +45,10 @@ class LlamaCpp:
         # onto the assigned GPUs (999 = all, accepted by old and new builds), or none.
         argv += ["-ngl", "999" if spec.gpus else "0"]
         if not spec.gpus:
-            # A CPU replica uses no device at all, whatever the build: with -ngl 0 a GPU build
+            # A CPU replica uses no device at all, whatever the backend: with -ngl 0 a GPU build
             # still offloads large operations (--op-offload), and CUDA_VISIBLE_DEVICES (below)
-            # hides nothing from a Vulkan, ROCm or SYCL build. "none" = no offloading device.
+            # hides nothing from a Vulkan, ROCm or SYCL build. "none" = no offloading device
+            # (-dev needs a build that has it, as current ones and the pinned one do).
             argv += ["-dev", "none"]
         return argv + list(spec.extra_args)
 

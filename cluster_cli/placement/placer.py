@@ -11,8 +11,9 @@ Order of work
    (multi-node) each node still has an Active port on its fabric, and every HCA its
    shard uses still is one. A replica on a
    *cordoned* node, or sharing a GPU with a foreign process, is kept: a cordon stops
-   new work, moving running work is ``drain``'s job. A second allocation of one
-   replica is stopped. Anything else is stopped, whole (all shards together), and its
+   new work, moving running work is ``drain``'s job. Of two allocations of one replica
+   the first valid one, in an order that does not depend on the input's, is kept and the
+   other stopped. Anything else is stopped, whole (all shards together), and its
    resources are free for this plan. A kept replica stays even if a higher-priority
    profile would now fit: the plan does not churn. Its GPUs are held under every name
    their UUIDs appear under.
@@ -28,13 +29,17 @@ Order of work
    enough, then name); multi-node replicas take, on one fabric, the emptiest nodes;
    CPU replicas spread. GPUs inside a node are chosen NVLink-aware.
 4. **Explain.** A profile that did not fit will not fit later in the same plan
-   (allocations only grow), so it is skipped afterwards and explained once, when it
-   failed, by the full constraint chain over every node (against the allocations of
-   that moment: replicas placed later are not blamed for it). Successes get cheap counts
-   from the index (filtered exactly, exhausted from bucket sizes).
+   (allocations only grow), so it is skipped afterwards. It is explained when it fails,
+   by the full constraint chain over every node, against the allocations of that moment
+   (replicas placed later are not blamed for it), and again for a replica left unplaced
+   if GPUs of its class (or CPUs) were allocated since. Successes get cheap counts from
+   the index (filtered exactly, exhausted from bucket sizes; a CPU replica's up to the
+   first node that fits).
 
-Cost: O(N·G) to index, O(log N) per placed GPU replica, and O(N) per distinct
-failing profile; see ``bench/placement.py``.
+Cost: O(N·G) to index, O(log N) per placed replica (a CPU model with replicas on many
+nodes builds a heap of its own once, O(N)), and O(N) per explanation: per distinct
+failing profile, and per unplaced replica after allocations of its class; see
+``bench/placement.py``.
 """
 
 from __future__ import annotations
@@ -757,8 +762,10 @@ class _Planner:
 
     def _cpu_shared(self, h: _CpuHeap, model: str, req: Request) -> int | None:
         """The first node in spread order that fits and has no replica of ``model``. Nodes that
-        have one are set aside while looking (they sink in spread order as their replicas grow,
-        so few are); when every node that fits has one, ``model`` gets a heap of its own."""
+        have one are set aside while looking; once more than ``_HELD_MAX`` are (every GPU-less
+        node has one, say, and GPU hosts come after them in spread order), or every node that
+        fits has one, ``model`` gets a heap of its own, led by its replicas per node: built
+        once, O(N), instead of setting those nodes aside again for each replica."""
         heap = h.heap
         held: list[tuple[tuple[int, int, int], int]] = []
         chosen: int | None = None
@@ -778,13 +785,15 @@ class _Planner:
                 continue
             if node.models.get(model):
                 held.append(heapq.heappop(heap))
+                if len(held) > _HELD_MAX:
+                    break
                 continue
             chosen = i
             break
         for entry in held:
             heapq.heappush(heap, entry)
         if chosen is None and held:
-            own = [(_spread(self.states[i], model), i) for _, i in held]
+            own = [(_spread(self.states[i], model), i) for _, i in heap if i not in h.dropped]
             heapq.heapify(own)
             h.by_model[model] = own
             chosen = self._cpu_own(h, own, model, req)
@@ -863,6 +872,10 @@ class _Planner:
             key=lambda p: (order.get(p.replica.model, len(order)), p.replica.model, p.replica.replica, rank[p.action]),
         )
         return Plan(tuple(placements), tuple(unplaced), len(self.states), tuple(self.trace))
+
+
+# Nodes with a replica of the model a CPU request may set aside on the shared heap (see _cpu_shared).
+_HELD_MAX = 64
 
 
 def _spread(node: NodeState, model: str) -> tuple[int, int, int, int]:

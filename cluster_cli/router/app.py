@@ -625,7 +625,9 @@ class Router:
                     if budget is not None and budget.held:
                         ex.on_answer = budget.give_back
                     conn.exchange = trace.exchange = ex
-                    up.waits_long = waits_long
+                    # A half-open breaker's probe holds the endpoint's one slot until its head
+                    # comes: it is bounded by the idle timeout, not the response timeout.
+                    up.waits_long = waits_long and ex.probe is None
                     up.send(start_line + w.host_header + head_tail + req.body, ex)
                     code = await fut
                 except UpstreamError as e:  # connect failed
@@ -675,10 +677,9 @@ class Router:
                         # Sent whole and not answered within the response timeout: the engine may
                         # still be generating it. Another endpoint (or the client's own retry)
                         # would start the work over, and one slow request is no verdict on an
-                        # engine whose health checks pass: 504, not retried, no breaker strike;
-                        # unless it was a half-open breaker's probe, which had to prove the
-                        # engine serves (left undecided, the next request would probe as long).
-                        lease.release(False if ex.probe is not None else None)  # type: ignore[union-attr]
+                        # engine whose health checks pass: 504, not retried, no breaker strike
+                        # (a half-open breaker's probe never gets here: see waits_long).
+                        lease.release(None)
                         msg = f"{w.view.replica}: {e.message}"
                         extra = b"x-should-retry: false\r\n"
                         return self._fail(conn, 504, msg, "upstream_timeout", model, endpoint, attempts, extra)

@@ -65,7 +65,7 @@ class ClientConn(asyncio.Protocol):
         "keep_alive",
         "last_io",
         "linger_left",
-        "lingering",
+        "lingering_since",
         "paused",
         "peer",
         "reading_paused",
@@ -96,7 +96,7 @@ class ClientConn(asyncio.Protocol):
         self.exchange: Exchange | None = None
         self.last_io = _monotonic()
         self.peer = ""
-        self.lingering = 0.0  # when the router answered and began to discard what the client still sends
+        self.lingering_since = 0.0  # when the router answered and began to discard what the client still sends
         self.linger_left = 0  # bytes it will still read and drop: the rest of the refused body
 
     now = staticmethod(_monotonic)
@@ -135,7 +135,7 @@ class ClientConn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_io = _monotonic()
-        if self.lingering:
+        if self.lingering_since:
             # Answered and closing: what is still coming is read and dropped, up to the rest of
             # the refused body, then the connection is closed (nothing unread: no reset).
             self.linger_left -= len(data)
@@ -344,7 +344,7 @@ class ClientConn(asyncio.Protocol):
         self.h.lingering.add(self)
         self._buf = b""
         self._body_parts = []
-        self.lingering = self.last_io = _monotonic()
+        self.lingering_since = self.last_io = _monotonic()
         try:
             tr.write_eof()
         except (OSError, RuntimeError):
@@ -362,7 +362,7 @@ class ClientConn(asyncio.Protocol):
             return
         now = _monotonic()
         idle_left = self.last_io + LINGER_IDLE_S - now
-        total_left = self.lingering + LINGER_S - now
+        total_left = self.lingering_since + LINGER_S - now
         if idle_left <= 0 or total_left <= 0:
             tr.abort()  # the client neither finished nor closed: give up on it
             return

@@ -36,7 +36,7 @@ class UpstreamError(Exception):
 
     def __init__(self, kind: str, message: str, *, stale: bool = False) -> None:
         super().__init__(message)
-        self.kind = kind  # connect, reset, timeout, protocol
+        self.kind = kind  # connect, reset, timeout, response_timeout, protocol, shutdown
         self.message = message
         self.stale = stale  # a reused keep-alive connection closed before answering
 
