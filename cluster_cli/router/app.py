@@ -349,22 +349,12 @@ class Router:
     def _answer(self, conn: ClientConn, req: Request) -> int:
         """Answer a request that is not proxied; returns its HTTP status."""
         path = req.path
-        if path in PROXY_PATHS:
-            data = error_response(
-                405, "use POST", "method_not_allowed", keep_alive=conn.keep_alive, extra=b"Allow: POST\r\n"
-            )
+        refusal = _unroutable(req)  # no route (404) or the wrong method (405): as check_head says it
+        if refusal is not None:
+            status, msg, code, extra = refusal
+            data = error_response(status, msg, code, keep_alive=conn.keep_alive, extra=extra)
             conn.write(data if req.method != b"HEAD" else _head_only(data))
-            return 405
-        if req.method not in (b"GET", b"HEAD"):
-            if path in _GET_PATHS:
-                msg = f"{path.decode('latin-1')} takes GET or HEAD"
-                extra = b"Allow: GET, HEAD\r\n"
-                conn.write(error_response(405, msg, "method_not_allowed", keep_alive=conn.keep_alive, extra=extra))
-                return 405
-            conn.write(
-                error_response(404, f"no route for {path.decode('latin-1')}", "not_found", keep_alive=conn.keep_alive)
-            )
-            return 404
+            return status
         # A HEAD answer is the GET answer's head alone (same Content-Length, no body).
         write = conn.write if req.method == b"GET" else lambda data: conn.write(_head_only(data))
         if path == b"/health":
@@ -389,8 +379,7 @@ class Router:
                 return 404
             write(response(200, model_json(name), keep_alive=conn.keep_alive))
             return 200
-        write(error_response(404, f"no route for {path.decode('latin-1')}", "not_found", keep_alive=conn.keep_alive))
-        return 404
+        raise AssertionError(f"_unroutable let {path!r} through")  # it names every route above
 
     def _health_body(self) -> bytes:
         """The router's state. ``status`` is "draining" (answered with 503) while it shuts down,
@@ -717,7 +706,8 @@ _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})
 
 
 def _unroutable(req: Request) -> tuple[int, str, str, bytes] | None:
-    """The 404 or 405 a request gets for its method and path alone (as ``_answer`` gives it), or None."""
+    """The 404 or 405 a request gets for its method and path alone, or None for a route that is
+    served (``_answer`` and ``check_head`` both go by it, so the two cannot drift apart)."""
     path = req.path
     if path in PROXY_PATHS:
         return None if req.method == b"POST" else (405, "use POST", "method_not_allowed", b"Allow: POST\r\n")
