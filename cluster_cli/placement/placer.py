@@ -47,7 +47,7 @@ from __future__ import annotations
 import gc
 import heapq
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -769,21 +769,8 @@ class _Planner:
         heap = h.heap
         held: list[tuple[tuple[int, int, int], int]] = []
         chosen: int | None = None
-        while heap:
-            key, i = heap[0]
-            node = self.states[i]
-            if i in h.dropped:  # dropped through another model's heap
-                heapq.heappop(heap)
-                continue
-            cur = scoring.spread_key(node)
-            if key != cur:  # replicas landed here since: re-file it
-                heapq.heapreplace(heap, (cur, i))
-                continue
-            if not self._cpu_fits(node, req):
-                heapq.heappop(heap)
-                self._cpu_drop(h, i, req)
-                continue
-            if node.models.get(model):
+        while (i := self._cpu_top(h, heap, scoring.spread_key, req)) is not None:
+            if self.states[i].models.get(model):
                 held.append(heapq.heappop(heap))
                 if len(held) > _HELD_MAX:
                     break
@@ -803,18 +790,26 @@ class _Planner:
         self, h: _CpuHeap, own: list[tuple[tuple[int, int, int, int], int]], model: str, req: Request
     ) -> int | None:
         """The node with the fewest replicas of ``model`` (then spread order) that fits."""
-        while own:
-            key, i = own[0]
-            node = self.states[i]
+        return self._cpu_top(h, own, lambda node: _spread(node, model), req)
+
+    def _cpu_top(
+        self, h: _CpuHeap, heap: list[tuple[Any, int]], key: Callable[[NodeState], Any], req: Request
+    ) -> int | None:
+        """The node at the top of ``heap`` once it is current: entries of nodes dropped (here or
+        through another heap of the request) are popped, a key gone stale is re-filed, a node
+        that no longer fits is dropped for the request. None when none is left. Not popped."""
+        while heap:
+            k, i = heap[0]
             if i in h.dropped:
-                heapq.heappop(own)
+                heapq.heappop(heap)
                 continue
-            cur = _spread(node, model)
-            if key != cur:
-                heapq.heapreplace(own, (cur, i))
+            node = self.states[i]
+            cur = key(node)
+            if k != cur:  # replicas landed here since: re-file it
+                heapq.heapreplace(heap, (cur, i))
                 continue
-            if not self._cpu_fits(node, req):
-                heapq.heappop(own)
+            if not self._cpu_fits(node, req):  # resources only shrink: never again for this request
+                heapq.heappop(heap)
                 self._cpu_drop(h, i, req)
                 continue
             return i
