@@ -206,7 +206,8 @@ class ClientConn(asyncio.Protocol):
                         return
                     self._clen = clen
                 if chunked or len(buf) < clen:
-                    # Refused on its head (no API key, ...): the body is never read, nor buffered.
+                    # Refused on its head (no API key, ...): the body is never parsed nor kept
+                    # (what arrives of it is read and dropped while the connection lingers).
                     refusal = h.check_head(req, -1 if chunked else clen)
                     if refusal is not None:
                         self._reject(req, *refusal, left=None if chunked else clen - len(buf))
