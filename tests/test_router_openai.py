@@ -424,3 +424,28 @@ def test_a_refused_head_request_gets_a_head_alone() -> None:
                 assert got.startswith(b"HTTP/1.1 " + status) and got.endswith(b"\r\n\r\n"), got
     finally:
         f.close()
+
+
+def test_a_head_with_bare_lf_line_ends_is_refused_at_once() -> None:
+    """The head's end is found by CRLF CRLF: one written with bare LFs never ended, and the
+    connection was held until the read timeout (a minute) for a 408."""
+    import time
+
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=3).start()
+    try:
+        for head in (b"GET /health HTTP/1.1\nHost: x\n\n", b"GET /health HTTP/1.1\r\nHost: x\n\n"):
+            with socket.create_connection(("127.0.0.1", f.port), timeout=5) as s:
+                t0 = time.monotonic()
+                s.sendall(head)
+                got = s.recv(4096)
+                assert got.startswith(b"HTTP/1.1 400 ") and b"CRLF" in got, got
+                assert time.monotonic() - t0 < 2
+        # Sent in pieces, the "\n\n" split across two reads, all the same.
+        with socket.create_connection(("127.0.0.1", f.port), timeout=5) as s:
+            s.sendall(b"GET /health HTTP/1.1\nHost: x\n")
+            time.sleep(0.1)
+            s.sendall(b"\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 400 ")
+        assert httpx.get(f.url + "/health").status_code == 200
+    finally:
+        f.close()

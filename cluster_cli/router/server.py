@@ -179,6 +179,11 @@ class ClientConn(asyncio.Protocol):
                     if idx > h.max_header_bytes or len(buf) > h.max_header_bytes:
                         self._reject(None, 431, "request head too large", "request_header_too_large")
                         return
+                    if idx < 0 and buf.find(b"\n\n", max(0, self._scan - 1)) >= 0:
+                        # A head whose lines end in a bare LF (a CRLF head never holds "\n\n"):
+                        # refused now, not held until the read timeout for a CRLF that never comes.
+                        self._reject(None, 400, "request head lines must end in CRLF", "bad_request")
+                        return
                     self._scan = max(0, len(buf) - 3)
                     self._reading()
                     return
