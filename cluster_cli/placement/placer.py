@@ -47,6 +47,7 @@ from __future__ import annotations
 import gc
 import heapq
 import json
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,7 @@ from cluster_cli.machines import is_gpu_uuid
 from cluster_cli.placement import scoring
 from cluster_cli.placement.constraints import CAPACITY, NODE_LEVEL, choose_gpus, gpus_known, mark_duplicate_gpus
 from cluster_cli.placement.constraints.base import NodeState, Request
-from cluster_cli.placement.constraints.nvlink import fits_one_domain
+from cluster_cli.placement.constraints.nvlink import domain_room, fits_one_domain
 from cluster_cli.placement.explain import explain_request, fit_message, node_verdicts
 from cluster_cli.placement.verdict import PlacementMetrics, Reason, Verdict
 
@@ -267,12 +268,6 @@ class _Buckets:
         return out
 
 
-def _room(free: Sequence[int], domains: Sequence[Sequence[int]]) -> int:
-    """The most free GPUs that one NVLink domain of the node holds."""
-    fs = set(free)
-    return max((sum(1 for i in set(d) if i in fs) for d in domains), default=0)
-
-
 class _DomainIndex:
     """The nodes of one GPU class with a known NVLink topology, by (free GPUs in their
     roomiest domain, free GPUs of the class), for a tensor-parallel group that the best-fit
@@ -368,7 +363,7 @@ class _Planner:
         self.domain_index: dict[str, _DomainIndex] = {}  # GPU class -> its nodes by NVLink room
         # Bumped by every allocation this plan makes, per GPU class ("": CPU reservations): an
         # explanation records the one its request depends on, and is retaken only when it moved.
-        self.versions: dict[str, int] = {}
+        self.versions: defaultdict[str, int] = defaultdict(int)
 
     # ---- 1. current allocations --------------------------------------------
     def apply_current(self, current: Sequence[Replica]) -> None:
@@ -517,11 +512,11 @@ class _Planner:
         self.static_metrics: dict[tuple[Any, ...], PlacementMetrics] = {}
 
     # ---- 3. place -------------------------------------------------------------
-    def place_all(self) -> tuple[list[Replica], list[tuple[Model, int, list[Profile]]]]:
+    def place_all(self) -> tuple[list[Replica], list[tuple[Model, int]]]:
         """Place every missing replica; returns the started ones and the failures."""
         dead: set[tuple[Any, ...]] = set()
         starts: list[Replica] = []
-        failed: list[tuple[Model, int, list[Profile]]] = []
+        failed: list[tuple[Model, int]] = []
         for model in self.catalog.models:
             profiles = model.ordered_profiles()
             reqs = [Request.of(p) for p in profiles]
@@ -558,7 +553,7 @@ class _Planner:
                 if placed is None:
                     # Its reasons say what each node had when this replica was tried.
                     tried = [(p, req, m, self._explain(req)) for p, req, m, _ in tried]
-                    failed.append((model, r, profiles))
+                    failed.append((model, r))
                 else:
                     starts.append(placed)
                 self.tried[(model.name, r)] = tried
@@ -571,7 +566,7 @@ class _Planner:
         so once per failing profile, and again only for a replica left unplaced."""
         sig = _sig(req)
         got = self.explained.get(sig)
-        version = self.versions.get(req.gpu_class or "", 0)
+        version = self.versions[req.gpu_class or ""]
         if got is None or got[0] != version:
             got = self.explained[sig] = (version, explain_request(self.states, req))
         return got[1]
@@ -632,8 +627,8 @@ class _Planner:
             b.move(node.order, left)
         dix = self.domain_index.get(cls)
         if dix is not None and node.order in dix.at:
-            dix.put(node.order, _room(node.free[cls], node.facts.nvlink_domains or ()), left)
-        self.versions[cls] = self.versions.get(cls, 0) + 1
+            dix.put(node.order, domain_room(node.free[cls], node.facts.nvlink_domains or ()), left)
+        self.versions[cls] += 1
         return gpus, in_dom
 
     def _single(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
@@ -691,7 +686,7 @@ class _Planner:
             for i in b.count:
                 s = self.states[i]
                 if s.facts.nvlink_domains is not None:
-                    dix.put(i, _room(s.free[cls], s.facts.nvlink_domains), len(s.free[cls]))
+                    dix.put(i, domain_room(s.free[cls], s.facts.nvlink_domains), len(s.free[cls]))
         found = dix.best(k)
         return best if found is None else found
 
@@ -747,7 +742,7 @@ class _Planner:
             return None
         node = self.states[chosen]
         before = node.replicas
-        self.versions[""] = self.versions.get("", 0) + 1
+        self.versions[""] += 1
         node.reserved_cpus += req.cpus or 0
         node.reserved_mib += req.memory_mib or 0
         node.cpu_replicas += 1
@@ -843,22 +838,22 @@ class _Planner:
                 labelled[key] = (m, reasons)
             return labelled[key]
 
-        def attempts(key: tuple[str, int], placed: bool) -> tuple[Attempt, ...]:
+        def attempts(key: tuple[str, int]) -> tuple[Attempt, ...]:
             out = []
-            tried = self.tried[key]
-            for p, req, m, expl in tried:
-                ok = expl is None
-                metrics = m if expl is None and m is not None else relabel(req, expl)[0]  # type: ignore[arg-type]
-                out.append(Attempt(p.name, p.describe(), ok, metrics))
+            for p, req, m, expl in self.tried[key]:
+                if expl is None:  # the profile that placed it: its own counts
+                    out.append(Attempt(p.name, p.describe(), True, m))  # type: ignore[arg-type]
+                else:
+                    out.append(Attempt(p.name, p.describe(), False, relabel(req, expl)[0]))
             return tuple(out)
 
-        started = [Placement(rep, "start", self.notes.get(rep.key, ""), attempts(rep.key, True)) for rep in starts]
+        started = [Placement(rep, "start", self.notes.get(rep.key, ""), attempts(rep.key)) for rep in starts]
         unplaced: list[Unplaced] = []
-        for model, r, _profiles in failed:
+        for model, r in failed:
             reasons: list[Reason] = []
             for _p, req, _m, expl in self.tried[(model.name, r)]:
                 reasons.extend(relabel(req, expl)[1])  # type: ignore[arg-type]
-            unplaced.append(Unplaced(model.name, r, attempts((model.name, r), False), tuple(reasons)))
+            unplaced.append(Unplaced(model.name, r, attempts((model.name, r)), tuple(reasons)))
 
         order = {m.name: i for i, m in enumerate(self.catalog.models)}
         rank = {a: i for i, a in enumerate(ACTIONS)}

@@ -25,7 +25,7 @@ from cluster_cli.router.admission import Rejected
 from cluster_cli.router.balancer import Balancer, Lease, no_endpoint
 from cluster_cli.router.config import LimitsSpec, RouterConfig
 from cluster_cli.router.health import health_loop
-from cluster_cli.router.http import Request, error_response, response
+from cluster_cli.router.http import Request, error_response, head_only, response
 from cluster_cli.router.keys import ApiKeys
 from cluster_cli.router.metrics import RouterMetrics
 from cluster_cli.router.policy import make_policy
@@ -353,10 +353,10 @@ class Router:
         if refusal is not None:
             status, msg, code, extra = refusal
             data = error_response(status, msg, code, keep_alive=conn.keep_alive, extra=extra)
-            conn.write(data if req.method != b"HEAD" else _head_only(data))
+            conn.write(data if req.method != b"HEAD" else head_only(data))
             return status
         # A HEAD answer is the GET answer's head alone (same Content-Length, no body).
-        write = conn.write if req.method == b"GET" else lambda data: conn.write(_head_only(data))
+        write = conn.write if req.method == b"GET" else lambda data: conn.write(head_only(data))
         if path == b"/health":
             status = 200 if not self._draining else 503
             write(response(status, self._health_body(), keep_alive=conn.keep_alive))
@@ -742,11 +742,6 @@ _STALE_RETRIES = 3  # a new connection cannot be stale: more than one in a row i
 _DEFAULT_MAX_CONNECTIONS = LimitsSpec.model_fields["max_connections"].default
 _KEY_MESSAGE = "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'."
 _KEY_CHALLENGE = b'WWW-Authenticate: Bearer realm="clusterctl"\r\n'
-
-
-def _head_only(response_bytes: bytes) -> bytes:
-    """A whole response's head: what a HEAD request gets (same headers, no body)."""
-    return response_bytes[: response_bytes.find(b"\r\n\r\n") + 4]
 
 
 class _BudgetSlot:

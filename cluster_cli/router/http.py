@@ -452,3 +452,8 @@ async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int 
             writer.close()
 
     return await asyncio.wait_for(go(), timeout)
+
+
+def head_only(response_bytes: bytes) -> bytes:
+    """A whole response's head: what a HEAD request gets (same headers, no body)."""
+    return response_bytes[: response_bytes.find(b"\r\n\r\n") + 4]

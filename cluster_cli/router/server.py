@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Protocol
 
-from cluster_cli.router.http import BadRequest, ChunkedDecoder, Request, error_response, parse_request_head
+from cluster_cli.router.http import BadRequest, ChunkedDecoder, Request, error_response, head_only, parse_request_head
 
 if TYPE_CHECKING:
     from cluster_cli.router.proxy import Exchange
@@ -289,7 +289,7 @@ class ClientConn(asyncio.Protocol):
         self.reading_since = 0.0
         data = error_response(status, message, code, keep_alive=False, extra=extra)
         if req is not None and req.method == b"HEAD":
-            data = data[: data.find(b"\r\n\r\n") + 4]  # a HEAD answer is a head alone
+            data = head_only(data)
         self.write(data)
         if not (linger and self._linger(left)):
             self.close()

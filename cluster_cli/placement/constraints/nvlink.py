@@ -48,14 +48,17 @@ def choose_gpus(free: Sequence[int], n: int, domains: Domains) -> tuple[tuple[in
     return tuple(free[:n]), False
 
 
+def domain_room(free: Sequence[int], domains: Sequence[Sequence[int]]) -> int:
+    """The most free GPUs that one NVLink domain of the node holds."""
+    fs = set(free)
+    return max((sum(1 for i in set(d) if i in fs) for d in domains), default=0)
+
+
 def fits_one_domain(free: Sequence[int], n: int, domains: Domains) -> bool | None:
     """Whether some domain has ``n`` free GPUs (``None``: topology unknown)."""
     if domains is None:
         return None
-    if n <= 1:
-        return True
-    fs = set(free)
-    return any(sum(1 for i in set(d) if i in fs) >= n for d in domains)
+    return n <= 1 or domain_room(free, domains) >= n
 
 
 class NvlinkDomain:
