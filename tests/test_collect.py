@@ -374,3 +374,40 @@ def test_an_unreachable_nodes_error_is_made_printable_and_probes_fit_the_deadlin
     assert not f.reachable and "\x1b" not in (f.error or "") and "boom" in (f.error or "")
     # The inventory's command timeout is 30 s; the node has 5 s: its probes get less than that.
     assert hostile.timeouts and hostile.timeouts[0] <= 5
+
+
+def test_a_gpu_the_process_query_finds_lost_is_lost() -> None:
+    """The process query runs beside the GPU list; when it is the one to find GPU 1 gone
+    (by bus id), GPU 1 is lost, not free."""
+    lost = "Unable to determine the device handle for GPU 0000:31:00.0: GPU is lost.  Reboot the system to recover this GPU\n"
+    f = facts_from_outputs(INV, NODE, outputs(apps=CommandResult(15, APPS + lost, "")))
+    by = {g.index: g for g in f.gpus}
+    assert by[1].lost and not by[1].free
+    assert [g.index for g in f.gpus if g.lost] == [1] and len(f.gpus) == 4
+    assert "gpu: 1 GPU(s) lost" in f.problems
+    # Named by index alone it is ambiguous: nothing is marked from it.
+    by_index = "Unable to determine the device handle for GPU1: GPU is lost.\n"
+    f = facts_from_outputs(INV, NODE, outputs(apps=CommandResult(15, APPS + by_index, "")))
+    assert not any(g.lost for g in f.gpus)
+
+
+def test_a_row_of_lost_cells_explains_a_non_zero_exit() -> None:
+    """nvidia-smi exits non-zero for a GPU printed with ``[GPU is lost]`` cells: the rest of
+    the list is whole, so the other GPUs stay usable and the NVLink domains known."""
+    gpus = GPUS.replace(
+        "1, GPU-aaaa0000-0000-0000-0000-000000000001, NVIDIA A100 80GB PCIe, 81920, 5, 00000000:31:00.0, 2, Disabled, No, No",
+        "1, GPU-aaaa0000-0000-0000-0000-000000000001, NVIDIA A100 80GB PCIe, [GPU is lost], [GPU is lost], "
+        "00000000:31:00.0, [GPU is lost], [GPU is lost], [GPU is lost], [GPU is lost]",
+    )
+    f = facts_from_outputs(INV, NODE, outputs(gpus=CommandResult(15, gpus, "")))
+    by = {g.index: g for g in f.gpus}
+    assert by[1].lost and by[0].free
+    assert f.nvlink_domains == ((0, 1), (2, 3))
+    assert not any("incomplete" in p for p in f.problems)
+
+
+def test_a_broken_nvidia_smi_install_is_a_problem_not_a_cpu_node() -> None:
+    err = "nvidia-smi: error while loading shared libraries: libnvidia-ml.so.1: cannot open shared object file\n"
+    f = facts_from_outputs(INV, NODE, outputs(gpus=CommandResult(127, "", err)))
+    assert f.gpus == () and f.nvlink_domains is None
+    assert any(p.startswith("nvidia-smi:") and "libnvidia-ml" in p for p in f.problems)

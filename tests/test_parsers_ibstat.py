@@ -25,16 +25,16 @@ def ndr(ca: str, guid: int, lid: int) -> HcaPort:
     return HcaPort(ca, 1, "Active", "LinkUp", "InfiniBand", 400.0, guid, lid, 1024, "MT4129")
 
 
-def roce(ca: str, state: str, phys: str, rate: float) -> HcaPort:
+def roce(ca: str, state: str, phys: str, rate: float | None) -> HcaPort:
     return HcaPort(ca, 1, state, phys, "Ethernet", rate, None, 0, 0, "MT4125")
 
 
 HGX_12CA = [
     ndr("mlx5_0", 0x58A2E103001B2576, 287),
-    roce("mlx5_1", "Down", "Disabled", 40.0),
+    roce("mlx5_1", "Down", "Disabled", None),  # ibstat prints "Rate: 40" for a port without a link
     ndr("mlx5_10", 0x58A2E103001A691E, 284),
     ndr("mlx5_11", 0x58A2E103001B2542, 254),
-    roce("mlx5_2", "Down", "Disabled", 40.0),
+    roce("mlx5_2", "Down", "Disabled", None),
     ndr("mlx5_3", 0x58A2E103001A690A, 286),
     ndr("mlx5_4", 0x58A2E103001B25AE, 239),
     ndr("mlx5_5", 0x58A2E103001B2586, 238),
@@ -144,7 +144,7 @@ def test_multi_port_ca() -> None:
     )
     assert parse_ibstat(text) == [
         HcaPort("mlx4_0", 1, "Active", "LinkUp", "InfiniBand", 40.0, 0x0002C90300A1B2C1, 3, 1, "MT4099"),
-        HcaPort("mlx4_0", 2, "Down", "Polling", "InfiniBand", 10.0, 0x0002C90300A1B2C2, 0, 0, "MT4099"),
+        HcaPort("mlx4_0", 2, "Down", "Polling", "InfiniBand", None, 0x0002C90300A1B2C2, 0, 0, "MT4099"),
     ]
 
 
@@ -243,14 +243,17 @@ def hca_ports(draw: st.DrawFn) -> list[HcaPort]:
         ca = f"mlx5_{c}"
         ca_type = draw(st.one_of(st.none(), st.sampled_from(["MT4129", "MT4125", "MT4123"])))
         for port in range(1, draw(st.integers(1, 2)) + 1):
+            state, phys = draw(_states), draw(_phys)
+            rate = draw(st.sampled_from([2.5, 10.0, 40.0, 100.0, 200.0, 400.0, 800.0]))
             out.append(
                 HcaPort(
                     ca=ca,
                     port=port,
-                    state=draw(_states),
-                    physical_state=draw(_phys),
+                    state=state,
+                    physical_state=phys,
                     link_layer=draw(st.sampled_from(["InfiniBand", "Ethernet"])),
-                    rate_gbps=draw(st.sampled_from([2.5, 10.0, 40.0, 100.0, 200.0, 400.0, 800.0])),
+                    # Without a link the rate printed is a default, not the port's: unknown.
+                    rate_gbps=rate if state != "Down" and phys == "LinkUp" else None,
                     port_guid=draw(st.one_of(st.none(), st.integers(1, 2**64 - 1))),
                     base_lid=draw(st.integers(0, 65535)),
                     sm_lid=draw(st.integers(0, 65535)),
@@ -267,8 +270,8 @@ def render_ibstat(ports: list[HcaPort], indent: str) -> str:
         if p.ca != last_ca:
             last_ca = p.ca
             lines += [f"CA '{p.ca}'", f"{indent}CA type: {p.ca_type or ''}", f"{indent}Number of ports: 2"]
-        rate = p.rate_gbps
-        rate_s = str(int(rate)) if rate is not None and rate.is_integer() else str(rate)
+        rate = 40.0 if p.rate_gbps is None else p.rate_gbps  # what ibstat prints on a port without a link
+        rate_s = str(int(rate)) if rate.is_integer() else str(rate)
         body = [
             f"State: {p.state}",
             f"Physical state: {p.physical_state}",

@@ -21,6 +21,7 @@ from cluster_cli.probe.parsers.nvidia_smi import (
     classify_failure,
     normalize_pci_bus_id,
     parse_compute_apps,
+    parse_lost,
     parse_query_gpu,
     unreadable_app_gpus,
     unreadable_gpu_rows,
@@ -726,3 +727,75 @@ def test_a_hung_nvidia_smi_is_said_to_have_been_killed_not_to_have_exited() -> N
     failure = classify_failure(124, "probe timed out\n")  # the batch watchdog's rc and note
     assert failure is not None and failure.kind == "failed"
     assert failure.message == "nvidia-smi did not answer within the probe timeout and was killed"
+
+
+# ----------------------------------------------------------------------------- fault cells
+
+_A100 = "NVIDIA A100-SXM4-80GB"
+
+
+def _fault_row(index: int, bus: str, token: str, *, name: str = _A100, uuid: str | None = None) -> str:
+    uuid = uuid or f"GPU-{index:08x}-0000-0000-0000-000000000000"
+    return f"{index}, {uuid}, {name}, {token}, {token}, 00000000:{bus}:00.0, {token}, {token}, {token}, {token}"
+
+
+def _gpus(text: str) -> dict[int, Gpu]:
+    rows, lost = parse_query_gpu(text)
+    return {g.index: g for g in build_gpus(rows, [], lost, gpu_class=lambda n: n.removeprefix("NVIDIA "))}
+
+
+def test_a_row_of_lost_cells_is_a_lost_gpu() -> None:
+    """nvidia-smi still prints the row of a GPU that fell off the bus, with ``[GPU is lost]``
+    in its value cells: that GPU is lost, not free with unknown health."""
+    healthy = "0, GPU-00000000-0000-0000-0000-000000000000, NVIDIA A100-SXM4-80GB, 81920, 5, 00000000:07:00.0, 0, Disabled, No, No"
+    by = _gpus(healthy + "\n" + _fault_row(1, "0B", "[GPU is lost]") + "\n")
+    assert by[0].free and not by[0].lost
+    assert by[1].lost and not by[1].healthy and not by[1].free
+    assert by[1].problems == ("lost: nvidia-smi reports the GPU is lost",)
+    assert by[1].product == _A100 and by[1].pci_bus_id == "0000:0b:00.0"
+
+
+def test_a_lost_row_without_a_name_or_uuid_has_no_product() -> None:
+    (g,) = _gpus(_fault_row(3, "0D", "[GPU is lost]", name="[GPU is lost]", uuid="[GPU is lost]")).values()
+    assert g.lost and g.uuid == ""
+    d = g.to_dict()
+    assert d["product"] is None and d["class"] is None and d["uuid"] is None
+
+
+def test_a_gpu_that_requires_a_reset_is_unhealthy() -> None:
+    (g,) = _gpus(_fault_row(2, "0C", "[GPU requires reset]")).values()
+    assert not g.lost and not g.healthy and not g.free
+    assert g.problems == ("unhealthy: nvidia-smi reports the GPU requires a reset",)
+    # One such cell is enough (the others readable).
+    line = "2, GPU-1, NVIDIA A100-SXM4-80GB, 81920, 0, 00000000:0C:00.0, [GPU requires reset], Disabled, No, No"
+    (g,) = _gpus(line).values()
+    assert not g.healthy and g.memory_total_mib == 81920
+
+
+def test_unknown_error_alone_is_not_a_fault() -> None:
+    """``[Unknown Error]`` is a value NVML could not read (a GeForce card's power limit, say),
+    not a fault state of the GPU: it stays missing, as SOURCES.md says."""
+    (g,) = _gpus(_fault_row(0, "07", "[Unknown Error]")).values()
+    assert g.free and g.ecc_uncorrected is None
+
+
+def test_a_64_bit_counter_is_read_not_dropped() -> None:
+    line = "0, GPU-1, NVIDIA A100-SXM4-80GB, 81920, 0, 00000000:07:00.0, 18446744073709551615, Disabled, No, No"
+    (g,) = _gpus(line).values()
+    assert g.ecc_uncorrected == 2**64 - 1 and not g.healthy
+
+
+def test_a_loader_error_is_a_broken_install_not_a_missing_tool() -> None:
+    out = "nvidia-smi: error while loading shared libraries: libnvidia-ml.so.1: cannot open shared object file: No such file or directory\n"
+    f = classify_failure(127, out)
+    assert f is not None and f.kind == "failed" and "libnvidia-ml.so.1" in f.message
+    assert classify_failure(127, "bash: line 1: nvidia-smi: command not found\n").kind == "missing"  # type: ignore[union-attr]
+
+
+def test_lost_lines_of_any_output() -> None:
+    text = (
+        "GPU-aaaa, 4411, 100, python\n"
+        "Unable to determine the device handle for GPU 0000:31:00.0: GPU is lost.  Reboot the system to recover this GPU\n"
+    )
+    assert [g.pci_bus_id for g in parse_lost(text)] == ["0000:31:00.0"]
+    assert parse_lost("GPU-aaaa, 4411, 100, python\n") == []

@@ -31,6 +31,7 @@ from cluster_cli.probe.parsers.nvidia_smi import (
     classify_failure,
     killed,
     parse_compute_apps,
+    parse_lost,
     parse_query_gpu,
     unreadable_app_gpus,
     unreadable_gpu_rows,
@@ -97,7 +98,10 @@ def facts_from_outputs(
                 apps.rc == 0 or (not killed(apps.rc) and classify_failure(apps.rc, apps.output) is None)
             )
             procs = parse_compute_apps(apps.stdout) if apps is not None and apps_ok else []
-            gpus = build_gpus(rows, procs, lost, gpu_class=inv.gpu_class, own_pids=own_pids)
+            # The process query runs beside the GPU list and may be the one to find a GPU gone:
+            # one it names by bus id is lost, listed or not (named by index alone: ambiguous).
+            gone = [g for g in parse_lost(apps.output) if g.pci_bus_id] if apps is not None else []
+            gpus = build_gpus(rows, procs, [*lost, *gone], gpu_class=inv.gpu_class, own_pids=own_pids)
             if apps is not None and not apps_ok:
                 problems.append("nvidia-smi: could not list compute processes; GPUs treated as busy")
                 gpus = _with_problem(gpus, "foreign-process: unknown (query failed)")
@@ -127,9 +131,9 @@ def facts_from_outputs(
             # A list that may be cut short frees nothing until a discover reads it whole: rows,
             # but nvidia-smi failed or timed out; or rc 0 with rows cut short or repeated.
             incomplete = None
-            if smi.rc != 0 and (not lost or killed(smi.rc)):
-                # Lost GPUs make nvidia-smi exit non-zero after a whole list; killed, it may
-                # not have got to the end of it, lost GPUs or not.
+            if smi.rc != 0 and (not (lost or any(r.fault for r in rows)) or killed(smi.rc)):
+                # Lost GPUs (a line of their own, or a row of fault cells) make nvidia-smi exit
+                # non-zero after a whole list; killed, it may not have got to the end of it.
                 why = {124: "timed out", None: "gave no exit status"}.get(smi.rc, f"exited with rc {smi.rc}")
                 incomplete = f"{why} after listing {len(rows)} GPU(s)"
             elif garbled := unreadable_gpu_rows(smi.output, rows):

@@ -45,6 +45,13 @@ def _rate(value: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def _link_up(port: dict[str, str]) -> bool:
+    """The port has a link, so its rate is the negotiated one. On a port that is Down, or
+    whose physical link is not up (Disabled, Polling, ...), ibstat prints a default rate."""
+    phys = port.get("physical state", "").strip().lower()
+    return port.get("state", "").strip().lower() != "down" and phys in ("linkup", "")
+
+
 def _lid(value: str) -> int | None:
     m = _LID.fullmatch(value.strip())
     if not m:
@@ -78,7 +85,7 @@ def parse_ibstat(text: str) -> list[HcaPort]:
                     state=port.get("state", ""),
                     physical_state=port.get("physical state", ""),
                     link_layer=port.get("link layer", ""),
-                    rate_gbps=_rate(port.get("rate", "")),
+                    rate_gbps=_rate(port.get("rate", "")) if _link_up(port) else None,
                     port_guid=parse_guid(port.get("port guid")),
                     base_lid=_lid(port.get("base lid", "")),
                     sm_lid=_lid(port.get("sm lid", "")),

@@ -23,6 +23,7 @@ __all__ = [
     "killed",
     "normalize_pci_bus_id",
     "parse_compute_apps",
+    "parse_lost",
     "parse_query_gpu",
 ]
 
@@ -41,6 +42,9 @@ class GpuRow:
     mig_mode: bool | None
     retired_pages_pending: bool | None
     remapped_rows_pending: bool | None
+    # A cell of the row says the GPU is in a fault state (``[GPU is lost]``, ``[GPU requires
+    # reset]``): the fault key (``lost``, ``reset``), else None.
+    fault: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,14 @@ FAILURE_KINDS = frozenset({"missing", "no-driver", "driver-mismatch", "no-device
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]")
 _DIGITS = re.compile(r"[0-9]{1,18}")
-_INT = re.compile(r"([0-9]{1,18})(?:\s*[A-Za-z%]+)?")  # "81559" or "81559 MiB" (no nounits)
+# "81559" or "81559 MiB" (no nounits); up to 20 digits: an NVML counter is 64 bits unsigned
+_INT = re.compile(r"([0-9]{1,20})(?:\s*[A-Za-z%]+)?")
 _PCI = re.compile(r"(?:(?P<dom>[0-9A-Fa-f]{1,8}):)?(?P<bus>[0-9A-Fa-f]{1,2}):(?P<dev>[0-9A-Fa-f]{1,2})\.(?P<fn>[0-7])")
 _LOST = re.compile(r"Unable to determine the device handle for\s+GPU", re.IGNORECASE)
 _LOST_INDEX = re.compile(r"([0-9]{1,6})\s*:\s*")
+# What nvidia-smi prints in place of a value of a GPU in a fault state (NVML_ERROR_GPU_IS_LOST,
+# NVML_ERROR_RESET_REQUIRED): the row is still printed, with the fault in its cells.
+_FAULT_CELLS = {"[gpu is lost]": "lost", "[gpu requires reset]": "reset"}
 
 _N_GPU = len(GPU_FIELDS)
 _N_APP = len(APP_FIELDS)
@@ -172,11 +180,14 @@ def parse_query_gpu(text: str) -> tuple[list[GpuRow], list[LostGpu]]:
         pci = normalize_pci_bus_id(tail[2])
         if len(cells) > _N_GPU and pci is None:
             continue  # extra columns, but not a comma in the name: a different column list
+        faults = {_FAULT_CELLS.get(c.strip().lower()) for c in cells[1:]}
+        fault = "lost" if "lost" in faults else "reset" if "reset" in faults else None
+        name = ",".join(cells[2 : -(_N_GPU - 3)]).strip()
         rows.append(
             GpuRow(
                 index=index,
-                uuid=cells[1].strip(),
-                name=",".join(cells[2 : -(_N_GPU - 3)]).strip(),
+                uuid="" if _FAULT_CELLS.get(cells[1].strip().lower()) else cells[1].strip(),
+                name=UNREAD if _FAULT_CELLS.get(name.lower()) else name,
                 memory_total_mib=_int(tail[0]),
                 memory_used_mib=_int(tail[1]),
                 pci_bus_id=pci,
@@ -184,9 +195,15 @@ def parse_query_gpu(text: str) -> tuple[list[GpuRow], list[LostGpu]]:
                 mig_mode=_enabled(tail[4]),
                 retired_pages_pending=_yes_no(tail[5]),
                 remapped_rows_pending=_yes_no(tail[6]),
+                fault=fault,
             )
         )
     return rows, lost
+
+
+def parse_lost(text: str) -> list[LostGpu]:
+    """The lost-GPU lines of any nvidia-smi output (the process query prints them too)."""
+    return [g for line in _lines(text) if (g := _parse_lost(line)) is not None]
 
 
 def _app_row(line: str) -> GpuProcess | None:
@@ -306,7 +323,9 @@ def classify_failure(rc: int | None, output: str) -> SmiFailure | None:
         return SmiFailure(kind=kind, rc=rc, message=_one_line(msg))
 
     if rc == 127:
-        return fail("missing")
+        # The shell's "not found", or the loader's: nvidia-smi is there but cannot start.
+        loader = any("error while loading shared libraries" in ln for ln in lines)
+        return fail("failed" if loader else "missing")
     for kind, pattern in _FATAL_PATTERNS:
         if any(pattern.search(ln) for ln in lines):
             return fail(kind)
@@ -331,6 +350,8 @@ def _row_problems(row: GpuRow) -> list[str]:
         problems.append("retired-pages: page retirement pending")
     if row.remapped_rows_pending:
         problems.append("remap: row remap pending")
+    if row.fault == "reset":
+        problems.append("unhealthy: nvidia-smi reports the GPU requires a reset")
     return problems
 
 
@@ -382,6 +403,8 @@ def build_gpus(
         problems = _row_problems(r)
         if gone is not None:
             problems.append(f"lost: {gone.message}")
+        elif r.fault == "lost":
+            problems.append("lost: nvidia-smi reports the GPU is lost")
         problems.extend(_foreign(attached, own_pids))
         if r.mig_mode:
             problems.append("mig: MIG mode enabled")
@@ -390,7 +413,7 @@ def build_gpus(
                 index=r.index,
                 uuid=r.uuid,
                 product=r.name,
-                gpu_class=gpu_class(r.name),
+                gpu_class=UNREAD if r.name == UNREAD else gpu_class(r.name),
                 memory_total_mib=r.memory_total_mib,
                 memory_used_mib=r.memory_used_mib,
                 pci_bus_id=r.pci_bus_id,
@@ -398,7 +421,7 @@ def build_gpus(
                 retired_pages_pending=r.retired_pages_pending,
                 remapped_rows_pending=r.remapped_rows_pending,
                 mig_mode=r.mig_mode,
-                lost=gone is not None,
+                lost=gone is not None or r.fault == "lost",
                 processes=attached,
                 problems=tuple(problems),
             )

@@ -72,6 +72,7 @@ def parse_topo(text: str, gpus: Collection[int] | None = None) -> tuple[tuple[in
         return None
 
     parent = {g: g for g in columns}
+    nv: set[tuple[int, int]] = set()
 
     def find(g: int) -> int:
         while parent[g] != g:
@@ -88,12 +89,15 @@ def parse_topo(text: str, gpus: Collection[int] | None = None) -> tuple[tuple[in
                 if cell != "X":
                     return None
             elif _NVLINK.fullmatch(cell):
+                nv.add((src, dst))
                 a, b = find(src), find(dst)
                 if a != b:
                     parent[max(a, b)] = min(a, b)
             elif cell not in _PCIE_LINKS:
                 return None
 
+    if any((dst, src) not in nv for src, dst in nv):
+        return None  # a link that one end of it does not show: not a matrix nvidia-smi prints
     groups: dict[int, list[int]] = {}
     for g in columns:
         groups.setdefault(find(g), []).append(g)
