@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="node options: fabric=NAME cpus=N mem_gib=N ecc=IDX remap=IDX retire=IDX "
         "foreign=IDX:PID:NAME[:MIB] lost=IDX smi_error=no-driver|driver-mismatch|no-devices "
-        "slow=SECONDS garbage sm_guid=0xHEX prefix=HEX16 ib_down=IDX hca=CA:FABRIC label=KEY/VALUE\n\n"
+        "slow=SECONDS garbage sm_guid=0xHEX prefix=HEX16 ib_down=IDX hca=CA:FABRIC label=KEY/VALUE driver=VERSION\n\n"
         "presets:\n" + describe_presets(),
     )
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -14,6 +14,7 @@ Spec grammar (CLI ``--nodes``)::
     options: fabric=NAME  cpus=N  mem_gib=N  ecc=IDX  remap=IDX  retire=IDX
              foreign=IDX:PID:NAME[:MIB]  lost=IDX  smi_error=no-driver|driver-mismatch|no-devices
              slow=SECONDS  garbage  sm_guid=0xHEX  prefix=HEX16  ib_down=IDX  hca=CA:FABRIC  label=KEY/VALUE
+             driver=VERSION (before 450: no mig.mode.* or remapped_rows.* fields to query)
 
 Index options may repeat (``ecc=1:ecc=3``) or list with ``+`` (``ecc=1+3``). A token
 without ``=`` continues the previous option's value, which is how ``foreign`` carries
@@ -262,6 +263,7 @@ class NodeSpec:
     ib_down: tuple[int, ...] = ()
     hca_fabrics: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    driver: str | None = None  # the preset's driver version unless set
 
     def __post_init__(self) -> None:
         if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$", self.name):
@@ -288,6 +290,8 @@ class NodeSpec:
             raise ValueError(f"{self.name}: smi_error must be one of {', '.join(SMI_ERRORS)}")
         if self.slow < 0:
             raise ValueError(f"{self.name}: slow must be >= 0")
+        if self.driver is not None and not re.fullmatch(r"[0-9]{2,4}(?:\.[0-9]{1,4}){0,2}", self.driver):
+            raise ValueError(f"{self.name}: driver={self.driver!r}: expected a version such as 418.67")
         if self.cpus is not None and self.cpus < 1:
             raise ValueError(f"{self.name}: cpus must be >= 1")
         if self.mem_gib is not None and self.mem_gib < 1:
@@ -372,7 +376,7 @@ def apply_options(spec: NodeSpec, options: Iterable[str]) -> NodeSpec:
         key = key.strip().replace("-", "_")
         if key == "garbage":
             kw["garbage"] = val.lower() not in ("0", "no", "false") if val else True
-        elif key in ("fabric", "smi_error"):
+        elif key in ("fabric", "smi_error", "driver"):
             kw[key] = val or None
         elif key in ("cpus", "mem_gib"):
             kw[key] = _int(n, key, val)
@@ -512,7 +516,7 @@ def _gpu_fields(spec: NodeSpec, i: int) -> dict[str, str]:
         "retired_pages.pending": "Yes" if i in spec.retire else g.retired,
         "remapped_rows.pending": "Yes" if i in spec.remap else g.remapped,
         "remapped_rows.failure": "No" if g.remapped != "[N/A]" else "[N/A]",
-        "driver_version": hw.driver,
+        "driver_version": spec.driver or hw.driver,
         "compute_cap": g.compute_cap,
         "serial": serial,
         "count": str(hw.gpu_count),
@@ -526,6 +530,10 @@ def _gpu_fields(spec: NodeSpec, i: int) -> dict[str, str]:
     aliases = {"gpu_name": "name", "gpu_uuid": "uuid", "gpu_bus_id": "pci.bus_id", "gpu_serial": "serial"}
     for a, t in aliases.items():
         v[a] = v[t]
+    if int((spec.driver or hw.driver).split(".")[0]) < 450:
+        # MIG and row remapping came with the A100 (R450): an older nvidia-smi does not know
+        # these fields and refuses a query that names one.
+        v = {k: x for k, x in v.items() if not k.startswith(("mig.", "remapped_rows."))}
     return v
 
 

@@ -181,6 +181,24 @@ def test_faulty_gpus_are_not_free(testbed_factory, tmp_path: Path) -> None:
         assert any(line.startswith(f"warning: {name}: nvidia-smi") for line in err.splitlines()), err
 
 
+def test_an_older_driver_that_refuses_a_field_still_lists_its_gpus(testbed_factory, tmp_path: Path) -> None:
+    """nvidia-smi before R450 knows no mig.mode.* or remapped_rows.* and refuses the whole
+    query for one of them: discover asks again without them, so the node's GPUs, their ECC
+    faults and processes are still known, and MIG and row remapping are unknown (null)."""
+    c = testbed_factory("o1=a100-pcie-4x:driver=418.67:ecc=1:foreign=2:4411:python3:remap=3,o2=a100-pcie-4x:remap=3")
+    code, doc, err = discover(tmp_path / "s.db", c.inventory_path)
+    assert code == 0, err
+    n = by_name(doc)
+    old = {g["index"]: g for g in n["o1"]["gpus"]}
+    assert sorted(old) == [0, 1, 2, 3] and n["o1"]["problems"] == [] and n["o1"]["nvlink_domains"] == [[0, 1], [2, 3]]
+    assert [i for i, g in old.items() if g["free"]] == [0, 3]  # its driver cannot say that 3 has a remap pending
+    assert old[1]["problems"][0].startswith("ecc") and "pid 4411" in old[2]["problems"][0]
+    assert all(g["mig_mode"] is None and g["remapped_rows_pending"] is None for g in old.values())
+    assert old[0]["ecc_uncorrected"] == 0 and old[1]["ecc_uncorrected"] > 0  # a field it does know
+    new = {g["index"]: g for g in n["o2"]["gpus"]}
+    assert not new[3]["free"] and new[3]["remapped_rows_pending"] is True and new[0]["mig_mode"] is False
+
+
 def test_dead_frozen_partitioned_nodes_never_stall_the_run(testbed_factory, tmp_path: Path) -> None:
     c = testbed_factory("ok=hgx-h200x8:fabric=ib-a,dead=cpu-only,frozen=cpu-only,cut=cpu-only")
     inv = derived_inventory(c.inventory_path, "inv-fast.yaml", connect_timeout_s=2, command_timeout_s=3)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_cli.facts import Gpu, GpuProcess
-from cluster_cli.probe.commands import APP_FIELDS, GPU_FIELDS
+from cluster_cli.probe.commands import APP_FIELDS, GPU_FIELDS, OPTIONAL_GPU_FIELDS
 from cluster_cli.probe.parsers.nvidia_smi import (
     FAILURE_KINDS,
     GpuRow,
@@ -23,8 +23,10 @@ from cluster_cli.probe.parsers.nvidia_smi import (
     parse_compute_apps,
     parse_lost,
     parse_query_gpu,
+    unknown_field,
     unreadable_app_gpus,
     unreadable_gpu_rows,
+    widen_query_gpu,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "probes"
@@ -799,3 +801,43 @@ def test_lost_lines_of_any_output() -> None:
     )
     assert [g.pci_bus_id for g in parse_lost(text)] == ["0000:31:00.0"]
     assert parse_lost("GPU-aaaa, 4411, 100, python\n") == []
+
+
+# ----------------------------------------------------------------------------- older drivers
+
+_OPTIONAL = sorted(OPTIONAL_GPU_FIELDS)
+
+
+def test_the_refused_field_is_read_from_the_answer() -> None:
+    refusal = 'Field "mig.mode.current" is not a valid field to query.\n\n'
+    assert unknown_field(2, refusal) == "mig.mode.current"
+    assert unknown_field(0, refusal) is None  # a whole answer is never a refusal
+    assert unknown_field(2, "Failed to initialize NVML: Unknown Error\n") is None
+
+
+def test_optional_fields_all_follow_the_bus_id() -> None:
+    """widen_query_gpu maps the optional columns from the right: they must all be there."""
+    assert all(GPU_FIELDS.index(f) > GPU_FIELDS.index("pci.bus_id") for f in OPTIONAL_GPU_FIELDS)
+
+
+@FUZZ
+@given(st.lists(st.sampled_from(_OPTIONAL), unique=True), st.data())
+def test_a_narrowed_query_reads_as_the_full_one_with_unknowns(dropped: list[str], data: st.DataObject) -> None:
+    """Rows of a query without some optional fields, widened, parse as the full query's rows
+    with each left-out value unknown; lost-GPU lines pass through untouched."""
+    name = data.draw(st.sampled_from(["NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-32GB", "NVIDIA A, B, C"]))
+    full = {
+        "index": "0", "uuid": ZERO_UUID, "name": name, "memory.total": "32768", "memory.used": "5",
+        "pci.bus_id": "00000000:07:00.0", "ecc.errors.uncorrected.volatile.total": "3",
+        "mig.mode.current": "Disabled", "retired_pages.pending": "Yes", "remapped_rows.pending": "No",
+    }  # fmt: skip
+    fields = tuple(f for f in GPU_FIELDS if f not in dropped)
+    lost = "Unable to determine the device handle for GPU 0000:31:00.0: GPU is lost.\n"
+    narrow = ", ".join(full[f] for f in fields) + "\n" + lost
+    widened = widen_query_gpu(narrow, fields)
+    (row,), (gone,) = parse_query_gpu(widened)
+    want = {f: (full[f] if f not in dropped else "[N/A]") for f in GPU_FIELDS}
+    (expected,), _ = parse_query_gpu(", ".join(want.values()))
+    assert row == expected and row.name == name
+    assert gone.pci_bus_id == "0000:31:00.0"
+    assert widen_query_gpu(narrow, GPU_FIELDS) == narrow

@@ -17,10 +17,13 @@ from cluster_cli.errors import SSHError
 from cluster_cli.facts import Gpu, HcaPort, NodeFacts, printable_facts
 from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
 from cluster_cli.probe.commands import (
+    GPU_FIELDS,
+    OPTIONAL_GPU_FIELDS,
     PROBES,
     SMINFO_AFTER_IBSTAT,
     gid_command,
     gid_record,
+    query_gpu_args,
     sminfo_command,
     sminfo_record,
 )
@@ -33,8 +36,10 @@ from cluster_cli.probe.parsers.nvidia_smi import (
     parse_compute_apps,
     parse_lost,
     parse_query_gpu,
+    unknown_field,
     unreadable_app_gpus,
     unreadable_gpu_rows,
+    widen_query_gpu,
 )
 from cluster_cli.probe.parsers.topology import parse_topo
 from cluster_cli.probe.runner import AsyncsshConnector, CommandResult, Connector, Session
@@ -229,6 +234,7 @@ async def probe_node(
         async with connector.session(target) as session:
             # sminfo for the Active IB ports starts inside the same exec once ibstat is done.
             outputs = await run_batch(session, dict(PROBES), command_timeout(), then={"ibstat": SMINFO_AFTER_IBSTAT})
+            await _narrow_gpu_query(session, outputs, command_timeout)
             sm: dict[tuple[str, int], int | None] = {}
             ib = outputs.get("ibstat")
             every_port = parse_ibstat(ib.stdout) if ib is not None and ib.rc == 0 else None
@@ -253,6 +259,25 @@ async def probe_node(
         )
     except SSHError as e:
         return unreachable(node, e.message.removeprefix(f"{node.name}: "), started)
+
+
+async def _narrow_gpu_query(
+    session: Session, outputs: dict[str, CommandResult], command_timeout: Callable[[], float]
+) -> None:
+    """An older driver refuses the whole ``--query-gpu`` for one field it does not know: ask
+    again without it (and without each further one it names), and put the answer in
+    ``outputs["gpus"]`` with those columns ``[N/A]`` (unknown, as on a GPU without them)."""
+    fields = GPU_FIELDS
+    while (r := outputs.get("gpus")) is not None and (bad := unknown_field(r.rc, r.output)) is not None:
+        if bad not in OPTIONAL_GPU_FIELDS or bad not in fields:
+            return  # a field the list cannot do without, or one already left out: a real failure
+        fields = tuple(f for f in fields if f != bad)
+        try:
+            res = await run_batch(session, {"gpus": f"nvidia-smi {query_gpu_args(fields)}"}, command_timeout())
+        except SSHError:
+            return  # keep the refusal: the GPU list stays unknown, the node's other facts stand
+        got = res["gpus"]
+        outputs["gpus"] = replace(got, stdout=widen_query_gpu(got.stdout, fields))
 
 
 _DEADLINE_MARGIN_S = 1.5  # after the probes' timeout: the batch's kill and its answer's way back

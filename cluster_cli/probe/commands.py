@@ -23,10 +23,22 @@ GPU_FIELDS: tuple[str, ...] = (
     "remapped_rows.pending",
 )
 
+# Fields an older driver may not know (MIG and row remapping came with R450): nvidia-smi
+# refuses a whole query that names one, so discover asks again without it and reads it as
+# unknown. They are all after pci.bus_id, where the parser maps columns from the right.
+OPTIONAL_GPU_FIELDS: frozenset[str] = frozenset(
+    {"ecc.errors.uncorrected.volatile.total", "mig.mode.current", "retired_pages.pending", "remapped_rows.pending"}
+)
+
 # process_name goes last: it can contain ", " and is split from the right of the fixed columns.
 APP_FIELDS: tuple[str, ...] = ("gpu_uuid", "pid", "used_memory", "process_name")
 
-QUERY_GPU_ARGS = f"--query-gpu={','.join(GPU_FIELDS)} --format=csv,noheader,nounits"
+
+def query_gpu_args(fields: tuple[str, ...] = GPU_FIELDS) -> str:
+    return f"--query-gpu={','.join(fields)} --format=csv,noheader,nounits"
+
+
+QUERY_GPU_ARGS = query_gpu_args()
 QUERY_APPS_ARGS = f"--query-compute-apps={','.join(APP_FIELDS)} --format=csv,noheader,nounits"
 
 # The batch that runs these exports LC_ALL=C, so no output is localized.

@@ -25,6 +25,8 @@ __all__ = [
     "parse_compute_apps",
     "parse_lost",
     "parse_query_gpu",
+    "unknown_field",
+    "widen_query_gpu",
 ]
 
 
@@ -204,6 +206,42 @@ def parse_query_gpu(text: str) -> tuple[list[GpuRow], list[LostGpu]]:
 def parse_lost(text: str) -> list[LostGpu]:
     """The lost-GPU lines of any nvidia-smi output (the process query prints them too)."""
     return [g for line in _lines(text) if (g := _parse_lost(line)) is not None]
+
+
+_UNKNOWN_FIELD = re.compile(r'^Field "([A-Za-z0-9_.]{1,100})" is not a valid field to query')
+
+
+def unknown_field(rc: int | None, output: str) -> str | None:
+    """The field a ``--query-gpu`` was refused for (an older driver does not know it), else None."""
+    if rc in (0, None):
+        return None
+    for line in _lines(output):
+        if m := _UNKNOWN_FIELD.match(line.strip()):
+            return m.group(1)
+    return None
+
+
+def widen_query_gpu(text: str, fields: Sequence[str]) -> str:
+    """``--query-gpu`` output of ``fields`` (``GPU_FIELDS`` less some of its columns after
+    ``pci.bus_id``) as if all of ``GPU_FIELDS`` had been asked: ``[N/A]`` in each column
+    left out. Lost-GPU lines and lines that are no row of ``fields`` stay as they are."""
+    fields = list(fields)
+    if fields == list(GPU_FIELDS):
+        return text
+    keep = GPU_FIELDS.index("pci.bus_id") + 1
+    if fields[:keep] != list(GPU_FIELDS[:keep]) or not set(fields) <= set(GPU_FIELDS):
+        return text  # not a narrowing this can undo: leave it to the parser to refuse
+    tail = fields[keep:]
+    out = []
+    for line in _lines(text):
+        cells = line.split(",")
+        if _parse_lost(line) is not None or len(cells) < len(fields) or not _DIGITS.fullmatch(cells[0].strip()):
+            out.append(line)
+            continue
+        have = dict(zip(tail, cells[len(cells) - len(tail) :], strict=True)) if tail else {}
+        head = cells[: len(cells) - len(tail)] if tail else cells
+        out.append(",".join([*head, *[have.get(f, " [N/A]") for f in GPU_FIELDS[keep:]]]))
+    return "\n".join(out)
 
 
 def _app_row(line: str) -> GpuProcess | None:
