@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -280,6 +282,84 @@ def test_accept_new_pins_then_refuses_a_changed_key(testbed_factory, tmp_path: P
     )
 
 
+def test_a_node_whose_host_key_type_changed_is_refused_by_name(testbed_factory, tmp_path: Path) -> None:
+    """A node reinstalled with another type of host key (an RSA key trusted, ed25519 now) has
+    none of the types trusted for it: it is refused as a changed key, with the remedy, in a
+    known_hosts file, in the pin file, and with only a CA trusted (it has no certificate).
+    Before, each was "connection lost": nothing pointed at the key."""
+    c = testbed_factory("n1=cpu-only,n2=cpu-only")
+    n2 = c.nodes["n2"]
+    rsa = asyncssh.generate_private_key("ssh-rsa", key_size=2048).export_public_key("openssh").decode().strip()
+    kh = c.inventory_path.parent / "kh_rsa"
+    lines = c.known_hosts_path.read_text().splitlines(True)
+    kh.write_text("".join(f"{n2.host} {rsa}\n" if ln.startswith(f"{n2.host} ") else ln for ln in lines))
+    assert kh.read_text() != c.known_hosts_path.read_text()
+    code, doc, _ = discover(
+        tmp_path / "a.db", derived_inventory(c.inventory_path, "inv-rsa.yaml", known_hosts="kh_rsa")
+    )
+    n = by_name(doc)
+    assert code == 1 and n["n1"]["reachable"]
+    assert n["n2"]["error"] == (
+        f"host key not verifiable in {kh}: it does not match the key there for {n2.host}; if the node was "
+        f"reinstalled, remove that key (ssh-keygen -R '{n2.host}' -f {kh}) and run again"
+    )
+
+    inv = derived_inventory(c.inventory_path, "inv-tofu.yaml", known_hosts="accept-new")
+    state = tmp_path / "st" / "s.db"
+    state.parent.mkdir()
+    assert discover(state, inv)[0] == 0
+    pinned = state.with_suffix(".known_hosts")
+    pinned.write_text(
+        "".join(ln if not ln.startswith("n2 ") else f"n2 {rsa}\n" for ln in pinned.read_text().splitlines(True))
+    )
+    code, doc, _ = discover(state, inv)
+    assert code == 1 and by_name(doc)["n2"]["error"].startswith(
+        f"host key not verifiable: changed since it was pinned in {pinned} ({n2.host}:{n2.port})"
+    )
+
+    ca = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode().strip()
+    kh_ca = c.inventory_path.parent / "kh_ca"
+    kh_ca.write_text(f"@cert-authority * {ca}\n")
+    code, doc, _ = discover(tmp_path / "c.db", derived_inventory(c.inventory_path, "inv-ca.yaml", known_hosts="kh_ca"))
+    assert code == 1
+    assert all(by_name(doc)[x]["error"].startswith(f"host key not verifiable in {kh_ca}: ") for x in ("n1", "n2"))
+
+
+def test_a_passphrase_protected_key_or_its_public_half_logs_in_through_ssh_agent(
+    testbed_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """identity_file may name a passphrase-protected key (its .pub beside it) or a public key:
+    the key then comes from ssh-agent, only that one, as with ``ssh -i``. Before, both were
+    refused (exit 2) and the advice, to unset identity_file, could not be followed for a node
+    when defaults set one. Without an agent it is still exit 2, saying so."""
+    c = testbed_factory("n1=cpu-only")
+    d = c.inventory_path.parent
+    key = asyncssh.read_private_key(str(c.identity_file))
+    key.write_private_key(str(d / "enc"), format_name="pkcs8-pem", passphrase="secret")
+    (d / "enc.pub").write_bytes(key.export_public_key())
+    (d / "only.pub").write_bytes(key.export_public_key())
+    enc_inv = derived_inventory(c.inventory_path, "inv-enc.yaml", identity_file="enc")
+    pub_inv = derived_inventory(c.inventory_path, "inv-pub.yaml", identity_file="only.pub")
+
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    code, _, err = discover(tmp_path / "a.db", enc_inv)
+    assert code == 2 and "SSH_AUTH_SOCK is unset" in err, err
+
+    sock = tmp_path / "agent.sock"
+    started = subprocess.run(["ssh-agent", "-a", str(sock)], capture_output=True, text=True, check=True)
+    pid = int(started.stdout.split("SSH_AGENT_PID=")[1].split(";")[0])
+    try:
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
+        code, doc, err = discover(tmp_path / "b.db", enc_inv)
+        assert code == 1 and "authentication failed" in by_name(doc)["n1"]["error"]  # the agent lacks it
+        subprocess.run(["ssh-add", "-q", str(c.identity_file)], check=True, env={"SSH_AUTH_SOCK": str(sock)})
+        for inv in (enc_inv, pub_inv):
+            code, doc, err = discover(tmp_path / f"c-{inv.stem}.db", inv)
+            assert code == 0 and by_name(doc)["n1"]["reachable"], (inv, err)
+    finally:
+        os.kill(pid, signal.SIGTERM)
+
+
 def test_node_dying_mid_probe_is_reported_not_fatal(testbed_factory, tmp_path: Path) -> None:
     c = testbed_factory("slow=hgx-h200x8:slow=3,fine=cpu-only")
     killer = threading.Timer(1.0, c.kill, args=("slow",))
@@ -358,6 +438,32 @@ def test_ssh_config_supplies_user_key_and_accept_new_pins_by_name(testbed_factor
         assert by_name(doc)["n1"]["reachable"] is True
     assert state.with_suffix(".known_hosts").read_text().count("\n") == 1
     assert not (state.parent / "known_hosts").exists()  # never an OpenSSH-named file
+
+
+def test_an_ssh_config_key_that_cannot_be_used_is_named(
+    testbed_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A passphrase-protected IdentityFile with no agent is never offered: the failure says
+    so, not only "permission denied". One that is not a key at all is named."""
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    c = testbed_factory("n1=cpu-only")
+    d = c.inventory_path.parent
+    asyncssh.read_private_key(str(c.identity_file)).write_private_key(
+        str(d / "enc"), format_name="pkcs8-pem", passphrase="secret"
+    )
+    (d / "bogus").write_text("not a key\n")
+    for ident, needle in (
+        ("enc", f"(ssh_config IdentityFile {d / 'enc'}: passphrase-protected, used only from ssh-agent)"),
+        ("bogus", f"cannot load identity file {d / 'bogus'}: "),
+    ):
+        (d / f"cfg-{ident}").write_text(f"Host *\n  IdentityFile {d / ident}\n")
+        data = yaml.safe_load(c.inventory_path.read_text())
+        data["defaults"].pop("identity_file", None)
+        data["ssh_config"] = f"cfg-{ident}"
+        inv = d / f"inv-{ident}.yaml"
+        inv.write_text(yaml.safe_dump(data))
+        code, doc, err = discover(tmp_path / f"{ident}.db", inv)
+        assert code in (1, 2) and needle in (by_name(doc)["n1"]["error"] if doc else err), (doc, err)
 
 
 def test_a_node_flooding_its_output_is_cut_and_the_others_are_unaffected(testbed_factory, tmp_path: Path) -> None:

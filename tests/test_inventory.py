@@ -190,15 +190,30 @@ def test_same_host_on_other_ports_or_behind_ssh_config_is_not_a_duplicate(tmp_pa
 
 @pytest.mark.parametrize(
     ("host", "ok"),
-    [("10.0.0.1:22", False), ("gpu-01:2222", False), ("fe80::1", True), ("2001:db8::5", True), ("[2001:db8::5]", True)],
+    [
+        ("10.0.0.1:22", False),
+        ("gpu-01:2222", False),
+        ("[2001:db8::5", False),
+        ("[2001:db8::5]:22", False),
+        ("fe80::1", True),
+        ("2001:db8::5", True),
+        ("[2001:db8::5]", True),
+    ],
 )
 def test_a_port_written_into_host_is_refused(tmp_path: Path, host: str, ok: bool) -> None:
     p = write(tmp_path, f"nodes:\n  - {{name: a, host: '{host}'}}\n")
     if ok:
-        assert load_inventory(p).nodes[0].host == host
+        # Brackets are how URLs and known_hosts write an IPv6 address: the host is the address
+        # (given as "[::1]" it was handed to the resolver as is, and never connected).
+        assert load_inventory(p).nodes[0].host == host.strip("[]")
         return
     with pytest.raises(ConfigError, match=r"invalid host .*: give the port as port:, not in host:"):
         load_inventory(p)
+
+
+def test_one_ipv6_address_bracketed_or_not_is_one_machine(tmp_path: Path) -> None:
+    p = write(tmp_path, "nodes:\n  - {name: a, host: '::1'}\n  - {name: b, host: '[::1]'}\n")
+    assert load_inventory(p).shared_addresses() != []
 
 
 def test_a_node_name_over_63_characters_says_so(tmp_path: Path) -> None:

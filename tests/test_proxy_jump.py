@@ -16,6 +16,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cluster_cli.cli.main import app
+from cluster_cli.probe.runner import _host_port, _parse_hop
 
 runner = CliRunner()
 
@@ -176,3 +177,30 @@ def test_a_node_the_jump_host_cannot_reach(testbed_factory, tmp_path: Path, know
     assert n1["reachable"] is True
     assert n2["reachable"] is False
     assert n2["error"].startswith(f"jump host jump cannot reach {c.nodes['n2'].host}:{c.nodes['n2'].port}: ")
+
+
+@pytest.mark.parametrize(
+    ("hop", "parsed"),
+    [
+        ("b1", (None, "b1", None)),
+        ("root@b1:2222", ("root", "b1", 2222)),
+        ("root@[::1]:2223", ("root", "::1", 2223)),
+        ("[fe80::5]", (None, "fe80::5", None)),
+        ("admin@2001:db8::7", ("admin", "2001:db8::7", None)),  # a bare IPv6 address has no port
+        (" u@h ", ("u", "h", None)),
+    ],
+)
+def test_a_hop_is_read_as_openssh_reads_it(hop: str, parsed: tuple[str | None, str, int | None]) -> None:
+    """Before, ``[::1]:2223`` was the host name "[::1]" (never resolved) and ``root@::1`` was
+    host ":" on port 1."""
+    assert _parse_hop(hop) == parsed
+
+
+@pytest.mark.parametrize("hop", ["", "u@", "[::1", "[::1]x", "[::1]:", "h:0", "h:70000", "h:x"])
+def test_a_hop_that_cannot_be_read_is_refused(hop: str) -> None:
+    with pytest.raises(ValueError):
+        _parse_hop(hop)
+
+
+def test_an_ipv6_address_with_a_port_is_written_in_brackets() -> None:
+    assert _host_port("::1", 2223) == "[::1]:2223" and _host_port("b1", 22) == "b1:22"

@@ -137,13 +137,27 @@ def _identity_problem(key: str) -> str | None:
         return f"identity file not found: {key}"
     if not os.path.isfile(key):
         return f"identity file is not a file: {key}"
+    from cluster_cli.probe.runner import agent_identity
+
     try:
         asyncssh.read_private_key(key)
     except asyncssh.KeyImportError as e:
         why = str(e)
-        if "passphrase" in why.lower():
-            why = "it is passphrase-protected: load it into ssh-agent and leave identity_file unset"
-        return f"identity file {key} unusable: {why}"
+        encrypted = "passphrase" in why.lower()
+        pub = agent_identity(key)
+        if pub is None and not encrypted:
+            return f"identity file {key} unusable: {why} (neither a private nor a public key)"
+        if pub is None:
+            return (
+                f"identity file {key} is passphrase-protected and has no {key}.pub beside it: "
+                "put its public key there, or point identity_file at it, and load the key into ssh-agent"
+            )
+        if not os.environ.get("SSH_AUTH_SOCK"):
+            what = "is passphrase-protected" if encrypted else "is a public key"
+            return (
+                f"identity file {key} {what}: its key must come from ssh-agent, and none is running "
+                "(SSH_AUTH_SOCK is unset); start one and ssh-add the private key"
+            )
     except OSError as e:
         return f"identity file {key}: {e.strerror or e}"
     return None

@@ -84,10 +84,12 @@ class Node(_Strict):
         if not v or any(c.isspace() for c in v):
             raise ValueError(f"invalid host {v!r}: a name or address without spaces")
         if ":" in v:  # only an IPv6 address has colons: "10.0.0.1:22" is a port in the wrong place
+            bare = v[1:-1] if v.startswith("[") and v.endswith("]") else v
             try:
-                ipaddress.IPv6Address(v.removeprefix("[").removesuffix("]"))
+                ipaddress.IPv6Address(bare)
             except ValueError:
                 raise ValueError(f"invalid host {v!r}: give the port as port:, not in host:") from None
+            return bare  # "[::1]" is how a URL or known_hosts writes it; the address is "::1"
         return v
 
     @field_validator("name")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import functools
 import getpass
 import os
 import signal
@@ -270,6 +271,10 @@ class AsyncsshConnector:
         keys: object = [key] if key else ()
         listed = _existing(dest.keys)  # as OpenSSH, an IdentityFile that does not exist is skipped
         from_config = bool(dest.keys) and (dest.jump or not key)
+        # A passphrase-protected identity_file, or its public half: the key is ssh-agent's.
+        pub = agent_identity(key) if key and not from_config and not dest.jump else None
+        if pub is not None:
+            keys = [key] if key != pub else []  # an encrypted file is skipped (ignore_encrypted)
         if from_config:
             # ssh_config's IdentityFile for it (the inventory's identity_file comes first for a
             # node; a jump host's own comes first): the ones that exist; none: SSH's defaults.
@@ -278,16 +283,18 @@ class AsyncsshConnector:
             # No IdentityFile of its own: the node's key and then SSH's default keys (and ssh-agent).
             keys = [key, *_default_keys()] if key else ()
         shown = _shown(target, dest, ", ".join(listed) if from_config else None if keys == () else key)
-        try:
-            return await asyncio.wait_for(
+
+        def attempt(host_key_algs: object = ()) -> Any:
+            return asyncio.wait_for(
                 asyncssh.connect(
                     dest.host,
                     # Unset values are left to ssh_config, then to SSH's defaults (``()``).
                     port=dest.port or (),
                     username=dest.user or (),
                     client_keys=keys,
-                    agent_path=None if key and not dest.jump else (),
-                    ignore_encrypted=True if from_config or (dest.jump and keys != ()) else (),
+                    agent_path=None if key and not dest.jump and pub is None else (),
+                    agent_identities=[pub] if pub is not None else (),
+                    ignore_encrypted=True if from_config or pub is not None or (dest.jump and keys != ()) else (),
                     known_hosts=trust,
                     config=paths or (),
                     tunnel=_tunnel(dest, via),
@@ -298,9 +305,27 @@ class AsyncsshConnector:
                     login_timeout=target.connect_timeout_s,
                     keepalive_interval=max(1.0, target.command_timeout_s / 3),
                     keepalive_count_max=3,
+                    server_host_key_algs=host_key_algs,
                 ),
                 timeout=target.connect_timeout_s + 1,
             )
+
+        try:
+            try:
+                return await attempt()
+            except (asyncssh.ConnectionLost, asyncssh.KeyExchangeFailed, ConnectionResetError) as e:
+                if not _narrowed(trust):
+                    raise
+                # asyncssh offers only the host key types it trusts for this host. A node whose
+                # key type changed (reinstalled) then has none of them and drops the handshake:
+                # ask once more for any type, so that its new key is refused by name (as OpenSSH
+                # does) rather than the connection reported lost.
+                try:
+                    return await attempt("default")
+                except asyncssh.HostKeyNotVerifiable:
+                    raise
+                except (asyncssh.Error, OSError, TimeoutError):
+                    raise e from None
         except TimeoutError:
             raise SSHError(f"{where}connect timed out after {target.connect_timeout_s:g}s") from None
         except asyncssh.HostKeyNotVerifiable as e:
@@ -310,6 +335,8 @@ class AsyncsshConnector:
             if from_config and len(listed) < len(dest.keys) and isinstance(e, asyncssh.PermissionDenied):
                 gone = ", ".join(k for k in dest.keys if k not in listed)
                 why += f" (ssh_config IdentityFile not found: {gone})"
+            if from_config and isinstance(e, asyncssh.PermissionDenied) and (locked := _locked(listed)):
+                why += f" (ssh_config IdentityFile {', '.join(locked)}: passphrase-protected, used only from ssh-agent)"
             raise SSHError(f"{where}{why}") from e
 
     def _trust(self, alias: str, where: str) -> tuple[list[asyncssh.SSHKey], list[object], list[object]]:
@@ -480,7 +507,7 @@ def _pin_table(text: str) -> dict[str, list[asyncssh.SSHKey]]:
 def _host_key_error(e: asyncssh.HostKeyNotVerifiable, trust: object, file: str, dest: _Dest) -> str:
     """A refused host key, unknown or changed, with where its key is kept and what to do."""
     what = "jump host" if dest.jump else "node"
-    addr = f"{dest.real[0]}:{dest.real[1]}"
+    addr = _host_port(*dest.real)
     if isinstance(trust, tuple):  # the keys pinned for it (accept-new), as ``_trust`` gives them
         if trust[0]:
             return (
@@ -510,6 +537,14 @@ def _host_key_error(e: asyncssh.HostKeyNotVerifiable, trust: object, file: str, 
     return f"host key not verifiable in {file}: {e.reason}"
 
 
+def _narrowed(trust: object) -> bool:
+    """Whether asyncssh offered the node only the host key types of the keys it trusts for it
+    (a pinned key, or known_hosts keys or CA keys that matched it)."""
+    if isinstance(trust, tuple):  # pinned keys, as ``_trust`` gives them
+        return bool(trust[0])
+    return isinstance(trust, _Lookup) and trust.found
+
+
 def _tunnel(dest: _Dest, via: asyncssh.SSHClientConnection | None) -> object:
     """asyncssh's ``tunnel`` for ``dest``: the hop before it, or for a jump host that is
     the first hop, none at all (its route was read from ssh_config already: never follow
@@ -527,11 +562,46 @@ def _shown(target: SSHTarget, dest: _Dest, identity_file: str | None = None) -> 
 def _connect_error(e: BaseException, shown: SSHTarget, via_label: str, dest: _Dest) -> str:
     """A failed connect: a jump host that could not open the way is named as such."""
     if via_label and isinstance(e, asyncssh.ChannelOpenError):
-        return f"{via_label.rstrip(': ')} cannot reach {dest.real[0]}:{dest.real[1]}: {e.reason}"
+        return f"{via_label.rstrip(': ')} cannot reach {_host_port(*dest.real)}: {e.reason}"
     return ssh_error_message(e, shown)
 
 
 _DEFAULT_KEYS = ("id_ed25519_sk", "id_ecdsa_sk", "id_ed448", "id_ed25519", "id_ecdsa", "id_rsa", "id_dsa")
+
+
+def _locked(keys: list[str]) -> list[str]:
+    """The passphrase-protected ones of ``keys`` (asyncssh skips them: only an agent can sign)."""
+    out = []
+    for k in keys:
+        try:
+            asyncssh.read_private_key(k)
+        except asyncssh.KeyImportError as e:
+            if "passphrase" in str(e).lower():
+                out.append(k)
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def agent_identity(key: str) -> str | None:
+    """The public key that picks ``key`` out of ssh-agent's keys, when ``key`` is one to be
+    used through the agent: a passphrase-protected private key (its ``.pub`` beside it) or a
+    public key file. None for a private key usable as it is, or a file that is neither."""
+    try:
+        asyncssh.read_private_key(key)
+        return None
+    except asyncssh.KeyImportError as e:
+        encrypted = "passphrase" in str(e).lower()
+    except (OSError, ValueError):
+        return None
+    for pub in ([key + ".pub"] if encrypted else []) + [key]:
+        try:
+            asyncssh.read_public_key(pub)
+        except (asyncssh.KeyImportError, OSError, ValueError):
+            continue
+        return pub
+    return None
 
 
 def _default_keys() -> list[str]:
@@ -629,7 +699,7 @@ def _hops(paths: list[str], spec: str, seen: frozenset[str]) -> tuple[_Dest, ...
             own = _proxy_jump(cfg)
             if own:
                 out.extend(_hops(paths, own, seen | {host}))
-        name = host if port is None else f"{host}:{port}"
+        name = host if port is None else _host_port(host, port)
         real = _real(cfg, host, port)
         # Pinned by the name written in ProxyJump and the port it resolves to (b and b:2222 differ).
         alias = f"jump:{host}" if real[1] == 22 else f"jump:[{host}]:{real[1]}"
@@ -649,12 +719,27 @@ def _proxy_jump(cfg: object | None) -> str | None:
     return spec.strip() if isinstance(spec, str) and spec.strip() else None
 
 
+def _host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (``[::1]:2223``, not ``::1:2223``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _parse_hop(hop: str) -> tuple[str | None, str, int | None]:
-    """``[user@]host[:port]`` as asyncssh reads a ProxyJump hop."""
+    """``[user@]host[:port]`` of a ProxyJump hop, where an IPv6 host is ``[addr]`` (with or
+    without a port) or a bare address (without one), as OpenSSH reads it."""
     user, _, host = hop.strip().rpartition("@")
+    port_s = ""
+    if host.startswith("["):
+        host, sep, rest = host[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ValueError(hop)
+        port_s = rest[1:] if rest else ""
+        if rest and not port_s:
+            raise ValueError(hop)
+    elif host.count(":") == 1:
+        host, _, port_s = host.partition(":")
     port: int | None = None
-    if ":" in host:
-        host, _, port_s = host.rpartition(":")
+    if port_s:
         port = int(port_s)
         if not 0 < port < 65536:
             raise ValueError(hop)
@@ -678,8 +763,9 @@ def ssh_error_message(e: BaseException, target: SSHTarget | None = None) -> str:
     if isinstance(e, asyncssh.ChannelOpenError):
         return f"cannot open a channel: {e.reason}"
     if isinstance(e, asyncssh.KeyImportError):
-        return f"cannot load identity file: {e}"
-    where = f" ({target.host}:{target.port or 22})" if target else ""
+        named = f" {target.identity_file}" if target and target.identity_file else ""
+        return f"cannot load identity file{named}: {e}"
+    where = f" ({_host_port(target.host, target.port or 22)})" if target else ""
     if isinstance(e, ConnectionRefusedError):
         return f"connection refused{where}"
     if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
