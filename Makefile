@@ -35,8 +35,13 @@ $(PY):
 
 venv: $(PY)
 
-install: deps $(PY)
+# Installed once per change of pyproject.toml (an editable install: code changes need none),
+# so that later runs need no package index.
+$(VENV)/.installed: pyproject.toml | $(PY)
 	@$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+install: deps $(VENV)/.installed
 
 lint: install
 	$(VENV)/bin/ruff check cluster_cli testbed tests bench scripts
@@ -54,7 +59,7 @@ demo: install
 	@bash scripts/demo.sh
 
 demo-down:
-	-$(PY) -m testbed down --dir $(DEMO_DIR)
+	-@DEMO_DIR=$(DEMO_DIR) bash scripts/demo.sh down
 
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'

@@ -10,13 +10,21 @@ export CLUSTERCTL_STATE="$DIR/state.db"
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 KEEP=${DEMO_KEEP:-0}  # DEMO_KEEP=1: leave the testbed running after a demo that went through
 ok=0
+stop_engines() {  # the replicas a DEMO_KEEP=1 run left up
+  [ -f "$DIR/engines.pids" ] || return 0
+  while read -r pid; do kill -TERM -- "-$pid" 2>/dev/null || true; done <"$DIR/engines.pids"
+  rm -f "$DIR/engines.pids"
+}
 cleanup() {
   [ "$KEEP" = 1 ] && [ "$ok" = 1 ] && return 0
+  stop_engines
   "$PY" -m testbed down --dir "$DIR" >/dev/null 2>&1 || true
 }
+[ "${1:-}" = down ] && { trap - EXIT; stop_engines; "$PY" -m testbed down --dir "$DIR"; exit; }
 trap cleanup EXIT
 
 say "Starting a testbed: 6 simulated servers, each a real sshd with its own nvidia-smi/ibstat"
+stop_engines  # a DEMO_KEEP=1 run's replicas (the testbed itself is replaced by `up`)
 rm -rf "$DIR"
 "$PY" -m testbed up --dir "$DIR" --nodes "\
 h200-01=hgx-h200x8:fabric=ib-a,\
@@ -65,7 +73,8 @@ if [ "${DEMO_ROUTER:-1}" = 1 ]; then
   if [ -z "${LLAMA_SERVER:-}" ]; then
     LLAMA_SERVER="$(PYTHON="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" bash scripts/install-llama-server.sh)"  # a failed install stops the demo
   fi
-  LLAMA_SERVER="$LLAMA_SERVER" "$PY" scripts/demo_router.py --dir "$DIR"
+  # DEMO_KEEP=1: the two replicas stay up for the tour's router step (make demo-down stops them).
+  LLAMA_SERVER="$LLAMA_SERVER" "$PY" scripts/demo_router.py --dir "$DIR" $([ "$KEEP" = 1 ] && echo --keep)
 fi
 
 ok=1
@@ -74,6 +83,7 @@ if [ "$KEEP" = 1 ]; then
   say "Done. The testbed keeps running (h100-01 revived); state is in $DIR/state.db"
   echo "Try:   . .venv/bin/activate && export CLUSTERCTL_STATE=$DIR/state.db"
   echo "       clusterctl discover -i $DIR/inventory.yaml"
+  [ -f "$DIR/engines.pids" ] && echo "       clusterctl serve-router --config $DIR/router.yaml --port 8000   (its two replicas are up)"
   echo "Stop:  make demo-down"
 else
   say "Done. The testbed is stopped on exit (DEMO_KEEP=1 keeps it); state is in $DIR/state.db"

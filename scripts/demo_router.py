@@ -25,6 +25,7 @@ from llama import free_port, run_llama_server  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default=".demo")
+    ap.add_argument("--keep", action="store_true", help="leave the replicas running (pids in DIR/engines.pids)")
     args = ap.parse_args()
     d = Path(args.dir).resolve()
     d.mkdir(parents=True, exist_ok=True)
@@ -33,7 +34,8 @@ def main() -> int:
     with ExitStack() as stack:
         urls = []
         for i in range(2):
-            url = stack.enter_context(run_llama_server(model, port=free_port(), alias="tiny", n_predict=24))
+            kept = {"leave_running": d / "engines.pids", "log_path": d / f"tiny-{i}.log"} if args.keep else {}
+            url = stack.enter_context(run_llama_server(model, port=free_port(), alias="tiny", n_predict=24, **kept))
             print(f"replica tiny-{i}: llama-server at {url}")
             urls.append(url)
         cfg = d / "router.yaml"

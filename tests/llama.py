@@ -160,13 +160,15 @@ def run_llama_server(
     threads: int = 1,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
     log_path: Path | None = None,
+    leave_running: Path | None = None,
 ) -> Iterator[str]:
     """Start ``llama-server`` on ``model_path`` and yield its base URL (``http://host:port``, no ``/v1``).
 
     Waits (at most ``startup_timeout`` seconds) until ``GET /health`` answers 200, raising
     :class:`LlamaServerError` with the tail of the server log otherwise.  The server runs in its own process
     group, which is terminated (then killed) on exit.  Server output goes to ``log_path`` (a temporary file
-    by default, deleted afterwards).
+    by default, deleted afterwards). With ``leave_running`` (a file), the server is left running
+    on exit and its pid appended to that file (give ``log_path`` too: it outlives the block).
     """
     binary = binary or find_llama_server()
     if binary is None:
@@ -219,4 +221,8 @@ def run_llama_server(
                         f"llama-server not healthy after {startup_timeout:.0f}s: {' '.join(cmd)}\n{_tail(log_path)}"
                     )
                 time.sleep(0.1)
+        if leave_running is not None:
+            with open(leave_running, "a") as f:
+                f.write(f"{proc.pid}\n")
+            stack.pop_all()  # healthy: it stays up (the caller's pid file says how to stop it)
         yield base_url

@@ -584,3 +584,9 @@ def test_importing_the_package_loads_nothing_else() -> None:
     assert r.stdout.strip() == "['cluster_cli']"
     code = "import cluster_cli; print(cluster_cli.NodeFacts.__name__, cluster_cli.ExitCode.__name__)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout == "NodeFacts ExitCode\n"
+
+
+def test_no_inventory_and_no_state_says_there_is_no_state(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["--state", str(tmp_path / "none.db"), "place", "--dry-run", "-c", str(tmp_path / "c.yaml")])
+    assert r.exit_code == 2
+    assert f"and no state at {tmp_path / 'none.db'} to take it from" in " ".join(r.stderr.split())

@@ -457,6 +457,29 @@ def test_planning_with_another_inventory_than_discover_used_is_warned_of(tmp_pat
     assert f"{other}: the state's recorded inventory is {inv.resolve()}" in " ".join(r.stderr.split())
 
 
+def test_a_facts_file_planned_with_another_clusters_state_says_whose_cordons_apply(tmp_path: Path) -> None:
+    """An exported CLUSTERCTL_STATE of another cluster lends its cordons to this plan's
+    namesakes: the warning says so, and which state (it was silent)."""
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01"), dgx("gpu-02")])
+    other = tmp_path / "elsewhere" / "inventory.yaml"
+    other.parent.mkdir()
+    other.write_text(inv.read_text())
+    with Store(tmp_path / "state.db") as s:
+        s.save_discovery([dgx("gpu-01")], inventory=other.resolve())
+        s.cordon("gpu-01", "their maintenance")
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    said = " ".join(r.stderr.split())
+    assert r.exit_code in (0, 3)
+    assert (
+        f"{inv}: cordons and replicas come from the state {tmp_path / 'state.db'}, whose recorded inventory is {other.resolve()}"
+        in said
+    )
+    with Store(tmp_path / "state.db") as s:
+        s.save_discovery([dgx("gpu-01")], inventory=inv.resolve())
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert "cordons and replicas come from" not in r.stderr  # its own state: nothing to say
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 @pytest.mark.parametrize("fmt", ["json", "table"])
 def test_output_that_cannot_be_written_is_one_error_line(tmp_path: Path, fmt: str) -> None:

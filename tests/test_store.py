@@ -323,6 +323,8 @@ def test_a_database_that_is_not_a_state_is_refused_and_left_alone(tmp_path: Path
     # An empty file (as `touch` leaves it) is a new state, as a missing one is.
     empty = tmp_path / "empty.db"
     empty.touch()
+    with pytest.raises(StateError, match=r"empty\.db: an empty state, nothing recorded yet"):
+        Store(empty, readonly=True)  # to read, it says so (it said "no such table: meta")
     with Store(empty) as s:
         assert s.version() == 0
 

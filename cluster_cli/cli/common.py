@@ -37,8 +37,9 @@ def recorded_inventory(given: Path | None, state_path: Path) -> Path:
         return given
     recorded = stored_inventory(state_path)
     if recorded is None:
+        where = f"none recorded in {state_path}" if state_path.exists() else f"no state at {state_path} to take it from"
         ui.abort(
-            f"no inventory given (-i INVENTORY or {INVENTORY_ENV}) and none recorded in {state_path} "
+            f"no inventory given (-i INVENTORY or {INVENTORY_ENV}) and {where} "
             "(a 'clusterctl discover -i INVENTORY' records it)"
         )
     if not recorded.is_file():

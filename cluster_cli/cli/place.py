@@ -71,8 +71,7 @@ def place(
         nodes, current, version, source = _inputs(inv, state.state_path, facts)
     except ClusterctlError as e:
         ui.fail(e)
-    if facts is None:
-        _warn_other_inventory(inventory, state.state_path)
+    _warn_other_inventory(inventory, state.state_path, facts)
     _warn_unknown_classes(catalog, cat, inv, nodes)
     _warn_odd_tensor_parallel(catalog, cat)
     _warn_unmatched_aliases(inventory, inv, nodes)
@@ -99,9 +98,11 @@ def place(
 # --------------------------------------------------------------------------- inputs
 
 
-def _warn_other_inventory(inventory: Path, state_path: Path) -> None:
+def _warn_other_inventory(inventory: Path, state_path: Path, facts: Path | None) -> None:
     """The state's facts come from the inventory its last discover used; planning with
-    another one is legitimate (a subset, a copy) but usually a slip: say so once."""
+    another one is legitimate (a subset, a copy) but usually a slip: say so once. With
+    ``--facts`` the state still gives the cordons and replicas: say that, or a state made
+    for another cluster (an exported CLUSTERCTL_STATE) silently cordons its namesakes."""
     if not state_path.exists():
         return
     try:
@@ -109,8 +110,15 @@ def _warn_other_inventory(inventory: Path, state_path: Path) -> None:
             recorded = store.inventory()
     except ClusterctlError:
         return  # _inputs reports an unusable state
-    if recorded is not None and recorded != inventory.resolve():
+    if recorded is None or recorded == inventory.resolve():
+        return
+    if facts is None:
         ui.warn(f"{inventory}: the state's recorded inventory is {recorded}; nodes only in this one have no facts")
+    else:
+        ui.warn(
+            f"{inventory}: cordons and replicas come from the state {state_path}, whose recorded inventory is "
+            f"{recorded}: they apply to this plan's nodes of the same names (--state picks another state)"
+        )
 
 
 def _warn_unknown_classes(path: Path, cat: Any, inv: Inventory, nodes: list[NodeFacts]) -> None:

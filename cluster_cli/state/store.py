@@ -144,6 +144,11 @@ class Store:
             )
 
     def _open_readonly(self, timeout_s: float) -> sqlite3.Connection:
+        with suppress(OSError):
+            if self.path.is_file() and self.path.stat().st_size == 0:
+                raise StateError(
+                    f"{self.path}: an empty state, nothing recorded yet (a 'clusterctl discover' fills it)"
+                )
         uri = f"file:{quote(str(self.path.resolve()))}?mode=ro"
         try:
             db, row = self._connect(uri, timeout_s)
