@@ -360,6 +360,48 @@ def test_a_passphrase_protected_key_or_its_public_half_logs_in_through_ssh_agent
         os.kill(pid, signal.SIGTERM)
 
 
+def test_unset_known_hosts_trusts_the_system_file_too(
+    testbed_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Left unset, known_hosts is ~/.ssh/known_hosts and the system's file, as OpenSSH reads
+    them: a fleet whose host keys are distributed in /etc/ssh/ssh_known_hosts needs no copy
+    (it was "known_hosts file not found", or a key "not there"). Set, it is that file alone."""
+    import cluster_cli.config.inventory as inventory
+
+    c = testbed_factory("n1=cpu-only,n2=cpu-only")
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    system = tmp_path / "ssh_known_hosts"
+    system.write_text(c.known_hosts_path.read_text())
+    monkeypatch.setattr(inventory, "SYSTEM_KNOWN_HOSTS", str(system))
+    data = yaml.safe_load(c.inventory_path.read_text())
+    data["defaults"].pop("known_hosts")
+    unset = c.inventory_path.parent / "inv-unset.yaml"
+    unset.write_text(yaml.safe_dump(data))
+    code, doc, err = discover(tmp_path / "a.db", unset)
+    assert code == 0, err  # no ~/.ssh/known_hosts at all: the system's file has both keys
+
+    n1 = c.nodes["n1"]
+    wrong = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode().strip()
+    user = home / ".ssh" / "known_hosts"
+    user.write_text(f"{n1.host} {wrong}\n")
+    assert discover(tmp_path / "b.db", unset)[0] == 0  # one file with its key is enough (as OpenSSH)
+    system.write_text(
+        "".join(ln for ln in c.known_hosts_path.read_text().splitlines(True) if not ln.startswith(f"{n1.host} "))
+    )
+    code, doc, _ = discover(tmp_path / "c.db", unset)
+    assert code == 1 and by_name(doc)["n2"]["reachable"]
+    assert by_name(doc)["n1"]["error"] == (  # the file that holds the stale key, and how to clear it
+        f"host key not verifiable in {user}: it does not match the key there for {n1.host}; if the node was "
+        f"reinstalled, remove that key (ssh-keygen -R '{n1.host}' -f {user}) and run again"
+    )
+    data["defaults"]["known_hosts"] = "~/.ssh/known_hosts"  # set: that file alone
+    (c.inventory_path.parent / "inv-set.yaml").write_text(yaml.safe_dump(data))
+    code, doc, _ = discover(tmp_path / "d.db", c.inventory_path.parent / "inv-set.yaml")
+    assert code == 1 and "no key for" in by_name(doc)["n2"]["error"]
+
+
 def test_node_dying_mid_probe_is_reported_not_fatal(testbed_factory, tmp_path: Path) -> None:
     c = testbed_factory("slow=hgx-h200x8:slow=3,fine=cpu-only")
     killer = threading.Timer(1.0, c.kill, args=("slow",))

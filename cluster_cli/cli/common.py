@@ -85,6 +85,8 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
         (implicit,) = _config_paths(inv.ssh_target(inv.nodes[0])) or [None]
         if implicit is not None:
             _check_ssh_config(inv, path, implicit, f"{implicit} (read since {path} sets no ssh_config)")
+    from cluster_cli.probe.runner import agent_identity
+
     keys_ok: set[str] = set()
     hosts_ok: set[str] = set()
     accept_new = False
@@ -97,14 +99,19 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
                 raise ConfigError(f"{_setting(path, i, n, 'identity_file')}: {why}")
             keys_ok.add(key)
             mode = os.stat(key).st_mode & 0o777
-            if mode & 0o077:  # OpenSSH refuses such a key ("UNPROTECTED PRIVATE KEY FILE")
+            public = agent_identity(key) == key  # a public key is meant to be readable
+            if mode & 0o077 and not public:  # OpenSSH refuses such a key ("UNPROTECTED PRIVATE KEY FILE")
                 ui.warn(f"identity file {key} is open to other users (mode {mode:04o}): chmod 600 it")
         if t.known_hosts == ACCEPT_NEW:
             accept_new = True
         elif t.known_hosts not in hosts_ok:
-            why = _known_hosts_problem(t.known_hosts)
-            if why:
-                raise ConfigError(f"{_setting(path, i, n, 'known_hosts')}: {why}")
+            system = t.system_known_hosts if t.system_known_hosts and os.path.exists(t.system_known_hosts) else None
+            # Left unset, known_hosts is the user's file and the system's, as with OpenSSH: one will do.
+            files = [f for f in (t.known_hosts, system) if f and (os.path.exists(f) or not system)]
+            for f in files:
+                why = _known_hosts_problem(f)
+                if why:
+                    raise ConfigError(f"{_setting(path, i, n, 'known_hosts')}: {why}")
             hosts_ok.add(t.known_hosts)
     if pinned is not None and accept_new:
         _check_pin_file(pinned)
@@ -134,12 +141,12 @@ def _identity_problem(key: str) -> str | None:
     """Why the identity file ``key`` cannot be used, or None."""
     import asyncssh
 
+    from cluster_cli.probe.runner import agent_identity
+
     if not os.path.exists(key):
         return f"identity file not found: {key}"
     if not os.path.isfile(key):
         return f"identity file is not a file: {key}"
-    from cluster_cli.probe.runner import agent_identity
-
     try:
         asyncssh.read_private_key(key)
     except asyncssh.KeyImportError as e:

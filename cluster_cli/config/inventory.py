@@ -27,6 +27,9 @@ from cluster_cli.config.load import load_model
 from cluster_cli.facts import UNREAD, prefix_text, prefix_value
 
 ACCEPT_NEW = "accept-new"
+# Where OpenSSH looks for host keys besides the user's file (GlobalKnownHostsFile): fleets
+# often distribute their nodes' keys there. Used only while known_hosts is left unset.
+SYSTEM_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
@@ -184,6 +187,7 @@ class Inventory(_Strict):
     def ssh_target(self, n: Node) -> SSHTarget:
         d = self.defaults
         kh = n.known_hosts or d.known_hosts
+        unset = n.known_hosts is None and "known_hosts" not in d.model_fields_set
         return SSHTarget(
             name=n.name,
             host=n.host,
@@ -192,6 +196,7 @@ class Inventory(_Strict):
             identity_file=self.resolve_path(n.identity_file or d.identity_file),
             known_hosts=kh if kh == ACCEPT_NEW else self.resolve_path(kh),
             ssh_config=self.resolve_path(self.ssh_config),
+            system_known_hosts=SYSTEM_KNOWN_HOSTS if unset else None,
             connect_timeout_s=d.connect_timeout_s,
             command_timeout_s=d.command_timeout_s,
         )
@@ -230,6 +235,8 @@ class SSHTarget(BaseModel):
     identity_file: str | None
     known_hosts: str
     ssh_config: str | None = None
+    # The system's known_hosts, also trusted when the inventory leaves known_hosts unset.
+    system_known_hosts: str | None = None
     connect_timeout_s: float = 10.0
     command_timeout_s: float = 30.0
 

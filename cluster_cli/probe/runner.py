@@ -264,9 +264,10 @@ class AsyncsshConnector:
         it is behind a jump host. Errors start with ``dest.label``: the node's name, or for a
         jump host (shared by many nodes) the jump host alone."""
         where = dest.label
-        file = await self._known_hosts(target, dest, paths, via, via_label)
+        files = await self._known_hosts(target, dest, paths, via, via_label)
+        file = files[0] if target.known_hosts == ACCEPT_NEW else target.known_hosts  # where a new key goes
         pinned = target.known_hosts == ACCEPT_NEW
-        trust = self._trust(dest.alias, where) if pinned else _Lookup.of(self._parse(file), file)
+        trust = self._trust(dest.alias, where) if pinned else _Lookup.of([self._parse(f) for f in files], files)
         key = target.identity_file
         keys: object = [key] if key else ()
         listed = _existing(dest.keys)  # as OpenSSH, an IdentityFile that does not exist is skipped
@@ -383,14 +384,17 @@ class AsyncsshConnector:
         paths: list[str],
         via: asyncssh.SSHClientConnection | None,
         via_label: str,
-    ) -> str:
-        """The known_hosts file to verify ``dest`` with; with accept-new, pins its key under
-        ``dest.alias`` on first contact (reached over ``via`` when behind a jump host)."""
+    ) -> list[str]:
+        """The known_hosts files to verify ``dest`` with (the inventory's, and while that is
+        left unset the system's too, as OpenSSH reads them); with accept-new, the pin file,
+        where its key is pinned under ``dest.alias`` on first contact (reached over ``via``
+        when behind a jump host)."""
         where = dest.label
         if target.known_hosts != ACCEPT_NEW:
-            if not os.path.exists(target.known_hosts):
+            files = [f for f in (target.known_hosts, target.system_known_hosts) if f and os.path.exists(f)]
+            if not files:
                 raise SSHError(f"{where}known_hosts file not found: {target.known_hosts}")
-            return target.known_hosts
+            return files
         if self.pinned is None:
             raise SSHError(f"{where}known_hosts is accept-new but no pinned file is configured")
         async with self._pin_lock:
@@ -401,7 +405,7 @@ class AsyncsshConnector:
                 except OSError as e:
                     raise SSHError(f"{where}cannot create the pin file {self.pinned}: {_pin_file_error(e)}") from None
             if dest.alias in self._pinned(where):
-                return str(self.pinned)
+                return [str(self.pinned)]
         # First contact: learn the key, pin it, then connect verifying against the pin.
         try:
             key = await asyncio.wait_for(
@@ -438,7 +442,7 @@ class AsyncsshConnector:
                         f.write(f"{sep}{dest.alias} {key.export_public_key('openssh').decode().strip()}\n")
             except OSError as e:
                 raise SSHError(f"{where}cannot pin its host key in {self.pinned}: {e.strerror or e}") from None
-        return str(self.pinned)
+        return [str(self.pinned)]
 
 
 def _untrusted(st: os.stat_result) -> str | None:
@@ -463,23 +467,33 @@ class _Lookup(asyncssh.SSHKnownHosts):
     notes what it was asked and whether it had a key: a refused key is then told apart as
     unknown, changed or revoked."""
 
-    def __init__(self, parsed: asyncssh.SSHKnownHosts) -> None:
+    def __init__(self, parsed: list[asyncssh.SSHKnownHosts], files: list[str]) -> None:
         super().__init__()
-        self._inner = parsed
+        self._inner = list(zip(files, parsed, strict=True))
+        self.files = files
         self.asked: tuple[str, str, int | None] | None = None
         self.found = False
+        self.holders: list[str] = []  # the files with keys for what was asked
 
     @classmethod
-    def of(cls, parsed: asyncssh.SSHKnownHosts | str, file: str) -> object:
-        """asyncssh's ``known_hosts`` for ``file`` (a path it will read, and report on, itself
-        when it could not be parsed here)."""
-        return cls(parsed) if isinstance(parsed, asyncssh.SSHKnownHosts) else file
+    def of(cls, parsed: list[asyncssh.SSHKnownHosts | str], files: list[str]) -> object:
+        """asyncssh's ``known_hosts`` for ``files`` (the path of one that could not be parsed
+        here: asyncssh reads it, and reports on it, itself)."""
+        bad = next((p for p in parsed if not isinstance(p, asyncssh.SSHKnownHosts)), None)
+        return bad if bad is not None else cls(parsed, files)  # type: ignore[arg-type]
 
     def match(self, host: str, addr: str, port: int | None) -> Any:
-        found = self._inner.match(host, addr, port)
+        found: list[list[Any]] | None = None
+        self.holders = []
+        for file, parsed in self._inner:  # each file as asyncssh matches one: its lists joined
+            got = parsed.match(host, addr, port)
+            found = [list(x) for x in got] if found is None else [a + list(b) for a, b in zip(found, got, strict=True)]
+            if got[0] or got[1]:
+                self.holders.append(file)
+        assert found is not None
         self.asked = (host, addr, port)
         self.found = bool(found[0] or found[1])  # host keys, or CA keys for certificates
-        return found
+        return tuple(found)
 
 
 def _pin_lines(text: str) -> Iterator[tuple[list[str], str]]:
@@ -520,18 +534,20 @@ def _host_key_error(e: asyncssh.HostKeyNotVerifiable, trust: object, file: str, 
         host, peer, port = trust.asked
         name = host if port in (None, 22) else f"[{host}]:{port}"
         seen = f" ({peer})" if peer and peer != host else ""
+        files = " and ".join(trust.files)
         if str(e.reason).startswith(("Host key is revoked", "Host CA key is revoked")):
             return (
-                f"host key not verifiable in {file}: the {what} offered a key marked @revoked there for "
+                f"host key not verifiable in {files}: the {what} offered a key marked @revoked there for "
                 f"{name}{seen} ({e.reason}); do not trust it again until you know why it was revoked"
             )
         if trust.found:
+            holder = trust.holders[0] if trust.holders else file
             return (
-                f"host key not verifiable in {file}: it does not match the key there for {name}{seen}; "
-                f"if the {what} was reinstalled, remove that key (ssh-keygen -R '{name}' -f {file}) and run again"
+                f"host key not verifiable in {holder}: it does not match the key there for {name}{seen}; "
+                f"if the {what} was reinstalled, remove that key (ssh-keygen -R '{name}' -f {holder}) and run again"
             )
         return (
-            f"host key not verifiable in {file}: no key for {name}{seen} there; "
+            f"host key not verifiable in {files}: no key for {name}{seen} there; "
             f"add it (ssh-keyscan -p {dest.real[1]} {dest.real[0]} >> {file}) or use known_hosts: accept-new"
         )
     return f"host key not verifiable in {file}: {e.reason}"
