@@ -590,3 +590,23 @@ def test_no_inventory_and_no_state_says_there_is_no_state(tmp_path: Path) -> Non
     r = runner.invoke(app, ["--state", str(tmp_path / "none.db"), "place", "--dry-run", "-c", str(tmp_path / "c.yaml")])
     assert r.exit_code == 2
     assert f"and no state at {tmp_path / 'none.db'} to take it from" in " ".join(r.stderr.split())
+
+
+def test_a_new_state_that_cannot_be_made_is_found_before_probing(tmp_path: Path) -> None:
+    """A first discover makes its state only to save the facts, but finds now, not after
+    probing the fleet, that it could not: here its folder is on a read-only mount."""
+    write_key(tmp_path / "id")
+    (tmp_path / "kh").write_text("")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        body = "defaults: {identity_file: id, known_hosts: kh}\nnodes:\n  - {name: a, host: 198.18.0.77}\n"
+        state = ro / "sub" / "s.db"
+        r = runner.invoke(app, ["--state", str(state), "discover", "-i", str(inv(tmp_path, body))])
+        assert r.exit_code == 2
+        (line,) = error_lines(r)
+        assert f"{state}: cannot create the state: folder {ro} is not writable" in line
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -552,7 +553,9 @@ def test_ctrl_c_saves_nothing_and_says_so(testbed_factory, tmp_path: Path) -> No
     c = testbed_factory("slow=cpu-only:slow=20,fine=cpu-only")
     state = tmp_path / "s.db"
 
-    def interrupted() -> tuple[int | None, str, str]:
+    def interrupted(
+        sig: int = signal.SIGINT, meanwhile: Callable[[], None] = lambda: None
+    ) -> tuple[int | None, str, str]:
         p = subprocess.Popen(
             [sys.executable, "-m", "cluster_cli", "--state", str(state), "discover", "-i", str(c.inventory_path), "-v"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -562,7 +565,8 @@ def test_ctrl_c_saves_nothing_and_says_so(testbed_factory, tmp_path: Path) -> No
             err_reader = _Reader(p.stderr)
             # fine is done and slow is probing (for 20 s): Ctrl-C now
             assert err_reader.wait_for("slow: connected", "fine: ok", timeout=30), err_reader.text
-            p.send_signal(signal.SIGINT)
+            meanwhile()
+            p.send_signal(sig)
             p.wait(30)
             return p.returncode, err_reader.join(10), p.stdout.read()
         finally:
@@ -581,6 +585,22 @@ def test_ctrl_c_saves_nothing_and_says_so(testbed_factory, tmp_path: Path) -> No
     assert code == 130 and out == "", err
     with Store(state, readonly=True) as s:  # not even the node that had answered
         assert s.nodes() == [] and s.inventory() is None and set(s.cordons()) == {"slow"}
+    # SIGTERM (a supervisor, timeout(1)) ends it the same way, as 143.
+    code, err, out = interrupted(signal.SIGTERM)
+    assert code == 143 and err.splitlines()[-1:] == ["interrupted: nothing saved"] and out == "", err
+    # A state another command made while a first discover probed is theirs: it stays, with
+    # what they wrote (it was deleted with the cordon in it).
+    for f in tmp_path.glob("s.db*"):
+        f.unlink()
+
+    def cordon() -> None:
+        with Store(state) as s:
+            s.cordon("fine", "RMA 4411")
+
+    code, err, _ = interrupted(meanwhile=cordon)
+    assert code == 130, err
+    with Store(state, readonly=True) as s:
+        assert s.cordons()["fine"]["reason"] == "RMA 4411" and s.nodes() == []
 
 
 def test_verbose_tells_each_node_s_steps_on_stderr_and_keeps_stdout_clean(testbed_factory, tmp_path: Path) -> None:

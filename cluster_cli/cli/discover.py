@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import re
+import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,12 +20,36 @@ from cluster_cli.cli.common import INVENTORY_ENV, INVENTORY_HELP, inventory_or_a
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError, ExitCode, SSHError
 from cluster_cli.facts import NodeFacts, printable, problem_key
+from cluster_cli.state.store import Store
 
 if TYPE_CHECKING:  # asyncssh and asyncio load only when discover runs
     from cluster_cli.config.inventory import SSHTarget
     from cluster_cli.probe.runner import CommandResult, Connector, Session
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
+TERMINATED = 143  # 128 + SIGTERM
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a supervisor, ``timeout``, ``kill``): ends the run as Ctrl-C does."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    before = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _interrupted_code(e: BaseException) -> int:
+    return TERMINATED if isinstance(e, _Terminated) else INTERRUPTED
+
 
 EXAMPLE = """
 Examples:
@@ -68,60 +93,71 @@ def discover(
         if unknown:
             ui.abort(f"{inventory}: no node named {', '.join(map(repr, unknown))} in the inventory")
         nodes = [n for n in inv.nodes if n.name in set(node)]
-    new_state = not state.state_path.exists()
-    store = open_store(state.state_path)  # now: a state that cannot be written is found before probing
+    # A state that cannot be written is found now, before probing. A new one is made only to
+    # save the facts: until then another command (a cordon) may make it, and keep what it wrote.
+    store = open_store(state.state_path) if state.state_path.exists() else None
+    if store is None:
+        try:
+            Store.check_creatable(state.state_path)
+        except ClusterctlError as e:
+            ui.fail(e)
     connector: Connector = AsyncsshConnector(pinned_known_hosts=pinned_hosts_path(state.state_path))
     trace = Trace(connector) if state.verbose else None
+    with _sigterm_interrupts():  # in-process callers (tests) get their own handler back
+        try:
+            with Progress(
+                TextColumn("[bold]discover"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[last]}"),
+                TimeElapsedColumn(),
+                console=ui.err,
+                transient=True,
+                disable=output is not ui.Output.table or not ui.err.is_terminal,
+            ) as progress:
+                task = progress.add_task("discover", total=len(nodes), last="")
 
-    try:
-        with Progress(
-            TextColumn("[bold]discover"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[last]}"),
-            TimeElapsedColumn(),
-            console=ui.err,
-            transient=True,
-            disable=output is not ui.Output.table or not ui.err.is_terminal,
-        ) as progress:
-            task = progress.add_task("discover", total=len(nodes), last="")
+                def done(f: NodeFacts) -> None:
+                    progress.update(task, advance=1, last=f"{f.name} {'ok' if f.reachable else 'unreachable'}")
+                    if trace is not None:
+                        trace.done(f)
 
-            def done(f: NodeFacts) -> None:
-                progress.update(task, advance=1, last=f"{f.name} {'ok' if f.reachable else 'unreachable'}")
-                if trace is not None:
-                    trace.done(f)
+                facts = asyncio.run(run_discover(inv, nodes, connector=trace or connector, parallel=parallel,
+                                                 node_timeout_s=timeout, on_done=done))  # fmt: skip
+        except KeyboardInterrupt as e:
+            # Ctrl-C (or SIGTERM) while probing: facts are saved only after every node is done, in
+            # one transaction, so none were. (Host keys pinned on first contact stay pinned.)
+            if store is not None:
+                store.close()
+            ui.info("interrupted: nothing saved")
+            raise typer.Exit(_interrupted_code(e)) from None
 
-            facts = asyncio.run(run_discover(inv, nodes, connector=trace or connector, parallel=parallel,
-                                             node_timeout_s=timeout, on_done=done))  # fmt: skip
-    except KeyboardInterrupt:
-        # Ctrl-C while probing: facts are saved only after every node is done, in one
-        # transaction, so none were. (Host keys pinned on first contact stay pinned.)
-        store.close()
-        if new_state:  # made by this run only to be written at its end: nothing is left behind
-            for suffix in ("", "-wal", "-shm"):
-                with contextlib.suppress(OSError):
-                    Path(f"{state.state_path}{suffix}").unlink()
-        ui.info("interrupted: nothing saved")
-        raise typer.Exit(INTERRUPTED) from None
-
-    try:
-        # A stored row that cannot be read is no earlier knowledge: this discover replaces it.
-        before = {f.name: f for f in store.nodes([f.name for f in facts], unreadable=[])}
-        facts = [note_changes(f, before.get(f.name)) for f in facts]
-        store.save_discovery(facts, inventory=inventory.resolve())
-        # Every node of the inventory, as it declares them now (fabrics, classes, labels): the
-        # fabric cross-check also covers nodes probed by an earlier run (``--node``). The facts
-        # are saved by now: a node not probed this time whose row cannot be read is warned of.
-        bad: list[str] = []
-        fleet = for_inventory(inv, store.nodes([n.name for n in inv.nodes], unreadable=bad), from_state=True)
-        for name in bad:
-            ui.warn(
-                f"{store.path}: node {name}: its stored facts cannot be read; 'clusterctl discover --node {name}' replaces them"
-            )
-    except ClusterctlError as e:
-        ui.fail(e)
-    finally:
-        store.close()
+        saved = False
+        try:
+            if store is None:
+                store = open_store(state.state_path)
+            # A stored row that cannot be read is no earlier knowledge: this discover replaces it.
+            before = {f.name: f for f in store.nodes([f.name for f in facts], unreadable=[])}
+            facts = [note_changes(f, before.get(f.name)) for f in facts]
+            store.save_discovery(facts, inventory=inventory.resolve())
+            saved = True
+            # Every node of the inventory, as it declares them now (fabrics, classes, labels): the
+            # fabric cross-check also covers nodes probed by an earlier run (``--node``). The facts
+            # are saved by now: a node not probed this time whose row cannot be read is warned of.
+            bad: list[str] = []
+            fleet = for_inventory(inv, store.nodes([n.name for n in inv.nodes], unreadable=bad), from_state=True)
+            for name in bad:
+                ui.warn(
+                    f"{store.path}: node {name}: its stored facts cannot be read; 'clusterctl discover --node {name}' replaces them"
+                )
+        except ClusterctlError as e:
+            ui.fail(e)
+        except KeyboardInterrupt as e:  # the save is one transaction: rolled back whole, or done
+            ui.info("interrupted: the facts were saved" if saved else "interrupted: nothing saved")
+            raise typer.Exit(_interrupted_code(e)) from None
+        finally:
+            if store is not None:
+                store.close()
     prefixes = inv.declared_prefixes()
     reachable = [f for f in fleet if f.reachable]
     # A port whose subnet contradicts its declared fabric is shown off it, with the problem on its node.

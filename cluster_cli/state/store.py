@@ -124,6 +124,22 @@ class Store:
             self._close_quietly()
             raise
 
+    @staticmethod
+    def check_creatable(path: Path | str) -> None:
+        """Raise the StateError that creating the state at ``path`` would, without creating
+        anything: its nearest existing folder must be a folder this user may write."""
+        path = Path(path)
+        folder = path.parent
+        try:
+            while not folder.exists():
+                folder = folder.parent
+            if not folder.is_dir():
+                raise StateError(f"{path}: cannot create state folder: {folder} is not a folder")
+        except OSError as e:
+            raise StateError(f"{path}: cannot reach the state: {e.strerror or e}") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise StateError(f"{path}: cannot create the state: folder {folder} is not writable")
+
     def _close_quietly(self) -> None:
         db = getattr(self, "_db", None)
         if db is not None:
