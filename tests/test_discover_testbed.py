@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -572,12 +573,30 @@ def test_ctrl_c_saves_nothing_and_says_so(testbed_factory, tmp_path: Path) -> No
         finally:
             p.kill()
 
+    def on_slow() -> list[str]:
+        """What still runs on node slow under its sshd (the probes sleep 20 s there)."""
+        todo, found = [c.nodes["slow"].sshd_pid], []
+        while todo:
+            pid = todo.pop()
+            for kids in Path(f"/proc/{pid}/task").glob("*/children"):
+                with contextlib.suppress(OSError):
+                    todo += [int(k) for k in kids.read_text().split()]
+            if pid != c.nodes["slow"].sshd_pid:
+                with contextlib.suppress(OSError):
+                    found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        return [f for f in found if f.strip()]
+
     # A first discover: the state it made to write at its end is not left behind, empty.
     code, err, out = interrupted()
     assert code == 130, err
     assert err.splitlines()[-1:] == ["interrupted: nothing saved"], err
     assert out == ""
     assert not list(tmp_path.glob("s.db*"))  # nor its -wal and -shm
+    # Nor its probes on the node: they end with the client, not at their deadline (24 s).
+    deadline = time.monotonic() + 8
+    while (left := on_slow()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []
     # A state that was there keeps what it had, and gets nothing of this run.
     with Store(state) as s:
         s.cordon("slow", "PSU")

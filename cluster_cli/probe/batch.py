@@ -24,7 +24,8 @@ systems without tools in /bin or /usr/bin (NixOS, Guix), where the user's PATH i
 
 Process cost matters as much as packets: on a shared box every extra ``fork``/``exec``
 per node is paid 64 times. So a command runs directly as the background job (one
-process, no wrapper), one watchdog (a subshell and a ``sleep``) times out all of them
+process, no wrapper), one watchdog (a subshell and a ``sleep`` at a time; it also ends the
+batch within a second of its client going away) times out all of them
 together (TERM to each job's process tree, KILL a second later, reported as rc 124; a job
 that even KILL cannot stop, such as nvidia-smi in D state, is given up on a second after
 that), and the scratch files
@@ -83,6 +84,11 @@ ours() {  # is $1 a live (not zombie) child of $2? Without /proc: is there a pro
     [ "$1" != Z ] && [ "$2" = "$pp" ]
   else kill -0 "$1" 2>/dev/null; fi
 }
+mine() {  # (in the watchdog) its parent is still the batch; without /proc, assume so
+  l=; read -r l 2>/dev/null </proc/self/stat || return 0
+  set -- ${l##*) }
+  [ "$2" = "$$" ]
+}
 tree() {  # every process under the pids given, each thread's children too, into $all (no fork)
   all=; q=$*
   while set -- $q; [ $# -gt 0 ]; do
@@ -135,10 +141,16 @@ kl() {
     js="$js $k"
   done <"$d/p"
   # Each job and everything it started (an `sh -c` probe's children would outlive it, still
-  # writing to its output): the whole tree first, then signal it at once.
-  all=; [ -n "$js" ] && tree $js
-  [ -n "$all" ] && kill -"$sig" $all 2>/dev/null
-  [ "$sig" = TERM ] || return 0
+  # writing to its output). KILL: as kt. TERM: the trees STOPped and walked again first (a
+  # child forked after the walk, its parent then TERMed, would run on under init), then
+  # TERMed and continued, so that each can end as it sees fit.
+  if [ "$sig" = KILL ]; then [ -z "$js" ] || kt $js; return 0; fi
+  all=; ka=
+  if [ -n "$js" ]; then
+    kr=0; while [ $kr -lt 3 ]; do tree $js; kill -STOP $all 2>/dev/null; ka="$ka $all"; kr=$((kr+1)); done
+    tree $js; all="$all $ka"
+    kill -TERM $all 2>/dev/null; kill -CONT $all 2>/dev/null
+  fi
   # What it signalled, each pid with its start time (the same pid and start time is the same
   # process); the line also says the TERMs are out.
   ks=
@@ -178,10 +190,16 @@ R=; n=0
 # Only the batch ends it (``stop_w``, ``cc_end``): it ignores HUP, INT and TERM, so a signal
 # to the whole group cannot end it and leave its sleep out of the batch's reach. A sleep that
 # did not end by itself ends it too. It wakes the batch only while that is still there.
+# It sleeps to the deadline in steps of {c} s, after each writing a newline to the batch's
+# stdout (before the batch's own output, which is found by its token): a write that fails
+# means the client is gone (sshd refuses a root session's signal requests, and writes
+# nothing to a batch when its connection ends), and the batch is TERMed to clean up now,
+# not at its deadline. ``mine``: the watchdog's parent is still the batch.
 _WATCHDOG = (
-    '( trap "" HUP INT TERM; $cc_p sleep {t} & s=$!; echo $s >"$d/w"; wait $s || exit; : >"$d/t"; '
-    "kl TERM; $cc_p sleep 1; kl KILL; $cc_p sleep 1; ours $$ $PPID && kill -USR1 $$ ) "
-    ">/dev/null 2>&1 </dev/null & w=$!"
+    '( trap "" HUP INT TERM PIPE; n=0; while [ $n -lt {t} ]; do $cc_p sleep {c} & s=$!; echo $s >"$d/w"; '
+    "wait $s || exit; n=$((n+{c})); [ $n -ge {t} ] || echo || {{ mine && kill -TERM $$; exit; }}; done; "
+    ': >"$d/t"; kl TERM; $cc_p sleep 1; kl KILL; $cc_p sleep 1; ours $$ $PPID && kill -USR1 $$ ) '
+    "2>/dev/null </dev/null & w=$!"
 )
 
 _COLLECT = r"""for x in $R; do
@@ -301,11 +319,13 @@ def build_script(
     per_command_timeout_s: float,
     token: str | None = None,
     then: Mapping[str, str] | None = None,
+    check_s: float = 1,
 ) -> tuple[str, str]:
     """The sh script running ``commands`` in parallel (feed it to ``BATCH_SHELL``), and its token.
 
     Each command is shell text inserted as is (callers build it with ``shlex.quote``);
-    it runs with ``LC_ALL=C``. ``then`` is described in the module docstring.
+    it runs with ``LC_ALL=C``. ``then`` is described in the module docstring. Every
+    ``check_s`` seconds (whole, at least 1) the batch checks that its client is still there.
     """
     token = token or secrets.token_hex(8)
     t = max(1, int(per_command_timeout_s))
@@ -321,7 +341,7 @@ def build_script(
         # A simple command runs directly as the job; anything with shell syntax gets its own sh.
         argv = cmd if _is_simple(cmd) else f"sh -c {shlex.quote(cmd)}"
         lines.append(f"run {name} {argv}" + (f"; p{i}=$!" if name in then else ""))
-    lines.append(_WATCHDOG.format(t=t))
+    lines.append(_WATCHDOG.format(t=t, c=max(1, min(t, int(check_s)))))
     for i, name in enumerate(names):
         if name in then:
             lines.append(f'wait "$p{i}"; x{i}=$?')
