@@ -391,3 +391,26 @@ def test_discover_replaces_an_unreadable_row_and_warns_of_one_it_did_not_probe(
     assert "node n1: its stored facts cannot be read" in r.output
     with Store(state) as s:
         assert [f.cpus for f in s.nodes(["n2"])] == [64]
+
+
+def test_a_full_disk_reads_as_a_full_disk_not_a_damaged_state(tmp_path: Path) -> None:
+    """Reading a WAL state needs room for its -shm file: on a full disk that is an I/O error,
+    said as one, not "not a usable state database" (which sends one looking for damage)."""
+    import subprocess
+
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        path = mnt / "s.db"
+        with Store(path) as s:
+            s.cordon("a", "x")
+        subprocess.run(["dd", "if=/dev/zero", f"of={mnt / 'fill'}", "bs=4k"], capture_output=True, check=False)
+        for suffix in ("-shm", "-wal"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        with pytest.raises(StateError) as e:
+            Store(path, readonly=True)
+        assert str(e.value).startswith(f"{path}: cannot read the state: ") and "usable" not in str(e.value)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

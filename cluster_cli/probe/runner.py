@@ -100,7 +100,7 @@ class AsyncsshSession:
                     if not done:
                         _stop(proc)
         except TimeoutError:  # before OSError: TimeoutError is one
-            raise SSHError(f"{self._name}: command timed out after {timeout:g}s") from None
+            raise SSHError(f"{self._name}: command timed out after {timeout:.3g}s") from None
         except _OutputCut as e:
             cap = f"{self.max_output / (1 << 20):g} MiB"
             raise SSHError(f"{self._name}: command output over {cap} on {e.stream}, cut") from None

@@ -224,6 +224,10 @@ class Store:
                 f"{self.path}: cannot read the state: {wal} holds changes not yet in the database and "
                 f"{folder} is not writable here; open it once where that folder is writable (e.g. as its owner)"
             )
+        if code & 0xFF == _SQLITE_FULL:  # reading a WAL state needs room for its -shm file
+            return f"{self.path}: cannot read the state: the disk is full ({e})"
+        if code & 0xFF == _SQLITE_IOERR:
+            return f"{self.path}: cannot read the state: I/O error ({e})"
         return f"{self.path}: not a usable state database: {e}"
 
     def _check_schema(self, version: str) -> None:
