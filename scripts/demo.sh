@@ -12,7 +12,9 @@ KEEP=${DEMO_KEEP:-0}  # DEMO_KEEP=1: leave the testbed running after a demo that
 ok=0
 stop_engines() {  # the replicas a DEMO_KEEP=1 run left up
   [ -f "$DIR/engines.pids" ] || return 0
-  while read -r pid; do kill -TERM -- "-$pid" 2>/dev/null || true; done <"$DIR/engines.pids"
+  while read -r pid; do  # only if that pid is still a llama-server (the file may be old)
+    { [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = llama-server ] && kill -TERM -- "-$pid" 2>/dev/null; } || true
+  done <"$DIR/engines.pids"
   rm -f "$DIR/engines.pids"
 }
 cleanup() {

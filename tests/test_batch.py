@@ -626,7 +626,7 @@ def test_the_probe_deadline_leaves_room_at_small_timeouts() -> None:
 
     for timeout, probe_deadline in ((7.0, 4), (30.0, 24), (2.0, 1)):
         asyncio.run(collect.run_batch(Capture(), {"a": "true"}, timeout))
-        assert f"while [ $n -lt {probe_deadline} ]; do $cc_p sleep 1 & s=$!" in Capture.command
+        assert f'while [ $n -lt {probe_deadline} ]; do [ -e "$d/q" ] && exit; $cc_p sleep 1 & s=$!' in Capture.command
 
 
 @pytest.mark.parametrize("shell", SHELLS)
@@ -659,6 +659,48 @@ def test_a_batch_whose_client_is_gone_cleans_up_at_once(shell: str) -> None:
     finally:
         subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
         subprocess.run(["pkill", "-f", f"sleep {kid}"], check=False)
+
+
+def test_a_batch_done_as_its_watchdog_wakes_is_not_held_to_its_deadline() -> None:
+    """The watchdog sleeps in 1-s steps; a batch whose jobs end just as a step does (a 1-s
+    job) KILLs a sleep that has already ended, and the watchdog slept on to the deadline
+    while the batch waited for it (4 batches in 80 took 17 s). The flag $d/q ends it."""
+    cmds = {"j": "sleep 1"}
+
+    def one(_: int) -> float:
+        script, token = build_script(cmds, per_command_timeout_s=15)
+        t0 = time.monotonic()
+        p = subprocess.run(["sh", "-s"], input=script.encode(), capture_output=True, timeout=60)
+        assert parse_records(cmds, p.stdout, token)["j"].rc == 0
+        return time.monotonic() - t0
+
+    with ThreadPoolExecutor(8) as pool:
+        took = list(pool.map(one, range(80)))
+    assert max(took) < 8, sorted(took)[-5:]
+
+
+def test_a_batch_killed_outright_does_not_keep_its_output_open() -> None:
+    """The OOM killer takes the batch's shell: its watchdog, which now writes to the batch's
+    stdout, goes within a second too, so the client sees the end (EOF) then, not at the
+    deadline (30 s here)."""
+    job = _own(42)
+    script, _ = build_script({"hang": f"sleep {job}"}, per_command_timeout_s=30)
+    p = subprocess.Popen(["sh", "-s"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    assert p.stdin is not None and p.stdout is not None
+    p.stdin.write(script.encode())
+    p.stdin.close()
+    try:
+        deadline = time.monotonic() + 20
+        while not _procs_with(job) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _procs_with(job)
+        p.kill()
+        t0 = time.monotonic()
+        p.stdout.read()  # returns at EOF: when nothing holds the batch's stdout any more
+        assert time.monotonic() - t0 < 10
+    finally:
+        subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
+        subprocess.run(["pkill", "-f", f"sleep {job}"], check=False)
 
 
 def test_the_scratch_folder_goes_when_the_client_hangs_up() -> None:

@@ -411,3 +411,19 @@ def test_a_broken_nvidia_smi_install_is_a_problem_not_a_cpu_node() -> None:
     f = facts_from_outputs(INV, NODE, outputs(gpus=CommandResult(127, "", err)))
     assert f.gpus == () and f.nvlink_domains is None
     assert any(p.startswith("nvidia-smi:") and "libnvidia-ml" in p for p in f.problems)
+
+
+def test_a_lost_gpu_is_counted_once_when_its_row_has_no_bus_id() -> None:
+    """A row of ``[GPU is lost]`` cells (its bus id too) and the process query's line for the
+    same GPU are one lost GPU, not two."""
+    gpus = GPUS.replace(
+        "1, GPU-aaaa0000-0000-0000-0000-000000000001, NVIDIA A100 80GB PCIe, 81920, 5, 00000000:31:00.0, 2, Disabled, No, No",
+        "1, [GPU is lost], [GPU is lost], [GPU is lost], [GPU is lost], [GPU is lost], [GPU is lost], [GPU is lost], "
+        "[GPU is lost], [GPU is lost]",
+    )
+    lost = "Unable to determine the device handle for GPU 0000:31:00.0: GPU is lost.\n"
+    f = facts_from_outputs(
+        INV, NODE, outputs(gpus=CommandResult(15, gpus, ""), apps=CommandResult(15, APPS + lost, ""))
+    )
+    assert len(f.gpus) == 4 and [g.index for g in f.gpus if g.lost] == [1]
+    assert "gpu: 1 GPU(s) lost" in f.problems

@@ -327,6 +327,34 @@ def test_a_node_whose_host_key_type_changed_is_refused_by_name(testbed_factory, 
     assert all(by_name(doc)[x]["error"].startswith(f"host key not verifiable in {kh_ca}: ") for x in ("n1", "n2"))
 
 
+def test_the_changed_key_retry_keeps_ssh_config_s_host_key_algorithms(testbed_factory, tmp_path: Path) -> None:
+    """The second handshake (for a node whose key type changed) never widens a
+    HostKeyAlgorithms that ssh_config sets: an RSA-only policy against an ed25519-only node
+    stays refused, as OpenSSH refuses it (the retry offered every type, and logged in)."""
+    c = testbed_factory("n1=cpu-only")
+    d = c.inventory_path.parent
+    (d / "cfg-rsa").write_text("Host *\n  HostKeyAlgorithms rsa-sha2-512,rsa-sha2-256\n")
+    data = yaml.safe_load(c.inventory_path.read_text())
+    data["ssh_config"] = "cfg-rsa"
+    inv = d / "inv-rsa-only.yaml"
+    inv.write_text(yaml.safe_dump(data))
+    code, doc, _ = discover(tmp_path / "a.db", inv)
+    assert code == 1 and not by_name(doc)["n1"]["reachable"]
+
+
+def test_the_retry_offers_the_trusted_host_key_types_first() -> None:
+    """After a dropped handshake the retry asks for the trusted types first (then the rest):
+    a node that still has one uses it. asyncssh's own order puts RSA first, and a node with
+    both keys, ed25519 the trusted one, was told its key had changed."""
+    from cluster_cli.probe.runner import _trusted_first
+
+    ed = asyncssh.generate_private_key("ssh-ed25519").convert_to_public()
+    algs = _trusted_first(([ed], [], []))
+    assert algs[0] == "ssh-ed25519" and "rsa-sha2-256" in algs and len(algs) == len(set(algs))
+    ca = _trusted_first(([], [ed], []))
+    assert ca[0].endswith("-cert-v01@openssh.com") and "ssh-ed25519" in ca
+
+
 def test_a_passphrase_protected_key_or_its_public_half_logs_in_through_ssh_agent(
     testbed_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -353,11 +381,28 @@ def test_a_passphrase_protected_key_or_its_public_half_logs_in_through_ssh_agent
     try:
         monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
         code, doc, err = discover(tmp_path / "b.db", enc_inv)
-        assert code == 1 and "authentication failed" in by_name(doc)["n1"]["error"]  # the agent lacks it
-        subprocess.run(["ssh-add", "-q", str(c.identity_file)], check=True, env={"SSH_AUTH_SOCK": str(sock)})
+        assert code == 1 and by_name(doc)["n1"]["error"] == (
+            f"ssh-agent ({sock}) does not hold the key of identity file {d / 'enc'}: ssh-add it"
+        )
+        add = {"SSH_AUTH_SOCK": str(sock)}
+        subprocess.run(["ssh-add", "-q", str(c.identity_file)], check=True, env=add)
         for inv in (enc_inv, pub_inv):
             code, doc, err = discover(tmp_path / f"c-{inv.stem}.db", inv)
             assert code == 0 and by_name(doc)["n1"]["reachable"], (inv, err)
+        # That key alone: not the agent's others, nor ~/.ssh's default keys (here the node's own).
+        home = tmp_path / "home"
+        (home / ".ssh").mkdir(parents=True)
+        (home / ".ssh" / "id_ed25519").write_bytes(c.identity_file.read_bytes())
+        (home / ".ssh" / "id_ed25519").chmod(0o600)
+        monkeypatch.setenv("HOME", str(home))
+        other = asyncssh.generate_private_key("ssh-ed25519")
+        other.write_private_key(str(d / "other"))
+        (d / "other").chmod(0o600)
+        (d / "other.pub").write_bytes(other.export_public_key())
+        subprocess.run(["ssh-add", "-q", str(d / "other")], check=True, env=add)
+        other_inv = derived_inventory(c.inventory_path, "inv-other.yaml", identity_file="other.pub")
+        code, doc, _ = discover(tmp_path / "e.db", other_inv)
+        assert code == 1 and "authentication failed" in by_name(doc)["n1"]["error"]
     finally:
         os.kill(pid, signal.SIGTERM)
 
@@ -398,6 +443,15 @@ def test_unset_known_hosts_trusts_the_system_file_too(
         f"host key not verifiable in {user}: it does not match the key there for {n1.host}; if the node was "
         f"reinstalled, remove that key (ssh-keygen -R '{n1.host}' -f {user}) and run again"
     )
+    # A system file clusterctl cannot use is passed over with a warning (as OpenSSH passes
+    # over it), never the end of every run: it is not the user's to fix.
+    good = system.read_text()
+    system.write_text("this-line-is-bad\n")
+    user.write_text(c.known_hosts_path.read_text())
+    code, _, err = discover(tmp_path / "bad.db", unset)
+    assert code == 0 and f"known_hosts {system}: " in err and "verifying host keys without it" in err, err
+    system.write_text(good)
+    user.write_text(f"{n1.host} {wrong}\n")
     data["defaults"]["known_hosts"] = "~/.ssh/known_hosts"  # set: that file alone
     (c.inventory_path.parent / "inv-set.yaml").write_text(yaml.safe_dump(data))
     code, doc, _ = discover(tmp_path / "d.db", c.inventory_path.parent / "inv-set.yaml")
@@ -620,6 +674,25 @@ def test_ctrl_c_saves_nothing_and_says_so(testbed_factory, tmp_path: Path) -> No
     assert code == 130, err
     with Store(state, readonly=True) as s:
         assert s.cordons()["fine"]["reason"] == "RMA 4411" and s.nodes() == []
+
+
+def test_an_interrupt_just_after_the_save_says_the_facts_were_saved(
+    testbed_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal during the COMMIT is handled only after it: the state holds the facts, and
+    the message says so (it said "nothing saved")."""
+    c = testbed_factory("n1=cpu-only")
+    real = Store.save_discovery
+
+    def save_then_interrupted(self: Store, *a: Any, **kw: Any) -> None:
+        real(self, *a, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Store, "save_discovery", save_then_interrupted)
+    code, _, err = discover(tmp_path / "s.db", c.inventory_path)
+    assert code == 130 and err.splitlines()[-1] == "interrupted: the facts were saved", err
+    with Store(tmp_path / "s.db", readonly=True) as s:
+        assert [n.name for n in s.nodes()] == ["n1"]
 
 
 def test_verbose_tells_each_node_s_steps_on_stderr_and_keeps_stdout_clean(testbed_factory, tmp_path: Path) -> None:

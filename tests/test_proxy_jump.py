@@ -204,3 +204,34 @@ def test_a_hop_that_cannot_be_read_is_refused(hop: str) -> None:
 
 def test_an_ipv6_address_with_a_port_is_written_in_brackets() -> None:
     assert _host_port("::1", 2223) == "[::1]:2223" and _host_port("b1", 22) == "b1:22"
+
+
+def test_a_jump_host_logs_in_with_an_agent_held_identity_file_too(
+    testbed_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """identity_file naming a public key (its private half in ssh-agent) serves the jump host
+    that has no IdentityFile of its own, as it serves the node (the jump host tried to load
+    the .pub as a private key: "cannot load identity file")."""
+    import os
+    import signal
+    import subprocess
+
+    c = testbed_factory("jump=cpu-only,n1=cpu-only")
+    d = c.inventory_path.parent
+    inv = behind_jump(c, ["jump"], ["n1"])
+    (d / "ssh_config").write_text((d / "ssh_config").read_text().replace(f"  IdentityFile {d / 'id_ed25519'}\n", ""))
+    (d / "only.pub").write_bytes((d / "id_ed25519.pub").read_bytes())
+    data = yaml.safe_load(inv.read_text())
+    data["defaults"]["identity_file"] = "only.pub"
+    inv.write_text(yaml.safe_dump(data))
+    monkeypatch.setenv("HOME", str(tmp_path))  # no default keys to fall back on
+    sock = tmp_path / "agent.sock"
+    started = subprocess.run(["ssh-agent", "-a", str(sock)], capture_output=True, text=True, check=True)
+    pid = int(started.stdout.split("SSH_AGENT_PID=")[1].split(";")[0])
+    try:
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
+        subprocess.run(["ssh-add", "-q", str(d / "id_ed25519")], check=True, env={"SSH_AUTH_SOCK": str(sock)})
+        code, doc, err = discover(tmp_path / "s.db", inv)
+        assert code == 0 and doc["nodes"][0]["reachable"], (doc, err)
+    finally:
+        os.kill(pid, signal.SIGTERM)

@@ -97,7 +97,7 @@ def _route(tmp_path: Path, config: str, host: str = "n1"):
 
 
 def test_route_follows_a_proxy_jump_chain_and_a_first_hop_s_own_jump(tmp_path: Path) -> None:
-    route, real, keys = _route(
+    route, real, keys, _ = _route(
         tmp_path,
         "Host n1\n  HostName 10.0.0.1\n  Port 2201\n  ProxyJump a,u@b:2222\n  IdentityFile /keys/%h\n"
         "Host a\n  HostName 10.9.0.1\n  ProxyJump z\n"
@@ -114,8 +114,9 @@ def test_route_follows_a_proxy_jump_chain_and_a_first_hop_s_own_jump(tmp_path: P
 
 
 def test_route_without_proxy_jump_is_direct(tmp_path: Path) -> None:
-    assert _route(tmp_path, "Host n1\n  HostName 10.0.0.1\n") == ((), ("10.0.0.1", 22), ())
-    assert _route(tmp_path, "Host n1\n  ProxyJump none\n") == ((), ("n1", 22), ())
+    assert _route(tmp_path, "Host n1\n  HostName 10.0.0.1\n") == ((), ("10.0.0.1", 22), (), False)
+    assert _route(tmp_path, "Host n1\n  ProxyJump none\n") == ((), ("n1", 22), (), False)
+    assert _route(tmp_path, "Host n1\n  HostKeyAlgorithms ssh-ed25519\n")[3] is True
 
 
 @pytest.mark.parametrize(
@@ -142,10 +143,10 @@ def test_route_refuses_loops_and_unreadable_hops(tmp_path: Path, config: str, me
 
 def test_route_follows_only_a_first_hop_s_own_jump(tmp_path: Path) -> None:
     # OpenSSH reaches a later hop through the one before it, whatever ssh_config says of it.
-    route, _, _ = _route(tmp_path, "Host n1\n  ProxyJump a,b\nHost b\n  ProxyJump n1\n")
+    route, _, _, _ = _route(tmp_path, "Host n1\n  ProxyJump a,b\nHost b\n  ProxyJump n1\n")
     assert [d.host for d in route] == ["a", "b"]
 
 
 def test_route_reads_match_final_blocks_and_pins_by_the_resolved_port(tmp_path: Path) -> None:
-    route, _, _ = _route(tmp_path, "Host b\n  Port 2222\nMatch final originalhost n1\n  ProxyJump b\n")
+    route, _, _, _ = _route(tmp_path, "Host b\n  Port 2222\nMatch final originalhost n1\n  ProxyJump b\n")
     assert [(d.alias, d.real) for d in route] == [("jump:[b]:2222", ("b", 2222))]

@@ -106,10 +106,13 @@ def check_ssh_files(inv: Inventory, path: Path, pinned: Path | None = None) -> N
             accept_new = True
         elif t.known_hosts not in hosts_ok:
             system = t.system_known_hosts if t.system_known_hosts and os.path.exists(t.system_known_hosts) else None
+            if system is not None and (why := _known_hosts_problem(system)):
+                # Not the user's to fix, and OpenSSH passes over it too: said, and left out.
+                ui.warn(f"{why}; verifying host keys without it")
+                system = None
             # Left unset, known_hosts is the user's file and the system's, as with OpenSSH: one will do.
-            files = [f for f in (t.known_hosts, system) if f and (os.path.exists(f) or not system)]
-            for f in files:
-                why = _known_hosts_problem(f)
+            if system is None or os.path.exists(t.known_hosts):
+                why = _known_hosts_problem(t.known_hosts)
                 if why:
                     raise ConfigError(f"{_setting(path, i, n, 'known_hosts')}: {why}")
             hosts_ok.add(t.known_hosts)

@@ -7,10 +7,10 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 from rich.markup import escape
@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # asyncssh and asyncio load only when discover runs
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 TERMINATED = 143  # 128 + SIGTERM
+_T = TypeVar("_T")
 
 
 class _Terminated(KeyboardInterrupt):
@@ -45,6 +46,43 @@ def _sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def _holds(store: Store, facts: list[NodeFacts]) -> bool:
+    """Whether the state holds this run's facts (its first node, probed at the same moment)."""
+    if not facts:
+        return False
+    try:
+        got = store.nodes([facts[0].name], unreadable=[])
+    except (ClusterctlError, KeyboardInterrupt):
+        return False
+    return bool(got) and got[0].probed_at == facts[0].probed_at
+
+
+async def _cancelled_by_sigterm(coro: Coroutine[Any, Any, _T]) -> _T:
+    """``coro``, cancelled by SIGTERM as ``asyncio.run`` cancels it on Ctrl-C (an exception
+    raised from a signal handler could land inside the loop's own bookkeeping); then raises
+    _Terminated for the caller to end the run as on Ctrl-C."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    got: list[bool] = []
+
+    def on_term() -> None:
+        got.append(True)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if got:
+            raise _Terminated from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _interrupted_code(e: BaseException) -> int:
@@ -122,8 +160,10 @@ def discover(
                     if trace is not None:
                         trace.done(f)
 
-                facts = asyncio.run(run_discover(inv, nodes, connector=trace or connector, parallel=parallel,
-                                                 node_timeout_s=timeout, on_done=done))  # fmt: skip
+                facts = asyncio.run(_cancelled_by_sigterm(run_discover(
+                    inv, nodes, connector=trace or connector, parallel=parallel, node_timeout_s=timeout, on_done=done
+                )))  # fmt: skip
+            signal.signal(signal.SIGTERM, _on_sigterm)  # the loop's own handler is gone with it
         except KeyboardInterrupt as e:
             # Ctrl-C (or SIGTERM) while probing: facts are saved only after every node is done, in
             # one transaction, so none were. (Host keys pinned on first contact stay pinned.)
@@ -153,6 +193,8 @@ def discover(
         except ClusterctlError as e:
             ui.fail(e)
         except KeyboardInterrupt as e:  # the save is one transaction: rolled back whole, or done
+            # (A signal during the COMMIT itself lands after it, before ``saved`` is set: ask the state.)
+            saved = saved or (store is not None and _holds(store, facts))
             ui.info("interrupted: the facts were saved" if saved else "interrupted: nothing saved")
             raise typer.Exit(_interrupted_code(e)) from None
         finally:

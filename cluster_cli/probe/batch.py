@@ -111,7 +111,9 @@ stop_w() {  # end the watchdog and its sleep (w=), and reap it (bash would repor
   else
     # Before it: KILL its sleep, whose pid it notes in $d/w, and it ends itself (KILL, not
     # TERM: a child forked but not yet exec'd still runs this shell's traps and would swallow
-    # a TERM). Only pids still ours: one that has ended may belong to someone else now.
+    # a TERM). Only pids still ours: one that has ended may belong to someone else now. The
+    # flag $d/q ends it too where that sleep had just ended by itself (it sleeps in steps).
+    : >"$d/q"
     c=0; while [ ! -s "$d/w" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
     ws=; read -r ws 2>/dev/null <"$d/w"
   fi
@@ -194,10 +196,12 @@ R=; n=0
 # stdout (before the batch's own output, which is found by its token): a write that fails
 # means the client is gone (sshd refuses a root session's signal requests, and writes
 # nothing to a batch when its connection ends), and the batch is TERMed to clean up now,
-# not at its deadline. ``mine``: the watchdog's parent is still the batch.
+# not at its deadline. ``mine``: the watchdog's parent is still the batch (a batch gone,
+# killed outright, leaves no watchdog holding its output open). ``$d/q``: the batch is done.
 _WATCHDOG = (
-    '( trap "" HUP INT TERM PIPE; n=0; while [ $n -lt {t} ]; do $cc_p sleep {c} & s=$!; echo $s >"$d/w"; '
-    "wait $s || exit; n=$((n+{c})); [ $n -ge {t} ] || echo || {{ mine && kill -TERM $$; exit; }}; done; "
+    '( trap "" HUP INT TERM PIPE; n=0; while [ $n -lt {t} ]; do [ -e "$d/q" ] && exit; '
+    '$cc_p sleep {c} & s=$!; echo $s >"$d/w"; wait $s || exit; {{ [ -e "$d/q" ] || ! mine; }} && exit; '
+    "n=$((n+{c})); [ $n -ge {t} ] || echo || {{ mine && kill -TERM $$; exit; }}; done; "
     ': >"$d/t"; kl TERM; $cc_p sleep 1; kl KILL; $cc_p sleep 1; ours $$ $PPID && kill -USR1 $$ ) '
     "2>/dev/null </dev/null & w=$!"
 )

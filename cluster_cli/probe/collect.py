@@ -104,8 +104,10 @@ def facts_from_outputs(
             )
             procs = parse_compute_apps(apps.stdout) if apps is not None and apps_ok else []
             # The process query runs beside the GPU list and may be the one to find a GPU gone:
-            # one it names by bus id is lost, listed or not (named by index alone: ambiguous).
-            gone = [g for g in parse_lost(apps.output) if g.pci_bus_id] if apps is not None else []
+            # a row it names by bus id is lost (by index alone it is ambiguous, and a GPU the
+            # list does not show by that bus id may be one of its fault rows: not a new GPU).
+            buses = {r.pci_bus_id for r in rows if r.pci_bus_id}
+            gone = [g for g in parse_lost(apps.output) if g.pci_bus_id in buses] if apps is not None else []
             gpus = build_gpus(rows, procs, [*lost, *gone], gpu_class=inv.gpu_class, own_pids=own_pids)
             if apps is not None and not apps_ok:
                 problems.append("nvidia-smi: could not list compute processes; GPUs treated as busy")

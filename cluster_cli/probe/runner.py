@@ -171,6 +171,7 @@ class _Dest:
     real: tuple[str, int]  # HostName and Port after ssh_config, for messages
     jump: bool = False
     keys: tuple[str, ...] = ()  # its IdentityFile lines in ssh_config (tokens expanded, ~ not)
+    own_algs: bool = False  # ssh_config sets its HostKeyAlgorithms: never offer others
 
 
 class _RouteError(ValueError):
@@ -190,6 +191,10 @@ class AsyncsshConnector:
         # Jump-host connections (ssh_config ProxyJump), one per route prefix and trust
         # settings, shared by every node behind it until ``aclose``.
         self._hops: dict[tuple[object, ...], asyncio.Future[asyncssh.SSHClientConnection]] = {}
+        # ssh-agent, for identity files whose key only it holds: one client for the run.
+        self._agent: asyncssh.SSHAgentClient | None = None
+        self._agent_held: dict[str, list[Any]] = {}
+        self._agent_lock = asyncio.Lock()
 
     @asynccontextmanager
     async def session(self, target: SSHTarget) -> AsyncIterator[Session]:
@@ -197,9 +202,10 @@ class AsyncsshConnector:
         route: tuple[_Dest, ...] = ()
         real = (target.host, target.port or 22)
         keys: tuple[str, ...] = ()
+        own_algs = False
         if paths:  # ssh_config may run `Match exec` commands: read it off the event loop
             try:
-                route, real, keys = await _off_loop(_route, paths, target.host, target.port, target.user)
+                route, real, keys, own_algs = await _off_loop(_route, paths, target.host, target.port, target.user)
             except _RouteError as e:
                 raise SSHError(f"{target.name}: {e}") from None
         via: asyncssh.SSHClientConnection | None = None
@@ -208,7 +214,8 @@ class AsyncsshConnector:
                 via = await self._hop(route[: i + 1], via, target, paths)
         except SSHError as e:  # shared by every node behind the hop: name this one
             raise SSHError(f"{target.name}: {e}") from e
-        node = _Dest(target.name, f"{target.name}: ", target.host, target.port, target.user, real, keys=keys)
+        node = _Dest(target.name, f"{target.name}: ", target.host, target.port, target.user, real, keys=keys,
+                     own_algs=own_algs)  # fmt: skip
         conn = await self._connect(target, node, paths, via, route[-1].label if route else "")
         try:
             yield AsyncsshSession(conn, target.name)
@@ -217,8 +224,33 @@ class AsyncsshConnector:
             with suppress(TimeoutError, asyncio.TimeoutError, OSError, asyncssh.Error):
                 await asyncio.wait_for(conn.wait_closed(), timeout=1.0)
 
+    async def _agent_keys(self, key: str, pub: str, where: str) -> list[Any]:
+        """ssh-agent's key for the identity file ``key`` (``pub``: its public half)."""
+        async with self._agent_lock:
+            if pub in self._agent_held:
+                return self._agent_held[pub]
+            sock = os.environ.get("SSH_AUTH_SOCK", "")
+            if not sock:
+                raise SSHError(
+                    f"{where}identity file {key} needs ssh-agent, and none is running (SSH_AUTH_SOCK is unset)"
+                )
+            try:
+                if self._agent is None:
+                    self._agent = await asyncssh.connect_agent(sock)
+                held = list(await self._agent.get_keys([asyncssh.read_public_key(pub).public_data]))
+            except (OSError, ValueError, asyncssh.Error) as e:
+                raise SSHError(f"{where}cannot ask ssh-agent ({sock}) for the key of {key}: {e}") from None
+            if not held:
+                raise SSHError(f"{where}ssh-agent ({sock}) does not hold the key of identity file {key}: ssh-add it")
+            self._agent_held[pub] = held
+            return held
+
     async def aclose(self) -> None:
-        """Close the shared jump-host connections (waiting at most a second in all)."""
+        """Close the shared jump-host connections (waiting at most a second in all), and the
+        ssh-agent client."""
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
         hops, self._hops = self._hops, {}
         conns = []
         for fut in hops.values():
@@ -272,17 +304,19 @@ class AsyncsshConnector:
         keys: object = [key] if key else ()
         listed = _existing(dest.keys)  # as OpenSSH, an IdentityFile that does not exist is skipped
         from_config = bool(dest.keys) and (dest.jump or not key)
-        # A passphrase-protected identity_file, or its public half: the key is ssh-agent's.
-        pub = agent_identity(key) if key and not from_config and not dest.jump else None
-        if pub is not None:
-            keys = [key] if key != pub else []  # an encrypted file is skipped (ignore_encrypted)
+        # A passphrase-protected identity_file, or its public half: its key is ssh-agent's, and
+        # that key alone is offered (as with ``ssh -i``), never the agent's others or ~/.ssh's.
+        pub = agent_identity(key) if key and not from_config else None
+        held = await self._agent_keys(key, pub, where) if key and pub is not None else None
+        if held is not None:
+            keys = held
         if from_config:
             # ssh_config's IdentityFile for it (the inventory's identity_file comes first for a
             # node; a jump host's own comes first): the ones that exist; none: SSH's defaults.
             keys = listed
         elif dest.jump:
             # No IdentityFile of its own: the node's key and then SSH's default keys (and ssh-agent).
-            keys = [key, *_default_keys()] if key else ()
+            keys = [*(held if held is not None else [key]), *_default_keys()] if key else ()
         shown = _shown(target, dest, ", ".join(listed) if from_config else None if keys == () else key)
 
         def attempt(host_key_algs: object = ()) -> Any:
@@ -293,9 +327,8 @@ class AsyncsshConnector:
                     port=dest.port or (),
                     username=dest.user or (),
                     client_keys=keys,
-                    agent_path=None if key and not dest.jump and pub is None else (),
-                    agent_identities=[pub] if pub is not None else (),
-                    ignore_encrypted=True if from_config or pub is not None or (dest.jump and keys != ()) else (),
+                    agent_path=None if key and not dest.jump else (),
+                    ignore_encrypted=True if from_config or (dest.jump and keys != ()) else (),
                     known_hosts=trust,
                     config=paths or (),
                     tunnel=_tunnel(dest, via),
@@ -315,14 +348,15 @@ class AsyncsshConnector:
             try:
                 return await attempt()
             except (asyncssh.ConnectionLost, asyncssh.KeyExchangeFailed, ConnectionResetError) as e:
-                if not _narrowed(trust):
+                if not _narrowed(trust) or dest.own_algs:
                     raise
                 # asyncssh offers only the host key types it trusts for this host. A node whose
                 # key type changed (reinstalled) then has none of them and drops the handshake:
-                # ask once more for any type, so that its new key is refused by name (as OpenSSH
-                # does) rather than the connection reported lost.
+                # ask once more, the trusted types first and then any other, so that a node that
+                # still has a trusted type (the drop was the network's) uses it, and one that
+                # has none has its new key refused by name (as OpenSSH does).
                 try:
-                    return await attempt("default")
+                    return await attempt(_trusted_first(trust))
                 except asyncssh.HostKeyNotVerifiable:
                     raise
                 except (asyncssh.Error, OSError, TimeoutError):
@@ -391,7 +425,11 @@ class AsyncsshConnector:
         when behind a jump host)."""
         where = dest.label
         if target.known_hosts != ACCEPT_NEW:
-            files = [f for f in (target.known_hosts, target.system_known_hosts) if f and os.path.exists(f)]
+            files = [target.known_hosts] if os.path.exists(target.known_hosts) else []
+            system = target.system_known_hosts
+            # The system's file is read as OpenSSH reads it: one it cannot use is left out.
+            if system and os.path.exists(system) and isinstance(self._parse(system), asyncssh.SSHKnownHosts):
+                files.append(system)
             if not files:
                 raise SSHError(f"{where}known_hosts file not found: {target.known_hosts}")
             return files
@@ -474,6 +512,8 @@ class _Lookup(asyncssh.SSHKnownHosts):
         self.asked: tuple[str, str, int | None] | None = None
         self.found = False
         self.holders: list[str] = []  # the files with keys for what was asked
+        self.keys: list[Any] = []  # the host keys and CA keys trusted for it
+        self.cas: list[Any] = []
 
     @classmethod
     def of(cls, parsed: list[asyncssh.SSHKnownHosts | str], files: list[str]) -> object:
@@ -491,6 +531,7 @@ class _Lookup(asyncssh.SSHKnownHosts):
             if got[0] or got[1]:
                 self.holders.append(file)
         assert found is not None
+        self.keys, self.cas = found[0], found[1]
         self.asked = (host, addr, port)
         self.found = bool(found[0] or found[1])  # host keys, or CA keys for certificates
         return tuple(found)
@@ -551,6 +592,19 @@ def _host_key_error(e: asyncssh.HostKeyNotVerifiable, trust: object, file: str, 
             f"add it (ssh-keyscan -p {dest.real[1]} {dest.real[0]} >> {file}) or use known_hosts: accept-new"
         )
     return f"host key not verifiable in {file}: {e.reason}"
+
+
+def _trusted_first(trust: object) -> list[str]:
+    """Host key algorithms: those of the keys trusted for the host (certificates first when
+    a CA is), then every other one asyncssh offers by default, in its order."""
+    from asyncssh.public_key import get_default_certificate_algs, get_default_public_key_algs
+
+    keys, cas = (trust[0], trust[1]) if isinstance(trust, tuple) else (trust.keys, trust.cas)  # type: ignore[attr-defined]
+    first: list[bytes] = list(get_default_certificate_algs()) if cas else []
+    for k in keys:
+        first += [a for a in k.sig_algorithms if a not in first]
+    rest = [a for a in (*get_default_certificate_algs(), *get_default_public_key_algs()) if a not in first]
+    return [a.decode() for a in (*first, *rest)]
 
 
 def _narrowed(trust: object) -> bool:
@@ -654,14 +708,20 @@ def _host_config(paths: list[str], host: str, port: int | None, user: str | None
 
 def _route(
     paths: list[str], host: str, port: int | None, user: str | None
-) -> tuple[tuple[_Dest, ...], tuple[str, int], tuple[str, ...]]:
+) -> tuple[tuple[_Dest, ...], tuple[str, int], tuple[str, ...], bool]:
     """The jump hosts on the way to ``host`` (ssh_config ``ProxyJump``; a first hop's own
-    ProxyJump comes before it, as with OpenSSH), ``host``'s own HostName and Port, and its
-    IdentityFile lines. Raises _RouteError for a hop it cannot read, or a loop."""
+    ProxyJump comes before it, as with OpenSSH), ``host``'s own HostName and Port, its
+    IdentityFile lines, and whether ssh_config sets its HostKeyAlgorithms. Raises
+    _RouteError for a hop it cannot read, or a loop."""
     cfg = _host_config(paths, host, port, user)
     real = _real(cfg, host, port)
     spec = _proxy_jump(cfg)
-    return (_hops(paths, spec, frozenset({host})) if spec else ()), real, _identity_files(cfg)
+    hops = _hops(paths, spec, frozenset({host})) if spec else ()
+    return hops, real, _identity_files(cfg), _own_algs(cfg)
+
+
+def _own_algs(cfg: object | None) -> bool:
+    return cfg is not None and bool(cfg.get("HostKeyAlgorithms"))  # type: ignore[attr-defined]
 
 
 def _identity_files(cfg: object | None) -> tuple[str, ...]:
@@ -719,7 +779,9 @@ def _hops(paths: list[str], spec: str, seen: frozenset[str]) -> tuple[_Dest, ...
         real = _real(cfg, host, port)
         # Pinned by the name written in ProxyJump and the port it resolves to (b and b:2222 differ).
         alias = f"jump:{host}" if real[1] == 22 else f"jump:[{host}]:{real[1]}"
-        out.append(_Dest(alias, f"jump host {name}: ", host, port, user, real, True, _identity_files(cfg)))
+        out.append(
+            _Dest(alias, f"jump host {name}: ", host, port, user, real, True, _identity_files(cfg), _own_algs(cfg))
+        )
     return tuple(out)
 
 
