@@ -239,6 +239,70 @@ def test_a_job_forking_as_it_is_timed_out_leaves_no_child_behind() -> None:
         subprocess.run(["pkill", "-f", f"sleep {kid}"], check=False)
 
 
+def test_a_signal_just_after_the_deadline_still_ends_the_term_ignoring_children() -> None:
+    """The batch is told to stop just after its deadline's TERM: a job's children that ignore
+    TERM are out of the job's tree once it dies, and only the list noted at the deadline
+    finds them. Noted after the TERM, it was not there yet (4 runs in 6 left 150 behind)."""
+    kid, long = _own(43), _own(44)
+    job = f"sh -c 'i=0; while [ $i -lt 150 ]; do (trap \"\" TERM; exec sleep {kid}) & i=$((i+1)); done; sleep {long}'"
+    try:
+        for offset in (1.00, 1.02, 1.04, 1.06, 1.08, 1.10):
+            script, _ = build_script({"j": job}, per_command_timeout_s=1)
+            p = subprocess.Popen(["dash", "-s"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)  # fmt: skip
+            assert p.stdin is not None
+            t0 = time.monotonic()
+            p.stdin.write(script.encode())
+            p.stdin.close()
+            time.sleep(max(0.0, t0 + offset - time.monotonic()))
+            p.send_signal(signal.SIGTERM)
+            p.wait(10)
+            assert _still_running(kid, long, within=3) == [], offset
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", f"sleep {kid}"], check=False)
+        subprocess.run(["pkill", "-KILL", "-f", f"sleep {long}"], check=False)
+
+
+@pytest.mark.parametrize("shell", ["dash", "bash", "busybox sh", "mksh"])
+def test_a_signal_while_a_job_is_stopped_still_cleans_up(shell: str) -> None:
+    """At the deadline the jobs are STOPped while their trees are walked; mksh, told to stop
+    then, exits with a job STOPped without running its EXIT trap: the cleanup now runs in
+    the signal's own trap (the other jobs and the scratch folder were left)."""
+    _need(shell)
+    a, b = _own(45), _own(46)
+    script, _ = build_script({"a": f"sleep {a}", "b": f"sleep {b}"}, per_command_timeout_s=30)
+    p = subprocess.Popen([*shell.split(), "-s"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    assert p.stdin is not None
+    p.stdin.write(script.encode())
+    p.stdin.close()
+    try:
+        deadline = time.monotonic() + 20
+        while not (_procs_with(a) and _procs_with(b)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid_a = int(_procs_with(a)[0].split()[0])
+        os.kill(pid_a, signal.SIGSTOP)
+        time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=10) == 143
+        assert _still_running(a, b, within=5) == []
+    finally:
+        subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
+        subprocess.run(["pkill", "-KILL", "-f", f"sleep {a}"], check=False)
+        subprocess.run(["pkill", "-KILL", "-f", f"sleep {b}"], check=False)
+
+
+def test_a_timed_out_job_that_catches_term_is_still_timed_out() -> None:
+    """A job TERMed at the deadline that then exits 0 from its own trap timed out all the
+    same: rc 124 and "probe timed out" (it read as a success, with partial output)."""
+    job = f"sh -c 'trap \"exit 0\" TERM; echo partial; sleep {_own(47)} & wait'"
+    try:
+        _, res = run_local({"j": job}, timeout=1)
+        assert res["j"].rc == 124 and res["j"].stdout == "partial\n" and "probe timed out" in res["j"].stderr
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", f"sleep {_own(47)}"], check=False)
+
+
 # /bin/sh is dash on Debian and Ubuntu, bash on RHEL, Rocky and Fedora, busybox ash on
 # Alpine; mksh on some others. The batch is POSIX sh and must behave the same on each.
 SHELLS = ["dash", "bash", "busybox sh", "mksh"]

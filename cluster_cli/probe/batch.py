@@ -28,7 +28,8 @@ process, no wrapper), one watchdog (a subshell and a ``sleep`` at a time; it als
 batch within a second of its client going away) times out all of them
 together (TERM to each job's process tree, KILL a second later, reported as rc 124; a job
 that even KILL cannot stop, such as nvidia-smi in D state, is given up on a second after
-that), and the scratch files
+that; a process a job left behind when it ended, under init since, is out of its reach:
+the tools probed leave none), and the scratch files
 live in ``/dev/shm`` where there is one (creating and removing files on a journalled
 disk costs more than running the probes).
 
@@ -104,9 +105,9 @@ stop_w() {  # end the watchdog and its sleep (w=), and reap it (bash would repor
   [ -n "$w" ] || return 0
   if [ -e "$d/t" ]; then
     # Past the deadline it is signalling the jobs' trees, then waits a second twice: it goes
-    # with its tree, but only once the TERMs are out ($d/k), or a job's children could miss
+    # with its tree, but only once the TERMs are out ($d/o), or a job's children could miss
     # theirs.
-    c=0; while [ ! -s "$d/k" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
+    c=0; while [ ! -e "$d/o" ] && [ $c -lt 100000 ] && ours "$w" $$; do c=$((c+1)); done
     ws=; kk
   else
     # Before it: KILL its sleep, whose pid it notes in $d/w, and it ends itself (KILL, not
@@ -151,10 +152,10 @@ kl() {
   if [ -n "$js" ]; then
     kr=0; while [ $kr -lt 3 ]; do tree $js; kill -STOP $all 2>/dev/null; ka="$ka $all"; kr=$((kr+1)); done
     tree $js; all="$all $ka"
-    kill -TERM $all 2>/dev/null; kill -CONT $all 2>/dev/null
   fi
-  # What it signalled, each pid with its start time (the same pid and start time is the same
-  # process); the line also says the TERMs are out.
+  # What it signals, each pid with its start time (the same pid and start time is the same
+  # process), noted before the TERM: a TERM-ignoring child of a job the TERM ends is out of
+  # the job's tree at once, and only this list still finds it. $d/o: the TERMs are out.
   ks=
   for c in $all; do
     l=; read -r l 2>/dev/null <"/proc/$c/stat" || continue
@@ -162,6 +163,8 @@ kl() {
     ks="$ks $c:${20}"
   done
   echo "$ks" >>"$d/k"
+  [ -z "$all" ] || { kill -TERM $all 2>/dev/null; kill -CONT $all 2>/dev/null; }
+  : >"$d/o"
 }
 kk() {  # KILL what the watchdog TERMed and still runs: a job that died may have left children
   [ -s "$d/k" ] || return 0
@@ -175,12 +178,13 @@ kk() {  # KILL what the watchdog TERMed and still runs: a job that died may have
 }
 # Set up only now that every function is defined (a script cut short in the functions has
 # started nothing), the exit trap before the scratch folder is made.
-d=; w=; cc_rc=; cc_x=; trap 'cc_end' EXIT
-# The client left: still clean up (cc_end exits with cc_rc: mksh would exit 0 from an EXIT
-# trap). Once cleaning up, a second signal (TERM then HUP, say) must not cut it short.
-trap '[ -n "$cc_x" ] || { cc_x=1 cc_rc=129; exit 129; }' HUP
-trap '[ -n "$cc_x" ] || { cc_x=1 cc_rc=141; exit 141; }' PIPE
-trap '[ -n "$cc_x" ] || { cc_x=1 cc_rc=143; exit 143; }' TERM INT
+d=; w=; cc_rc=; cc_x=; trap 'cc_rc=${cc_rc:-$?}; [ -n "$cc_x" ] && exit "$cc_rc"; cc_end' EXIT
+# The client left: clean up now, in the trap (cc_end exits with cc_rc: mksh would exit 0 from
+# an EXIT trap, and runs none when it exits with a job STOPped, as at the deadline). Once
+# cleaning up, a second signal (TERM then HUP, say) must not cut it short.
+trap '[ -n "$cc_x" ] || { cc_rc=129; cc_end; }' HUP
+trap '[ -n "$cc_x" ] || { cc_rc=141; cc_end; }' PIPE
+trap '[ -n "$cc_x" ] || { cc_rc=143; cc_end; }' TERM INT
 d=$($cc_p mktemp -d -p /dev/shm 2>/dev/null) || d=$($cc_p mktemp -d) || exit 97
 g=; trap 'g=1' USR1  # from the watchdog: jobs that outlived KILL (D state) are given up on
 R=; n=0
@@ -226,7 +230,7 @@ set --
 for x in $R; do
   i=${{x%%:*}}; x=${{x#*:}}; nm=${{x%:*}}; pid=${{x##*:}}
   eval "r=\$x$i"
-  case $K in *" $pid "*) if [ "$r" -gt 128 ]; then r={timed_out}; fi;; esac
+  case $K in *" $pid "*) r={timed_out};; esac  # TERMed at the deadline, however it then ended
   echo "$nm $r"  # a checked name (no backslash) and a number
   set -- "$@" "$d/$i.o" "$d/s" "$d/$i.e" "$d/s"
 done
