@@ -41,7 +41,12 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 @contextlib.contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
-    before = signal.signal(signal.SIGTERM, _on_sigterm)
+    """SIGTERM raises _Terminated meanwhile (the main thread only: elsewhere it stays as it is)."""
+    try:
+        before = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:
+        yield
+        return
     try:
         yield
     finally:
@@ -74,7 +79,10 @@ async def _cancelled_by_sigterm(coro: Coroutine[Any, Any, _T]) -> _T:
         got.append(True)
         task.cancel()
 
-    loop.add_signal_handler(signal.SIGTERM, on_term)
+    try:
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread: leave it as it is
+        return await coro
     try:
         return await coro
     except asyncio.CancelledError:
@@ -163,7 +171,9 @@ def discover(
                 facts = asyncio.run(_cancelled_by_sigterm(run_discover(
                     inv, nodes, connector=trace or connector, parallel=parallel, node_timeout_s=timeout, on_done=done
                 )))  # fmt: skip
-            signal.signal(signal.SIGTERM, _on_sigterm)  # the loop's own handler is gone with it
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the loop's own handler went with it
+                with contextlib.suppress(ValueError):  # (not the main thread)
+                    signal.signal(signal.SIGTERM, _on_sigterm)
         except KeyboardInterrupt as e:
             # Ctrl-C (or SIGTERM) while probing: facts are saved only after every node is done, in
             # one transaction, so none were. (Host keys pinned on first contact stay pinned.)

@@ -639,18 +639,22 @@ def _connect_error(e: BaseException, shown: SSHTarget, via_label: str, dest: _De
 _DEFAULT_KEYS = ("id_ed25519_sk", "id_ecdsa_sk", "id_ed448", "id_ed25519", "id_ecdsa", "id_rsa", "id_dsa")
 
 
+@functools.lru_cache(maxsize=256)
+def _key_state(key: str) -> str:
+    """``usable`` (a private key), ``locked`` (passphrase-protected: only ssh-agent can sign
+    with it), or ``other`` (no private key, or unreadable)."""
+    try:
+        asyncssh.read_private_key(key)
+        return "usable"
+    except asyncssh.KeyImportError as e:
+        return "locked" if "passphrase" in str(e).lower() else "other"
+    except (OSError, ValueError):
+        return "other"
+
+
 def _locked(keys: list[str]) -> list[str]:
     """The passphrase-protected ones of ``keys`` (asyncssh skips them: only an agent can sign)."""
-    out = []
-    for k in keys:
-        try:
-            asyncssh.read_private_key(k)
-        except asyncssh.KeyImportError as e:
-            if "passphrase" in str(e).lower():
-                out.append(k)
-        except (OSError, ValueError):
-            pass
-    return out
+    return [k for k in keys if _key_state(k) == "locked"]
 
 
 @functools.lru_cache(maxsize=256)
@@ -658,14 +662,10 @@ def agent_identity(key: str) -> str | None:
     """The public key that picks ``key`` out of ssh-agent's keys, when ``key`` is one to be
     used through the agent: a passphrase-protected private key (its ``.pub`` beside it) or a
     public key file. None for a private key usable as it is, or a file that is neither."""
-    try:
-        asyncssh.read_private_key(key)
+    state = _key_state(key)
+    if state == "usable":
         return None
-    except asyncssh.KeyImportError as e:
-        encrypted = "passphrase" in str(e).lower()
-    except (OSError, ValueError):
-        return None
-    for pub in ([key + ".pub"] if encrypted else []) + [key]:
+    for pub in ([key + ".pub"] if state == "locked" else []) + [key]:
         try:
             asyncssh.read_public_key(pub)
         except (asyncssh.KeyImportError, OSError, ValueError):
