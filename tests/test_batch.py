@@ -743,6 +743,17 @@ def test_a_batch_done_as_its_watchdog_wakes_is_not_held_to_its_deadline() -> Non
     assert max(took) < 8, sorted(took)[-5:]
 
 
+def _scratch_folders_of(token: str) -> list[Path]:
+    """Scratch folders ($d) whose job command line names ``token`` in its pid file's job."""
+    found = []
+    for d in [*Path("/dev/shm").glob("tmp.*"), *Path("/tmp").glob("tmp.*")]:
+        with contextlib.suppress(OSError, ValueError):
+            for pid in (d / "p").read_text().split():
+                if token in Path(f"/proc/{int(pid)}/cmdline").read_bytes().decode(errors="replace"):
+                    found.append(d)
+    return found
+
+
 def test_a_batch_killed_outright_does_not_keep_its_output_open() -> None:
     """The OOM killer takes the batch's shell: its watchdog, which now writes to the batch's
     stdout, goes within a second too, so the client sees the end (EOF) then, not at the
@@ -758,10 +769,13 @@ def test_a_batch_killed_outright_does_not_keep_its_output_open() -> None:
         while not _procs_with(job) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _procs_with(job)
+        dirs = _scratch_folders_of(job)
+        assert dirs
         p.kill()
         t0 = time.monotonic()
         p.stdout.read()  # returns at EOF: when nothing holds the batch's stdout any more
         assert time.monotonic() - t0 < 10
+        assert not any(d.exists() for d in dirs)  # the watchdog, last out, took the scratch folder
     finally:
         subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
         subprocess.run(["pkill", "-f", f"sleep {job}"], check=False)

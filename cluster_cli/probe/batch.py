@@ -200,11 +200,13 @@ R=; n=0
 # stdout (before the batch's own output, which is found by its token): a write that fails
 # means the client is gone (sshd refuses a root session's signal requests, and writes
 # nothing to a batch when its connection ends), and the batch is TERMed to clean up now,
-# not at its deadline. ``mine``: the watchdog's parent is still the batch (a batch gone,
-# killed outright, leaves no watchdog holding its output open). ``$d/q``: the batch is done.
+# not at its deadline. ``mine``: the watchdog's parent is still the batch (a batch killed
+# outright leaves no watchdog holding its output open, nor its scratch folder). ``$d/q``: the
+# batch is done.
 _WATCHDOG = (
     '( trap "" HUP INT TERM PIPE; n=0; while [ $n -lt {t} ]; do [ -e "$d/q" ] && exit; '
-    '$cc_p sleep {c} & s=$!; echo $s >"$d/w"; wait $s || exit; {{ [ -e "$d/q" ] || ! mine; }} && exit; '
+    '$cc_p sleep {c} & s=$!; echo $s >"$d/w"; wait $s || exit; [ -e "$d/q" ] && exit; '
+    'mine || {{ $cc_p rm -rf "$d"; exit; }}; '
     "n=$((n+{c})); [ $n -ge {t} ] || echo || {{ mine && kill -TERM $$; exit; }}; done; "
     ': >"$d/t"; kl TERM; $cc_p sleep 1; kl KILL; $cc_p sleep 1; ours $$ $PPID && kill -USR1 $$ ) '
     "2>/dev/null </dev/null & w=$!"
