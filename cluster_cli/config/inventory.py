@@ -10,8 +10,10 @@ nodes:
 ```
 
 Relative paths are resolved against the inventory file's folder; ``~`` is expanded.
-``known_hosts: accept-new`` trusts a node's key on first use and pins it in
-``.clusterctl/known_hosts`` next to the state; host keys are never left unchecked.
+``known_hosts: accept-new`` trusts a node's key on first use and pins it in a file beside
+the state, named after it (``.clusterctl/state.known_hosts``); left unset, known_hosts is
+``~/.ssh/known_hosts`` and the system's ``/etc/ssh/ssh_known_hosts``, as OpenSSH reads
+them. Host keys are never left unchecked.
 """
 
 from __future__ import annotations
