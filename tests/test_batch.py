@@ -781,6 +781,35 @@ def test_a_batch_killed_outright_does_not_keep_its_output_open() -> None:
         subprocess.run(["pkill", "-f", f"sleep {job}"], check=False)
 
 
+def test_a_batch_killed_outright_past_its_deadline_leaves_no_scratch_folder() -> None:
+    """Killed while its watchdog is TERMing and KILLing the jobs, the batch leaves its scratch
+    folder to the watchdog, which removes it when it is done (it only did so before the
+    deadline)."""
+    job = _own(48)  # it ignores the TERM: the watchdog is a second at it before the KILL
+    script, _ = build_script({"hang": f"sh -c 'trap \"\" TERM; sleep {job}'"}, per_command_timeout_s=1)
+    p = subprocess.Popen(["sh", "-s"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+    assert p.stdin is not None
+    p.stdin.write(script.encode())
+    p.stdin.close()
+    try:
+        deadline = time.monotonic() + 20
+        while not (dirs := _scratch_folders_of(job)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert dirs
+        while not all((d / "t").exists() for d in dirs) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the deadline has passed: the watchdog is at its TERM and KILL
+        assert all(d.exists() for d in dirs)
+        p.kill()
+        p.wait(10)
+        end = time.monotonic() + 10
+        while any(d.exists() for d in dirs) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not any(d.exists() for d in dirs)
+    finally:
+        subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
+        subprocess.run(["pkill", "-KILL", "-f", f"sleep {job}"], check=False)
+
+
 def test_the_scratch_folder_goes_when_the_client_hangs_up() -> None:
     # The batch's shell is told to stop (SIGHUP, as a pty session's would be).
     script, _ = build_script(

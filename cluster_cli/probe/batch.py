@@ -208,7 +208,8 @@ _WATCHDOG = (
     '$cc_p sleep {c} & s=$!; echo $s >"$d/w"; wait $s || exit; [ -e "$d/q" ] && exit; '
     'mine || {{ $cc_p rm -rf "$d"; exit; }}; '
     "n=$((n+{c})); [ $n -ge {t} ] || echo || {{ mine && kill -TERM $$; exit; }}; done; "
-    ': >"$d/t"; kl TERM; $cc_p sleep 1; kl KILL; $cc_p sleep 1; ours $$ $PPID && kill -USR1 $$ ) '
+    ': >"$d/t"; kl TERM; $cc_p sleep 1; kl KILL; $cc_p sleep 1; ours $$ $PPID && kill -USR1 $$; '
+    'mine || $cc_p rm -rf "$d" ) '
     "2>/dev/null </dev/null & w=$!"
 )
 
