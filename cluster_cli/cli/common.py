@@ -144,7 +144,7 @@ def _identity_problem(key: str) -> str | None:
     """Why the identity file ``key`` cannot be used, or None."""
     import asyncssh
 
-    from cluster_cli.probe.runner import agent_identity
+    from cluster_cli.probe.runner import _key_state, agent_identity
 
     if not os.path.exists(key):
         return f"identity file not found: {key}"
@@ -154,7 +154,7 @@ def _identity_problem(key: str) -> str | None:
         asyncssh.read_private_key(key)
     except asyncssh.KeyImportError as e:
         why = str(e)
-        encrypted = "passphrase" in why.lower()
+        encrypted = _key_state(key) == "locked"
         pub = agent_identity(key)
         if pub is None and not encrypted:
             return f"identity file {key} unusable: {why} (neither a private nor a public key)"
