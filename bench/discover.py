@@ -13,6 +13,13 @@ For each size (default 8, 32 and 64 nodes of ``hgx-h200x8`` on fabric ``ib-a``: 
   everything ansible writes kept under a temporary folder (ANSIBLE_HOME, local_tmp,
   control_path_dir). SSH connection sharing is off (ControlMaster=no) so every ansible run
   is as cold as every clusterctl run (with ControlPersist a repeat would reuse connections).
+  ``raw`` is ansible's cheapest path (one login per host, no Python on the node): the
+  strictest comparison.
+* in the first ``--shell`` rounds (default 2), the same commands through ``-m shell``, the
+  module an operator runs ad hoc for a command line with ``;`` (the default ``command``
+  module runs no shell): Python on the node, ansible's default connection sharing within
+  the run (``ControlMaster=auto``, ``ControlPersist=60s``, a fresh control folder per run,
+  masters ended after it), with ``--pipelining`` also ansible's pipelining.
 
 Every run is checked: clusterctl must exit 0 and report every node reachable with the GPUs
 and SM GUIDs the testbed serves; ansible must report every host with rc=0 and print every
@@ -54,7 +61,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -279,6 +286,7 @@ class Bench:
         self.timeout = timeout
         self.expect = expectations(cluster)
         self.n = 0
+        self.pipelining = False
         self.clusterctl = _tool("clusterctl")
         self.ansible = _tool("ansible")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("CLUSTERCTL_", "ANSIBLE_"))}
@@ -407,14 +415,63 @@ class Bench:
                 "-a", self.raw_cmd]  # fmt: skip
 
     def run_ansible(self, module: str = "raw") -> Run:
+        """One ``ansible all -m MODULE`` run.
+
+        ``raw`` logs in once per host, so connection sharing would change nothing within a run
+        and is off. A module (``shell``) logs in several times per host (make the remote temp
+        folder, copy the module, run it, remove it); there the run uses ansible's default
+        sharing (``ControlMaster=auto``, ``ControlPersist=60s``) with a fresh control folder,
+        so one run reuses its own connections and no run reuses another's. The masters left
+        persisting are ended after the run, outside its timing. With ``--pipelining`` a module
+        runs as ansible's tuned set-ups run it: sent on the command's stdin, one exec per host.
+        """
         self.n += 1
         out, err = self.work / f"an-{self.n}.out", self.work / f"an-{self.n}.err"
-        rc, wall, cpu, scpu = _timed(self.ansible_argv(module), env=self.ansible_env, stdout=out, stderr=err,
-                                     cluster=self.c, timeout=self.timeout)  # fmt: skip
+        env = self.ansible_env
+        cp = None
+        if module != "raw":
+            cp = self.work / "ansible" / f"cp-{self.n}"
+            cp.mkdir()
+            env = {**env, "ANSIBLE_SSH_ARGS": "-C -o ControlMaster=auto -o ControlPersist=60s",
+                   "ANSIBLE_SSH_CONTROL_PATH_DIR": str(cp)}  # fmt: skip
+            if self.pipelining:
+                env["ANSIBLE_PIPELINING"] = "True"
+        try:
+            rc, wall, cpu, scpu = _timed(self.ansible_argv(module), env=env, stdout=out, stderr=err,
+                                         cluster=self.c, timeout=self.timeout)  # fmt: skip
+        finally:
+            if cp is not None:
+                _end_processes_naming(str(cp))
         why = check_ansible(out, self.expect)
         if not why and rc != 0:
             why = f"rc {rc}: {_first_line(err)}"
         return Run(not why, wall, cpu, scpu, why)
+
+
+def _pids_naming(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and text.encode() in (d / "cmdline").read_bytes():
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
+
+
+def _end_processes_naming(text: str) -> None:
+    """TERM every process whose command line contains text (ssh ControlPersist masters), and wait.
+
+    Waiting matters: a node's sshd adds its session's CPU (the modules ansible ran there) to
+    its own children's time only when that session ends, which must not land in the next run.
+    """
+    for pid in _pids_naming(text):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while _pids_naming(text) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the servers reap the sessions
 
 
 def _first_line(p: Path) -> str:
@@ -775,10 +832,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--shell",
         type=int,
-        default=0,
+        default=2,
         metavar="N",
-        help="also time ansible -m shell (Python on the node) N times per size (in the first N rounds)",
+        help="also time ansible -m shell (its module path: Python on the node, ansible's default SSH "
+        "connection sharing) N times per size, in the first N rounds (0: not at all)",
     )
+    ap.add_argument("--pipelining", action="store_true",
+                    help="run the -m shell contender with ansible's pipelining on (off by default in ansible)")  # fmt: skip
     ap.add_argument("--jump", type=int, default=0, metavar="N",
                     help="also N nodes behind one jump host (ssh_config ProxyJump vs ansible ProxyCommand)")  # fmt: skip
     ap.add_argument("--openssh", action="store_true",
@@ -813,6 +873,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"[{label} nodes] testbed up in {time.perf_counter() - t:.1f}s ({c.mode}); "
                       f"{sum(len(e.commands) for e in expectations(c).values())} commands in all", flush=True)  # fmt: skip
                 b = Bench(work / f"run-{label.replace(' ', '-')}", c, args.parallel, args.timeout)
+                b.pipelining = args.pipelining
                 b.work.mkdir(parents=True, exist_ok=True)
                 print("  clusterctl: " + " ".join(b.clusterctl_argv(Path("STATE"))))
                 print("  ansible:    " + " ".join(b.ansible_argv()[:-1]) + f" '{b.raw_cmd[:60]}...'")
@@ -844,6 +905,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append((label, _fmt(cm), _fmt(cc.min()), _fmt(am), _fmt(an.min()), ratio,
                              f"{startup / cm:.0%}" if cm else "-", _fmt(ccpu), _fmt(scpu), _fmt(acpu),
                              _fmt(an.median("server_cpu_s")), f"{acpu / ccpu:.1f}x" if acpu and ccpu else "-",
+                             _fmt(sh.median()) if sh.runs else "-",
+                             f"{sh.median() / cm:.1f}x" if sh.runs and sh.median() and cm else "-",
                              load.summary()))  # fmt: skip
                 if ccpu is not None and scpu is not None:
                     extra.append(f"{label} nodes: clusterctl client + servers need {ccpu + scpu:.2f} CPU-s; on "
@@ -856,7 +919,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  + (f"; FAILED: {os_.failed[0].error}" if os_.failed else ""))  # fmt: skip
                 if args.shell:
                     sm = sh.median()
-                    extra.append(f"{label} nodes: ansible -m shell median {_fmt(sm)}s, min {_fmt(sh.min())}s"
+                    extra.append(f"{label} nodes: ansible -m shell (module path, connection sharing"
+                                 f"{', pipelining' if args.pipelining else ''}) "
+                                 f"median {_fmt(sm)}s, min {_fmt(sh.min())}s"
                                  + (f" ({sm / cm:.1f}x clusterctl)" if sm and cm else "")
                                  + (f"; FAILED: {sh.failed[0].error}" if sh.failed else ""))  # fmt: skip
                 if not args.no_profile and label == str(max(sizes)):
@@ -869,14 +934,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
     head = ("nodes", "cc median", "cc min", "ansible med", "ansible min", "ans/cc", "start-up",
-            "cc cpu", "cc srv cpu", "ans cpu", "ans srv cpu", "cpu ans/cc", "load avg")  # fmt: skip
+            "cc cpu", "cc srv cpu", "ans cpu", "ans srv cpu", "cpu ans/cc", "shell med", "shell/cc",
+            "load avg")  # fmt: skip
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     print()
     print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
     print("(seconds, medians; start-up = `clusterctl --version` / cc median; cpu = client user+sys;")
-    print(" srv cpu = every node's sshd and its children; load avg = 1-min, sampled every second)")
+    print(" srv cpu = every node's sshd and its children; ansible = -m raw; shell = ansible -m shell;")
+    print(" load avg = 1-min, sampled every second)")
     for ln in extra:
         print(ln)
     print(f"load average at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
