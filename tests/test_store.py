@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sqlite3
 from pathlib import Path
 
@@ -414,3 +415,48 @@ def test_a_full_disk_reads_as_a_full_disk_not_a_damaged_state(tmp_path: Path) ->
         assert str(e.value).startswith(f"{path}: cannot read the state: ") and "usable" not in str(e.value)
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_ctrl_c_ends_a_command_waiting_for_the_write_lock_at_once(tmp_path: Path) -> None:
+    """SQLite's own busy wait sleeps in C for the whole 30-s timeout, out of Ctrl-C's reach.
+    (SIGTERM's default action ends the process anyway; nothing is committed either way.)"""
+    import subprocess
+    import sys
+    import time
+
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text("nodes:\n  - {name: gpu-01, host: h}\n")
+    path = tmp_path / "s.db"
+    Store(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # a hung writer holds the lock
+    argv = [
+        sys.executable,
+        "-m",
+        "cluster_cli",
+        "--state",
+        str(path),
+        "cordon",
+        "gpu-01",
+        "-i",
+        str(inv),
+        "--reason",
+        "r",
+    ]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)  # imported, the inventory read, waiting for the lock
+        assert p.poll() is None, p.communicate()
+        t = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=10)
+        took = time.monotonic() - t
+    finally:
+        p.kill()
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert p.returncode == 130, (out, err)
+    assert "Traceback" not in err, err
+    assert took < 5, took
+    with Store(path) as s:
+        assert s.cordons() == {}

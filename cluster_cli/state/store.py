@@ -72,6 +72,9 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
+_LOCK_POLL_MS = 50  # SQLite's busy wait per try while another process holds the write lock
+
+
 class Store:
     """A handle on the state database. Cheap to open; use as a context manager."""
 
@@ -80,6 +83,7 @@ class Store:
     ) -> None:
         """Open (by default create) the state. ``readonly`` never writes: for commands that only read."""
         self.path = Path(path)
+        self._timeout_s = timeout_s
         try:
             exists = self.path.exists()
         except OSError as e:  # a folder on the way that this user may not enter
@@ -251,12 +255,35 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _begin_write(self) -> None:
+        """Take the write lock, waiting up to the timeout for another writer to finish.
+
+        SQLite's own busy wait sleeps inside one C call for the whole timeout, where Ctrl-C
+        or SIGTERM cannot reach Python. It is asked for short waits instead, in a loop, so an
+        interrupt ends the command at once even while another process holds the lock.
+        """
+        deadline = time.monotonic() + self._timeout_s
+        self._db.execute(f"PRAGMA busy_timeout={_LOCK_POLL_MS}")
+        try:
+            while True:
+                try:
+                    self._db.execute("BEGIN IMMEDIATE")
+                    return
+                except sqlite3.OperationalError as e:
+                    if not _busy(e) or time.monotonic() >= deadline:
+                        raise
+        finally:
+            self._db.execute(f"PRAGMA busy_timeout={int(self._timeout_s * 1000)}")
+
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         try:
-            self._db.execute("BEGIN IMMEDIATE")
+            self._begin_write()
         except sqlite3.Error as e:
-            raise StateError(f"{self.path}: cannot write the state: {e}") from None
+            why = str(e)
+            if _busy(e):
+                why += f" (another process has held its write lock for {self._timeout_s:g} s)"
+            raise StateError(f"{self.path}: cannot write the state: {why}") from None
         try:
             yield self._db
         except sqlite3.Error as e:
@@ -492,6 +519,11 @@ class Store:
             "SELECT at, kind, node, message FROM events ORDER BY id DESC LIMIT ?", (limit,)
         ).fetchall()
         return [{"at": a, "kind": k, "node": n, "message": m} for a, k, n, m in rows]
+
+
+def _busy(e: sqlite3.Error) -> bool:
+    """Whether SQLite said another connection holds the lock (SQLITE_BUSY, extended codes too)."""
+    return (getattr(e, "sqlite_errorcode", 0) & 0xFF) == sqlite3.SQLITE_BUSY
 
 
 def _bump(db: sqlite3.Connection) -> None:
