@@ -610,3 +610,40 @@ def test_a_new_state_that_cannot_be_made_is_found_before_probing(tmp_path: Path)
         assert f"{state}: cannot create the state: folder {ro} is not writable" in line
     finally:
         subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_a_port_that_is_not_an_ssh_server_is_named_as_such(tmp_path: Path) -> None:
+    """A web server or proxy on the node's port answers and hangs up. It used to read
+    "connection lost: Connection lost", which points nowhere."""
+    import json
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+
+    def answer() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            with c:
+                c.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        write_key(tmp_path / "id")
+        (tmp_path / "kh").write_text("")
+        body = f"defaults: {{identity_file: id, known_hosts: kh}}\nnodes:\n  - {{name: web, host: 127.0.0.1, port: {port}}}\n"
+        r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)), "-o", "json")
+    finally:
+        srv.close()
+    assert r.exit_code == 1, r.output
+    (node,) = json.loads(r.stdout)["nodes"]
+    assert node["error"] == (
+        f"the other end closed the connection during the SSH handshake (127.0.0.1:{port}): "
+        "is an SSH server listening there, and does it accept connections from this machine?"
+    )

@@ -633,6 +633,13 @@ def _connect_error(e: BaseException, shown: SSHTarget, via_label: str, dest: _De
     """A failed connect: a jump host that could not open the way is named as such."""
     if via_label and isinstance(e, asyncssh.ChannelOpenError):
         return f"{via_label.rstrip(': ')} cannot reach {_host_port(*dest.real)}: {e.reason}"
+    if isinstance(e, (asyncssh.ConnectionLost, ConnectionResetError)):
+        # Before the login ends: something that is not an SSH server (a proxy, a web server
+        # on the port), or an sshd turning this client away (MaxStartups, tcp wrappers).
+        return (
+            f"the other end closed the connection during the SSH handshake ({_host_port(*dest.real)}): "
+            "is an SSH server listening there, and does it accept connections from this machine?"
+        )
     return ssh_error_message(e, shown)
 
 
