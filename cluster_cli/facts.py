@@ -180,6 +180,11 @@ UNREAD = "unknown"
 _HEALTH_KEYS = frozenset({"lost", "ecc", "retired-pages", "remap", "unhealthy"})
 
 
+def lost_gpus_problem(n: int) -> str:
+    """The node's problem that sums up its lost GPUs (each also has one of its own)."""
+    return f"gpu: {n} GPU(s) lost"
+
+
 def problem_key(problem: str) -> str:
     """The stable key of a problem string: ``"ecc: 3 uncorrected"`` -> ``"ecc"``."""
     return problem.split(":", 1)[0].split(" ", 1)[0].strip()

@@ -355,6 +355,11 @@ def test_a_batch_that_failed_says_how() -> None:
         asyncio.run(run_batch(_OneAnswer(255, "", b"ssh: boom\n"), {"a": "true"}, 10))
     with pytest.raises(SSHError, match=r"^probe script was killed by SIGKILL: no output$"):
         asyncio.run(run_batch(_OneAnswer(137, ""), {"a": "true"}, 10))
+    # A login refused by a nologin shell, as sshd and nologin word it (user nobody): the cause
+    # is nologin's line, not sshd's warning before it.
+    err = b"Could not chdir to home directory /nonexistent: No such file or directory\nThis account is currently not available.\n"
+    with pytest.raises(SSHError, match=r"^probe script failed \(rc 1\): This account is currently not available\.$"):
+        asyncio.run(run_batch(_OneAnswer(1, "", err), {"a": "true"}, 10))
 
 
 def test_a_killed_batch_keeps_the_records_it_finished() -> None:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from cluster_cli.config.inventory import Inventory, Node
 from cluster_cli.errors import SSHError
-from cluster_cli.facts import Gpu, HcaPort, NodeFacts, printable_facts
+from cluster_cli.facts import Gpu, HcaPort, NodeFacts, lost_gpus_problem, printable_facts
 from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
 from cluster_cli.probe.commands import (
     GPU_FIELDS,
@@ -151,7 +151,7 @@ def facts_from_outputs(
                 nvlink = None
             n_lost = sum(g.lost for g in gpus)
             if n_lost:
-                problems.append(f"gpu: {n_lost} GPU(s) lost")
+                problems.append(lost_gpus_problem(n_lost))
 
     # InfiniBand
     hcas: list[HcaPort] = []
@@ -203,10 +203,13 @@ async def run_batch(
     rc, out, err = await session.run_raw(BATCH_SHELL, timeout=timeout, input=script.encode())
     results = parse_records(commands, out, token)
     if rc not in (0, None) and all(r.rc is None for r in results.values()):
-        why = err.decode("utf-8", "replace").strip().splitlines()
+        # The cause is the last line (a nologin shell's "This account is currently not
+        # available."); sshd's own warning that the home folder is missing comes first.
+        said = [ln.strip() for ln in err.decode("utf-8", "replace").splitlines() if ln.strip()]
+        why = [ln for ln in said if not ln.startswith("Could not chdir to home directory")] or said
         killed = rc > 128 and rc - 128 in _SIGNALS
         how = f"was killed by {signal.Signals(rc - 128).name}" if killed else f"failed (rc {rc})"
-        raise SSHError(f"probe script {how}: {why[0] if why else 'no output'}")
+        raise SSHError(f"probe script {how}: {why[-1] if why else 'no output'}")
     return results
 
 
