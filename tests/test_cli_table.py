@@ -122,3 +122,24 @@ def test_an_unreachable_node_says_why_and_its_old_problems_say_how_old(monkeypat
     assert "h2 unreachable: no answer within 3s" in lines
     assert "h2 gpu4 ecc: 2 uncorrected ECC errors (as last seen, 5 min ago)" in lines
     assert "h2 ib-port-down: mlx5_2 port 1 was Active, now Down (Polling) (as last seen, 5 min ago)" in lines
+
+
+def test_a_lost_gpu_counts_once_among_the_problems(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's "gpu: 1 GPU(s) lost" sums up the GPU's own "lost:" line: the table counted
+    both (6 problems for 5 faults); the node's facts keep both."""
+    from cluster_cli.facts import lost_gpus_problem
+
+    gpus = tuple(
+        Gpu(index=i, uuid=f"GPU-{i}", product="NVIDIA H100", gpu_class="H100", memory_total_mib=81559) for i in range(4)
+    )
+    lost = Gpu(index=2, uuid="GPU-2", product="NVIDIA H100", gpu_class="H100", memory_total_mib=81559,
+               lost=True, problems=("lost: Unable to determine the device handle for GPU0000:2A:00.0",))  # fmt: skip
+    ecc = Gpu(index=3, uuid="GPU-3", product="NVIDIA H100", gpu_class="H100", memory_total_mib=81559,
+              problems=("ecc: 2 uncorrected",))  # fmt: skip
+    f = NodeFacts(name="d1", host="h", cpus=8, memory_mib=1024, gpus=(*gpus[:2], lost, ecc), nvlink_domains=None,
+                  problems=(lost_gpus_problem(1), "cpu: unreadable"))  # fmt: skip
+    text = "\n".join(_render(monkeypatch, 200, [f]))
+    row = next(line for line in text.splitlines() if line.startswith("d1 "))
+    assert row.split()[-1] == "3"  # the lost GPU, the ECC fault, the CPU
+    assert text.count("lost") == 2 and "d1 gpu2 lost: Unable" in text and "GPU(s) lost" not in text
+    assert lost_gpus_problem(1) in f.problems

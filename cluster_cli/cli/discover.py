@@ -19,7 +19,7 @@ from cluster_cli.cli import ui
 from cluster_cli.cli.common import INVENTORY_ENV, INVENTORY_HELP, inventory_or_abort, open_store, pinned_hosts_path
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError, ExitCode, SSHError
-from cluster_cli.facts import NodeFacts, printable, problem_key
+from cluster_cli.facts import NodeFacts, lost_gpus_problem, printable, problem_key
 from cluster_cli.state.store import Store
 
 if TYPE_CHECKING:  # asyncssh and asyncio load only when discover runs
@@ -270,7 +270,9 @@ def nvlink_summary(f: NodeFacts) -> str:
 
 
 def node_problems(f: NodeFacts) -> list[str]:
-    return [f"gpu{g.index} {x}" for g in f.gpus for x in g.problems] + list(f.problems)
+    """The GPUs' problems, then the node's, less the count of lost GPUs each listed already."""
+    summary = lost_gpus_problem(sum(g.lost for g in f.gpus))
+    return [f"gpu{g.index} {x}" for g in f.gpus for x in g.problems] + [p for p in f.problems if p != summary]
 
 
 def render(facts: list[NodeFacts]) -> None:
