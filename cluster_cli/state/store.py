@@ -218,7 +218,7 @@ class Store:
 
     def _read_error(self, e: sqlite3.OperationalError) -> str:
         code = getattr(e, "sqlite_errorcode", 0)
-        if code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED):
+        if _primary(e) in (_SQLITE_BUSY, _SQLITE_LOCKED):
             return f"{self.path}: cannot read the state: {e} (another process holds it; try again)"
         folder = self.path.resolve().parent
         wal = folder / (self.path.name + "-wal")
@@ -228,9 +228,9 @@ class Store:
                 f"{self.path}: cannot read the state: {wal} holds changes not yet in the database and "
                 f"{folder} is not writable here; open it once where that folder is writable (e.g. as its owner)"
             )
-        if code & 0xFF == _SQLITE_FULL:  # reading a WAL state needs room for its -shm file
+        if _primary(e) == _SQLITE_FULL:  # reading a WAL state needs room for its -shm file
             return f"{self.path}: cannot read the state: the disk is full ({e})"
-        if code & 0xFF == _SQLITE_IOERR:
+        if _primary(e) == _SQLITE_IOERR:
             return f"{self.path}: cannot read the state: I/O error ({e})"
         return f"{self.path}: not a usable state database: {e}"
 
@@ -270,7 +270,7 @@ class Store:
                     self._db.execute("BEGIN IMMEDIATE")
                     return
                 except sqlite3.OperationalError as e:
-                    if not _busy(e) or time.monotonic() >= deadline:
+                    if _primary(e) != _SQLITE_BUSY or time.monotonic() >= deadline:
                         raise
         finally:
             self._db.execute(f"PRAGMA busy_timeout={int(self._timeout_s * 1000)}")
@@ -281,7 +281,7 @@ class Store:
             self._begin_write()
         except sqlite3.Error as e:
             why = str(e)
-            if _busy(e):
+            if _primary(e) == _SQLITE_BUSY:
                 why += f" (another process has held its write lock for {self._timeout_s:g} s)"
             raise StateError(f"{self.path}: cannot write the state: {why}") from None
         try:
@@ -521,9 +521,9 @@ class Store:
         return [{"at": a, "kind": k, "node": n, "message": m} for a, k, n, m in rows]
 
 
-def _busy(e: sqlite3.Error) -> bool:
-    """Whether SQLite said another connection holds the lock (SQLITE_BUSY, extended codes too)."""
-    return (getattr(e, "sqlite_errorcode", 0) & 0xFF) == sqlite3.SQLITE_BUSY
+def _primary(e: sqlite3.Error) -> int:
+    """SQLite's primary result code of ``e`` (an extended code keeps it in the low byte)."""
+    return getattr(e, "sqlite_errorcode", 0) & 0xFF
 
 
 def _bump(db: sqlite3.Connection) -> None:
@@ -533,7 +533,7 @@ def _bump(db: sqlite3.Connection) -> None:
 
 def _db_error(e: sqlite3.DatabaseError) -> str:
     """What a failed open says: a full disk or an I/O error as what it is, not as a damaged file."""
-    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    code = _primary(e)
     if code == _SQLITE_FULL:
         return f"cannot write the state: the disk is full ({e})"
     if code == _SQLITE_IOERR:
