@@ -548,7 +548,7 @@ class Router:
         trace.model = model
 
         waits_long = obj.get("stream") is not True  # its answer starts only once it is generated
-        head_tail = b"\r\n" + req.forward + b"Content-Length: %d\r\n\r\n" % len(req.body)
+        head_tail = b"\r\n%s%sContent-Length: %d\r\n\r\n" % (req.forward, _forwarded(req, conn), len(req.body))
         start_line = req.method + b" " + req.target + b" HTTP/1.1\r\nHost: "
 
         loop = asyncio.get_running_loop()
@@ -722,6 +722,16 @@ def _unroutable(req: Request) -> tuple[int, str, str, bytes] | None:
 _UNUSED_BODY_MAX = 16 * 1024  # what a route that reads no body may still be sent (and is discarded)
 _RETRY_1S = b"Retry-After: 1\r\n"
 _NOWHERE_ELSE = Rejected(503, "no_endpoint", "no other endpoint to retry on")
+
+
+def _forwarded(req: Request, conn: ClientConn) -> bytes:
+    """The X-Forwarded-For and -Proto lines sent upstream: the list received with the client's
+    address appended (as nginx's $proxy_add_x_forwarded_for), and the scheme the router served."""
+    addr = conn.peer.rpartition(":")[0].encode()
+    if req.forwarded_for:
+        addr = req.forwarded_for + b", " + addr if addr else req.forwarded_for
+    line = b"X-Forwarded-For: " + addr + b"\r\n" if addr else b""
+    return line + b"X-Forwarded-Proto: http\r\n"
 
 
 def _retry_after(r: Rejected) -> bytes:

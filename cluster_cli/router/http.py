@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from typing import NamedTuple
 
 REASONS = {
     100: b"Continue",
@@ -45,7 +46,15 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"authorization", b"expect"}
+# X-Forwarded-For and -Proto are written anew by the proxy (the client's own are not trusted as sent).
+REQUEST_DROP = HOP_BY_HOP | {
+    b"host",
+    b"content-length",
+    b"authorization",
+    b"expect",
+    b"x-forwarded-for",
+    b"x-forwarded-proto",
+}
 RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 
 ERROR_TYPES = {
@@ -70,7 +79,16 @@ _TOKEN_CHARS = b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKL
 _HEADER_BLOCK = re.compile(rb"(?:\r\n[" + re.escape(_TOKEN_CHARS) + rb"]+:[\t\x20-\x7e\x80-\xff]*)*")
 # A request target is visible ASCII only (RFC 9112 3.2): no spaces, no controls, no 8-bit bytes.
 _TARGET = re.compile(rb"[\x21-\x7e]+")
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_TOKEN = rb"[" + re.escape(_TOKEN_CHARS) + rb"]+"
+# RFC 9112 7.1.1: chunk-size *( BWS ";" BWS name [ BWS "=" BWS ( token / quoted-string ) ] ),
+# the CRLF excluded. Nothing else: a bare CR or LF inside (which another parser may take as the
+# line's end, and so the body's framing) or a space after a size alone fails it.
+_QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
+_CHUNK_LINE = re.compile(
+    rb"([0-9A-Fa-f]{1,16})(?:[ \t]*;[ \t]*" + _TOKEN + rb"(?:[ \t]*=[ \t]*(?:" + _TOKEN + rb"|" + _QUOTED + rb"))?)*"
+)
+# A trailer line is a header line (RFC 9112 7.1.2): the rules of _HEADER_BLOCK, one line.
+_FIELD_LINE = re.compile(_TOKEN + rb":[\t\x20-\x7e\x80-\xff]*")
 MAX_LENGTH_DIGITS = 15  # a Content-Length beyond this is no body anyone sends (and int() of a huge one is slow)
 
 
@@ -92,15 +110,16 @@ def parse_length(value: bytes) -> int:
 
 
 def parse_chunk_size(line: bytes) -> int:
-    """A chunk-size line's size (extensions ignored): 1-16 hex digits. Raises ValueError.
+    """The size of a chunk-size line (without its CRLF), its extensions checked and ignored:
+    1-16 hex digits, then only well-formed ``;name[=value]`` extensions. Raises ValueError.
 
     ``int(x, 16)`` alone would take "-6", "+6", "0x6", "6_0" and spaces: a negative size
     would send the decoder backwards for ever.
     """
-    size = line.split(b";", 1)[0].rstrip(b" \t")
-    if not _HEX.fullmatch(size):
-        raise ValueError("bad chunk size")
-    return int(size, 16)
+    m = _CHUNK_LINE.fullmatch(line)
+    if m is None:
+        raise ValueError("bad chunk size line")
+    return int(m.group(1), 16)
 
 
 class BadRequest(Exception):
@@ -158,6 +177,7 @@ class Request:
         "body",
         "expect_continue",
         "forward",
+        "forwarded_for",
         "has_host",
         "headers",
         "keep_alive",
@@ -185,6 +205,7 @@ class Request:
         self.expect_continue = False
         self.forward = b""  # raw header lines to pass upstream, each followed by CRLF
         self.has_host = False  # a Host header came (HTTP/1.1 requires one: RFC 9112 3.2)
+        self.forwarded_for = b""  # the X-Forwarded-For list received, the lines joined by ", "
 
     def header(self, name: bytes) -> bytes | None:
         for k, v in self.headers:
@@ -260,6 +281,7 @@ def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
     conns: list[bytes] | None = None
     expect = False
     hosts = 0
+    xff: list[bytes] = []
     for line in lines[1:]:  # each is NAME:VALUE (header_lines_ok)
         name, _, value = line.partition(b":")
         name = name.lower()
@@ -289,9 +311,13 @@ def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
                 conns.append(value)
         elif name == b"expect":
             expect = value.lower() == b"100-continue"
+        elif name == b"x-forwarded-for" and value:
+            xff.append(value)
         headers.append((name, value))
     if chunked and clen is not None:
         raise BadRequest(400, "both Content-Length and chunked", "bad_request")
+    if chunked and version == b"HTTP/1.0":  # RFC 9112 6.1: faulty framing, the connection closes
+        raise BadRequest(400, "Transfer-Encoding in an HTTP/1.0 request", "bad_request")
     if hosts > 1:
         raise BadRequest(400, "more than one Host header", "bad_request")
     close = False
@@ -303,6 +329,8 @@ def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
     http11 = version == b"HTTP/1.1"
     req = Request(method, target, version, headers, http11 and not close)
     req.has_host = hosts == 1
+    if xff:
+        req.forwarded_for = b", ".join(xff)
     # An HTTP/1.0 client knows no 100 Continue: the expectation is ignored (RFC 9110 10.1.1).
     req.expect_continue = expect and http11
     if forward:
@@ -311,21 +339,109 @@ def parse_request_head(head: bytes) -> tuple[Request, int | None, bool]:
     return req, clen, chunked
 
 
-class ChunkedDecoder:
-    """Incremental decoder of a chunked body. ``feed`` returns (payload, done, leftover)."""
+class ResponseHead(NamedTuple):
+    """A parsed response head: what the router relays of it and how its body is framed."""
 
-    __slots__ = ("_buf", "_rem", "_state", "done")
+    status: int
+    status_line: bytes
+    keep_alive: bool  # the connection may carry another exchange after this one
+    length: int  # Content-Length, -1 when none
+    chunked: bool
+    ctype: bytes  # Content-Type, lower-cased ("" when none)
+    lines: list[bytes]  # the NAME:VALUE lines to relay: hop-by-hop ones and Content-Length dropped
+
+
+def parse_response_head(head: bytes) -> ResponseHead:
+    """Parse an engine's response head (without the blank line): the one parser of every
+    response the router reads (relayed answers, health checks, metric scrapes). Raises
+    ValueError with a message naming the fault.
+
+    As strict as a client's head: a bare CR or LF in a relayed line would split the response
+    the client sees. Only plain ``chunked`` is a transfer coding (de-chunking "gzip, chunked"
+    would hand the client a compressed body with nothing saying so), and a response with both
+    Content-Length and Transfer-Encoding is refused (RFC 9112 6.3: it is an attack or a bug).
+    """
+    eol = head.find(b"\r\n")
+    if not header_lines_ok(head, eol if eol >= 0 else len(head)):
+        raise ValueError("malformed upstream header line (not NAME: VALUE, or a control character)")
+    lines = head.split(b"\r\n")
+    version, _, rest = lines[0].partition(b" ")
+    code = rest[:3]
+    if (
+        version not in (b"HTTP/1.1", b"HTTP/1.0")
+        or not code.isdigit()
+        or rest[3:4] not in (b"", b" ")
+        or code < b"100"
+        or code > b"599"
+    ):
+        raise ValueError("upstream sent a malformed status line")
+    keep = version == b"HTTP/1.1"
+    clen = -1
+    chunked = False
+    ctype = b""
+    conns: list[bytes] | None = None
+    kept: list[bytes] = []
+    for line in lines[1:]:  # each is NAME:VALUE (header_lines_ok)
+        name, _, value = line.partition(b":")
+        lname = name.lower()
+        if lname in RESPONSE_DROP:
+            if lname == b"content-length":
+                try:
+                    n = parse_length(value.strip(b" \t"))
+                except ValueError:
+                    n = -2
+                if n < 0 or (clen >= 0 and n != clen):
+                    raise ValueError("bad upstream Content-Length")
+                clen = n
+            elif lname == b"transfer-encoding":
+                if chunked or value.strip(b" \t").lower() != b"chunked":
+                    raise ValueError("unsupported upstream Transfer-Encoding")
+                chunked = True
+            elif lname == b"connection":
+                if conns is None:
+                    conns = [value]
+                else:
+                    conns.append(value)
+            continue
+        if lname == b"content-type":
+            ctype = value.strip().lower()
+        kept.append(line)
+    if chunked and clen >= 0:
+        raise ValueError("upstream response has both Content-Length and Transfer-Encoding")
+    if conns is not None:
+        options, kept = connection_options(conns, kept)  # what it names is for this hop only
+        if b"close" in options:
+            keep = False
+        elif b"keep-alive" in options:
+            keep = True
+    return ResponseHead(int(code), lines[0], keep, clen, chunked, ctype, kept)
+
+
+class ChunkedDecoder:
+    """Incremental decoder of a chunked body (RFC 9112 7.1). ``feed`` returns (payload, leftover).
+
+    Every line is checked whole before it counts, and a line end is CRLF only: a bare LF
+    anywhere in a size line or a trailer section is refused as soon as it arrives, not read
+    as a line end (a front proxy that reads it so would see other messages than the router).
+    Trailer fields are checked as header lines and dropped.
+    """
+
+    __slots__ = ("_buf", "_rem", "_state", "_trailer", "done")
 
     SIZE, DATA, CRLF, TRAILER = range(4)
+    MAX_SIZE_LINE = 1024
+    MAX_TRAILER = 16384
 
     def __init__(self) -> None:
         self._buf = b""
         self._rem = 0
         self._state = self.SIZE
+        self._trailer = 0  # bytes of trailer section read so far
         self.done = False
 
     def feed(self, data: bytes) -> tuple[bytes, bytes]:
-        """Returns (payload bytes decoded so far from ``data``, leftover bytes after the body's end)."""
+        """Returns (payload bytes decoded so far from ``data``, leftover bytes after the body's end).
+        Raises ValueError on a malformed body."""
         buf = self._buf + data if self._buf else data
         self._buf = b""
         out: list[bytes] = []
@@ -342,6 +458,8 @@ class ChunkedDecoder:
                     st = self.CRLF
             elif st == self.CRLF:
                 if n - pos < 2:
+                    if buf[pos] != 13:  # 13: CR
+                        raise ValueError("bad chunk terminator")
                     break
                 if buf[pos : pos + 2] != b"\r\n":
                     raise ValueError("bad chunk terminator")
@@ -350,9 +468,10 @@ class ChunkedDecoder:
             elif st == self.SIZE:
                 eol = buf.find(b"\r\n", pos)
                 if eol < 0:
-                    if n - pos > 1024:
-                        raise ValueError("chunk size line too long")
+                    _incomplete_line(buf, pos, self.MAX_SIZE_LINE, "chunk size line too long")
                     break
+                if eol - pos > self.MAX_SIZE_LINE:
+                    raise ValueError("chunk size line too long")
                 size = parse_chunk_size(buf[pos:eol])
                 pos = eol + 2
                 if size == 0:
@@ -360,21 +479,38 @@ class ChunkedDecoder:
                 else:
                     self._rem = size
                     st = self.DATA
-            else:  # TRAILER: lines until an empty one
+            else:  # TRAILER: field lines until an empty one
                 eol = buf.find(b"\r\n", pos)
                 if eol < 0:
-                    if n - pos > 16384:
-                        raise ValueError("trailer too long")
+                    _incomplete_line(buf, pos, self.MAX_TRAILER - self._trailer, "trailer too long")
                     break
                 if eol == pos:
                     pos += 2
                     self.done = True
                     self._state = st
                     return b"".join(out), buf[pos:]
+                self._trailer += eol + 2 - pos
+                if self._trailer > self.MAX_TRAILER:
+                    raise ValueError("trailer too long")
+                if _FIELD_LINE.fullmatch(buf, pos, eol) is None:
+                    raise ValueError("malformed trailer line")
                 pos = eol + 2
         self._state = st
         self._buf = buf[pos:]
         return b"".join(out) if len(out) != 1 else out[0], b""
+
+
+def _incomplete_line(buf: bytes, pos: int, limit: int, too_long: str) -> None:
+    """Check the start of a line whose CRLF has not arrived: refused at once when it holds a
+    bare LF (no CRLF follows it: it can only be a line end another parser would take), a CR
+    not at its very end, or more than ``limit`` bytes."""
+    if buf.find(b"\n", pos) >= 0:
+        raise ValueError("a line ends in a bare LF")
+    cr = buf.find(b"\r", pos)
+    if 0 <= cr < len(buf) - 1:
+        raise ValueError("a bare CR in a line")
+    if len(buf) - pos > limit:
+        raise ValueError(too_long)
 
 
 def host_header(host: str, port: int) -> bytes:
@@ -389,7 +525,9 @@ def host_header(host: str, port: int) -> bytes:
 
 
 async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int = 4 << 20) -> tuple[int, bytes]:
-    """A small GET (health checks, metric scrapes): returns (status, body). Raises OSError/TimeoutError/ValueError."""
+    """A small GET (health checks, metric scrapes): returns (status, body). Raises
+    OSError/TimeoutError/ValueError. The response is read by ``parse_response_head``, as every
+    response the router relays."""
 
     async def go() -> tuple[int, bytes]:
         reader, writer = await asyncio.open_connection(host, port)
@@ -398,23 +536,19 @@ async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int 
                 b"GET %s HTTP/1.1\r\nHost: %s\r\nAccept: */*\r\nConnection: close\r\n\r\n"
                 % (path.encode(), host_header(host, port))
             )
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head[:-4].split(b"\r\n")
-            parts = lines[0].split(b" ", 2)
-            if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or len(parts[1]) != 3 or not parts[1].isdigit():
-                raise ValueError(f"malformed status line {lines[0][:80]!r}")  # an engine's fault, not ours
-            status = int(parts[1])
-            clen: int | None = None
-            chunked = False
-            for line in lines[1:]:
-                k, _, v = line.partition(b":")
-                k = k.strip().lower()
-                if k == b"content-length":
-                    clen = parse_length(v.strip())
-                elif k == b"transfer-encoding":
-                    if chunked or v.strip().lower() != b"chunked":  # as upstream.py: nothing but plain chunked
-                        raise ValueError("unsupported Transfer-Encoding")
-                    chunked = True
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.LimitOverrunError:
+                    raise ValueError("response head too large") from None
+                except asyncio.IncompleteReadError:
+                    raise ValueError("connection closed before a response head") from None
+                rh = parse_response_head(head[:-4])  # an engine's fault, not ours
+                if not 100 <= rh.status < 200:  # an interim response: the real one follows
+                    break
+            status = rh.status
+            clen = rh.length if rh.length >= 0 else None
+            chunked = rh.chunked
             if status in (204, 304):
                 body = b""
             elif clen is not None:

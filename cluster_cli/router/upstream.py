@@ -17,13 +17,7 @@ import socket
 import time
 from typing import Protocol
 
-from cluster_cli.router.http import (
-    RESPONSE_DROP,
-    ChunkedDecoder,
-    connection_options,
-    header_lines_ok,
-    parse_length,
-)
+from cluster_cli.router.http import ChunkedDecoder, parse_response_head
 
 _monotonic = time.monotonic
 
@@ -151,73 +145,23 @@ class UpstreamConn(asyncio.Protocol):
                 self._buf = buf
                 return b""
             head, buf = buf[:idx], buf[idx + 4 :]
-            # Relayed header lines are checked as strictly as a client's: a bare LF or CR in
-            # them would split the response the client sees (response splitting). The status
-            # line is not relayed (the router writes its own).
-            eol = head.find(b"\r\n")
-            if not header_lines_ok(head, eol if eol >= 0 else len(head)):
-                self._fail("protocol", "malformed upstream header line (not NAME: VALUE, or a control character)")
+            # The status line is not relayed (the router writes its own); the header lines are.
+            try:
+                rh = parse_response_head(head)
+            except ValueError as e:
+                self._fail("protocol", str(e))
                 return b""
-            lines = head.split(b"\r\n")
-            version, _, rest = lines[0].partition(b" ")
-            code = rest[:3]
-            if (
-                version not in (b"HTTP/1.1", b"HTTP/1.0")
-                or not code.isdigit()
-                or rest[3:4] not in (b"", b" ")
-                or code < b"100"
-                or code > b"599"
-            ):
-                self._fail("protocol", "malformed upstream status line")
-                return b""
-            status = int(code)
-            if 100 <= status < 200:  # interim response: skip, the real one follows
+            if 100 <= rh.status < 200:  # interim response: skip, the real one follows
                 continue
             break
         self._buf = b""
-        keep = version == b"HTTP/1.1"
-        clen = -1
-        chunked = False
-        ctype = b""
-        conns: list[bytes] | None = None
-        kept: list[bytes] = []
-        for line in lines[1:]:  # each is NAME:VALUE (header_lines_ok)
-            name, _, value = line.partition(b":")
-            lname = name.lower()
-            if lname in RESPONSE_DROP:
-                if lname == b"content-length":
-                    try:
-                        n = parse_length(value.strip(b" \t"))
-                    except ValueError:
-                        n = -2
-                    if n < 0 or (clen >= 0 and n != clen):
-                        self._fail("protocol", "bad upstream Content-Length")
-                        return b""
-                    clen = n
-                elif lname == b"transfer-encoding":
-                    # Only plain chunked: de-chunking "gzip, chunked" would hand the client a
-                    # compressed body with nothing saying so, and engines never send one.
-                    if chunked or value.strip(b" \t").lower() != b"chunked":
-                        self._fail("protocol", "unsupported upstream Transfer-Encoding")
-                        return b""
-                    chunked = True
-                elif lname == b"connection":
-                    if conns is None:
-                        conns = [value]
-                    else:
-                        conns.append(value)
-                continue
-            if lname == b"content-type":
-                ctype = value.strip().lower()
-            kept.append(line)
-        if conns is not None:
-            options, kept = connection_options(conns, kept)  # what it names is for this hop only
-            if b"close" in options:
-                keep = False
-            elif b"keep-alive" in options:
-                keep = True
-        self._keep = keep
-        self.status_line = lines[0]
+        status = rh.status
+        self._keep = rh.keep_alive
+        clen = rh.length
+        chunked = rh.chunked
+        ctype = rh.ctype
+        kept = rh.lines
+        self.status_line = rh.status_line
         if status in (204, 304):
             mode = LENGTH
             self._remaining = 0
