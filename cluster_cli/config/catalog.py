@@ -32,10 +32,11 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster_cli.config.load import load_model
-from cluster_cli.engines import ENGINES, get_engine
+from cluster_cli.engines import ENGINES, MetricMapping, get_engine
 from cluster_cli.facts import UNREAD
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _check_name(v: str) -> str:
@@ -53,6 +54,15 @@ class EngineConfig(_Strict):
 
     command: str = Field(min_length=1)
     args: list[str] = Field(default_factory=list)
+    # The engine's metric names for the router (running, waiting, kv_cache_usage); unset: the adapter's.
+    metrics: dict[str, str | None] | None = None
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics(cls, v: dict[str, str | None] | None) -> dict[str, str | None] | None:
+        if v is not None:
+            MetricMapping.from_config(v)  # raises ValueError naming the bad key
+        return v
 
 
 class Profile(_Strict):
@@ -69,6 +79,18 @@ class Profile(_Strict):
     priority: int = Field(default=0, strict=True)
     model: str | None = None  # path or hub id the engine loads: required (the catalog checks it)
     args: list[str] = Field(default_factory=list)
+    # The engine's environment (an HF_TOKEN): written to a 0600 file on the node, never put on
+    # a command line nor shown by clusterctl.
+    env: dict[str, str] = Field(default_factory=dict)
+    port: int | None = Field(default=None, ge=1, le=65535, strict=True)  # fixed HTTP port; unset: from the node's range
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not _ENV_NAME.match(k):
+                raise ValueError(f"env: invalid variable name {k!r} (letters, digits and _, not starting with a digit)")
+        return v
 
     @field_validator("name")
     @classmethod

@@ -48,6 +48,40 @@ class SSHDefaults(_Strict):
     known_hosts: str = "~/.ssh/known_hosts"
     connect_timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False, strict=True)
     command_timeout_s: float = Field(default=30.0, gt=0, allow_inf_nan=False, strict=True)
+    # Where engines run: the HTTP ports 'up' hands out on each node, and the per-replica folders.
+    ports: str = "8100-8999"
+    run_dir: str = "~/.clusterctl/run"
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, v: str) -> str:
+        port_range(v)
+        return v
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir(cls, v: str) -> str:
+        return _check_run_dir(v)
+
+
+def port_range(v: str) -> tuple[int, int]:
+    """``"8100-8999"`` (or one port, ``"8100"``) as (low, high). Raises ValueError."""
+    lo, sep, hi = str(v).partition("-")
+    try:
+        a, b = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        raise ValueError(f"ports: {v!r} is not a range like 8100-8999") from None
+    if not (1 <= a <= b <= 65535):
+        raise ValueError(f"ports: {v!r}: give LOW-HIGH with 1 <= LOW <= HIGH <= 65535")
+    return a, b
+
+
+def _check_run_dir(v: str) -> str:
+    if not v or "\n" in v or "\x00" in v:
+        raise ValueError("run_dir: give a folder path (no newline or NUL)")
+    if not (v.startswith("/") or v == "~" or v.startswith("~/")):
+        raise ValueError(f"run_dir: {v!r}: give an absolute path or one under ~/ (the node user's home)")
+    return v
 
 
 class Fabric(_Strict):
@@ -82,6 +116,20 @@ class Node(_Strict):
     fabric: str | None = None
     hca_fabrics: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
+    ports: str | None = None  # overrides defaults.ports
+    run_dir: str | None = None  # overrides defaults.run_dir
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, v: str | None) -> str | None:
+        if v is not None:
+            port_range(v)
+        return v
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir(cls, v: str | None) -> str | None:
+        return None if v is None else _check_run_dir(v)
 
     @field_validator("host")
     @classmethod
@@ -174,6 +222,14 @@ class Inventory(_Strict):
             else:
                 first[address] = n.name
         return out
+
+    def port_range(self, n: Node) -> tuple[int, int]:
+        """The HTTP ports ``up`` may hand out on ``n``."""
+        return port_range(n.ports or self.defaults.ports)
+
+    def run_dir(self, n: Node) -> str:
+        """The folder on ``n`` that holds its replicas' folders (``~/`` is the node user's home)."""
+        return n.run_dir or self.defaults.run_dir
 
     def node(self, name: str) -> Node | None:
         return next((n for n in self.nodes if n.name == name), None)

@@ -95,6 +95,9 @@ class LaunchSpec:
     host: str
     port: int
     gpus: tuple[int, ...] = ()
+    # The same GPUs by UUID (nvidia-smi's "GPU-..."): what CUDA_VISIBLE_DEVICES names when known,
+    # as indices move when a GPU falls off the bus.
+    gpu_uuids: tuple[str, ...] = ()
     tensor_parallel: int = 1
     nodes: int = 1
     node_rank: int = 0
@@ -112,16 +115,19 @@ class LaunchSpec:
     node_address: str | None = None
 
 
-def cuda_env(gpus: tuple[int, ...]) -> dict[str, str]:
+def cuda_env(gpus: tuple[int, ...], uuids: tuple[str, ...] = ()) -> dict[str, str]:
     """Make exactly ``gpus`` (nvidia-smi indices) visible to CUDA, and nothing else.
 
-    nvidia-smi numbers GPUs in PCI bus order while CUDA's default order is fastest
-    first, so the indices only name the same devices under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+    By UUID when ``uuids`` (the same GPUs, in order) are known: an index names another GPU
+    once one falls off the bus. nvidia-smi numbers GPUs in PCI bus order while CUDA's default
+    order is fastest first, so indices only name the same devices under
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (set either way: it also orders the UUIDs' devices).
     No GPUs gives ``CUDA_VISIBLE_DEVICES=""``: no device visible at all.
     """
     if not gpus:
         return {"CUDA_VISIBLE_DEVICES": ""}
-    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
+    names = uuids if len(uuids) == len(gpus) else tuple(str(g) for g in gpus)
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(names)}
 
 
 class Engine(Protocol):

@@ -55,4 +55,4 @@ class LlamaCpp:
     def env(self, spec: LaunchSpec) -> dict[str, str]:
         # The replica's GPU for a CUDA build (the catalog's GPUs are NVIDIA ones, numbered as
         # nvidia-smi numbers them); a CPU replica also hides every GPU from CUDA.
-        return cuda_env(spec.gpus)
+        return cuda_env(spec.gpus, spec.gpu_uuids)

@@ -76,7 +76,7 @@ class VLLM:
         return ["sh", "-c", script]
 
     def env(self, spec: LaunchSpec) -> dict[str, str]:
-        env = cuda_env(spec.gpus)
+        env = cuda_env(spec.gpus, spec.gpu_uuids)
         if spec.nodes > 1 and spec.hcas:
             # "=" makes the names exact: a bare mlx5_1 is a prefix that also matches mlx5_10...
             env["NCCL_IB_HCA"] = "=" + ",".join(spec.hcas)

@@ -117,6 +117,30 @@ class AsyncsshSession:
             rc = status if status is not None else 128 + 9
         return rc, out, err
 
+    async def open_connection(self, host: str, port: int) -> tuple[Any, Any]:
+        """A TCP connection from the node to ``host:port`` (the node's own engine, on
+        127.0.0.1), carried by this SSH connection: (reader, writer) streams as asyncio's.
+        Works where the engine's port cannot be reached from here (a bastion, a laptop)."""
+        try:
+            return await self._conn.open_connection(host, port)
+        except (asyncssh.Error, OSError) as e:
+            raise OSError(f"{self._name}: cannot reach {host}:{port} from the node: {ssh_error_message(e)}") from e
+
+    async def stream(self, command: str, write: Callable[[bytes], None]) -> int | None:
+        """Run ``command`` and hand its output to ``write`` as it comes (``logs -f``), until it
+        ends or the caller is cancelled; returns its exit status."""
+        try:
+            proc = await self._conn.create_process(command, encoding=None, stderr=asyncssh.STDOUT)
+        except (asyncssh.Error, OSError) as e:
+            raise SSHError(f"{self._name}: {ssh_error_message(e)}") from e
+        try:
+            while data := await proc.stdout.read(65536):
+                write(data)
+            await proc.wait_closed()
+            return proc.exit_status
+        finally:
+            _stop(proc)
+
 
 async def _read_both(proc: asyncssh.SSHClientProcess, cap: int) -> tuple[bytes, bytes]:
     """stdout and stderr of ``proc``, read together (a full one must not stall the other);

@@ -164,7 +164,7 @@ class RouterSpec(_Strict):
 
 class RouterConfig(_Strict):
     engines: dict[str, EngineSpec] = Field(default_factory=dict)
-    models: dict[str, ModelSpec] = Field(min_length=1)
+    models: dict[str, ModelSpec] = Field(default_factory=dict)  # none yet: 404 until `up` publishes some
     router: RouterSpec = RouterSpec()
 
     @field_validator("models")

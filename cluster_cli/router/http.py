@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import NamedTuple
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
 
 REASONS = {
     100: b"Continue",
@@ -524,13 +525,22 @@ def host_header(host: str, port: int) -> bytes:
     return b"%s:%d" % (host.encode(), port)
 
 
-async def fetch(host: str, port: int, path: str, timeout: float, max_bytes: int = 4 << 20) -> tuple[int, bytes]:
+async def fetch(
+    host: str,
+    port: int,
+    path: str,
+    timeout: float,
+    max_bytes: int = 4 << 20,
+    *,
+    connect: Callable[[str, int], Awaitable[tuple[Any, Any]]] | None = None,
+) -> tuple[int, bytes]:
     """A small GET (health checks, metric scrapes): returns (status, body). Raises
     OSError/TimeoutError/ValueError. The response is read by ``parse_response_head``, as every
-    response the router relays."""
+    response the router relays. ``connect`` opens the connection (default: TCP from here; an
+    SSH session's ``open_connection`` reaches an engine only its node can)."""
 
     async def go() -> tuple[int, bytes]:
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer = await (connect or asyncio.open_connection)(host, port)
         try:
             writer.write(
                 b"GET %s HTTP/1.1\r\nHost: %s\r\nAccept: */*\r\nConnection: close\r\n\r\n"

@@ -28,54 +28,20 @@ from urllib.parse import quote
 
 from cluster_cli.errors import StateError
 from cluster_cli.facts import NodeFacts, Replica
-
-SCHEMA_VERSION = 1
+from cluster_cli.state import schema
+from cluster_cli.state.launches import LaunchTable
+from cluster_cli.state.schema import SCHEMA_VERSION
 
 # SQLite result codes (sqlite3.Error.sqlite_errorcode): extended codes keep the primary in the low byte.
 _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_CANTOPEN = 5, 6, 14
 _SQLITE_READONLY_DIRECTORY = 8 | (6 << 8)  # 1544: the -shm file cannot be created in the folder
 _SQLITE_IOERR, _SQLITE_FULL = 10, 13
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS nodes (
-    name TEXT PRIMARY KEY,
-    host TEXT NOT NULL DEFAULT '',
-    reachable INTEGER NOT NULL,
-    error TEXT,
-    facts TEXT NOT NULL,
-    probed_at REAL,
-    updated_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS cordons (
-    node TEXT PRIMARY KEY,
-    reason TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS replicas (
-    model TEXT NOT NULL,
-    replica INTEGER NOT NULL,
-    spec TEXT NOT NULL,
-    status TEXT NOT NULL DEFAULT 'planned',
-    endpoint TEXT,
-    detail TEXT,
-    updated_at REAL NOT NULL,
-    PRIMARY KEY (model, replica)
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    at REAL NOT NULL,
-    kind TEXT NOT NULL,
-    node TEXT,
-    message TEXT NOT NULL
-);
-"""
-
 
 _LOCK_POLL_MS = 50  # SQLite's busy wait per try while another process holds the write lock
 
 
-class Store:
+class Store(LaunchTable):
     """A handle on the state database. Cheap to open; use as a context manager."""
 
     def __init__(
@@ -111,16 +77,16 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
-            with self._tx():
-                for stmt in _SCHEMA.split(";"):
-                    if stmt.strip():
-                        self._db.execute(stmt)
-                row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            with self._tx() as db:
+                db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+                row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
                 if row is None:
-                    self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-                    self._db.execute("INSERT INTO meta VALUES ('state_version', '0')")
+                    schema.create(db)
                 else:
-                    self._check_schema(row[0])
+                    # An older state is upgraded in place, in this transaction: whole, or not at all.
+                    if schema.migrate(db, self._check_schema(row[0])) < SCHEMA_VERSION:
+                        self._event(db, "migrate", None, f"state schema {row[0]} upgraded to {SCHEMA_VERSION}")
+            self.schema = SCHEMA_VERSION
         except sqlite3.DatabaseError as e:
             self._close_quietly()
             raise StateError(f"{self.path}: {_db_error(e)}") from None
@@ -186,7 +152,7 @@ class Store:
         if row is None:
             db.close()
             raise StateError(f"{self.path}: not a clusterctl state database (no schema version)")
-        self._check_schema(row[0])
+        self.schema = self._check_schema(row[0])  # an older one is read as it is, never upgraded here
         return db
 
     @staticmethod
@@ -234,7 +200,7 @@ class Store:
             return f"{self.path}: cannot read the state: I/O error ({e})"
         return f"{self.path}: not a usable state database: {e}"
 
-    def _check_schema(self, version: str) -> None:
+    def _check_schema(self, version: str) -> int:
         try:
             number = int(version)
         except (TypeError, ValueError):
@@ -244,6 +210,7 @@ class Store:
                 f"{self.path}: state schema {version} is newer than this clusterctl understands "
                 f"({SCHEMA_VERSION}); upgrade clusterctl"
             )
+        return number
 
     # ---- plumbing ---------------------------------------------------------
     def close(self) -> None:
@@ -480,9 +447,10 @@ class Store:
 
     # ---- replicas ---------------------------------------------------------
     def replicas(self) -> list[Replica]:
-        return [
-            self._replica(spec) for (spec,) in self._db.execute("SELECT spec FROM replicas ORDER BY model, replica")
-        ]
+        """The placed replicas that hold their GPUs: every one but those wanted down."""
+        where = "" if self.schema < 2 else "WHERE desired = 'up'"
+        rows = self._db.execute(f"SELECT spec FROM replicas {where} ORDER BY model, replica")
+        return [self._replica(spec) for (spec,) in rows]
 
     def replica_rows(self) -> list[dict[str, Any]]:
         rows = self._db.execute(
@@ -498,7 +466,7 @@ class Store:
         with self.write() as db:
             db.execute(
                 "INSERT INTO replicas(model, replica, spec, status, endpoint, detail, updated_at) "
-                "VALUES (?,?,?,?,?,?,?) ON CONFLICT(model, replica) DO UPDATE SET spec=excluded.spec, "
+                "VALUES (?,?,?,?,?,?,?) ON CONFLICT(model, replica, generation) DO UPDATE SET spec=excluded.spec, "
                 "status=excluded.status, endpoint=excluded.endpoint, detail=excluded.detail, "
                 "updated_at=excluded.updated_at",
                 (r.model, r.replica, json.dumps(r.to_dict()), status, endpoint, detail, time.time()),
@@ -509,6 +477,7 @@ class Store:
         there was nothing to release."""
         with self._tx() as db:
             n = db.execute("DELETE FROM replicas WHERE model=? AND replica=?", (model, replica)).rowcount
+            db.execute("DELETE FROM holds WHERE model=? AND replica=?", (model, replica))
             if n:
                 _bump(db)
                 self._event(db, "release", None, f"{model}/{replica} released")

@@ -1,0 +1,420 @@
+"""``clusterctl up``, ``down``, ``status``, ``logs``: engines running on the nodes."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.markup import escape
+
+from cluster_cli.cli import ui
+from cluster_cli.cli.common import (
+    INVENTORY_ENV,
+    RECORDED_INVENTORY_HELP,
+    inventory_or_abort,
+    open_store,
+    pinned_hosts_path,
+    recorded_inventory,
+)
+from cluster_cli.cli.main import App, app
+from cluster_cli.errors import ClusterctlError, ExitCode
+
+if TYPE_CHECKING:
+    from cluster_cli.config.inventory import Inventory
+
+ROUTER_CONFIG_HELP = "Router config to write (default: router.yaml beside the state, .clusterctl/router.yaml)."
+
+UP_EXAMPLE = """
+Examples:
+
+  clusterctl up -i inventory.yaml -c catalog.yaml
+  clusterctl place --dry-run -c catalog.yaml      # prints "state version N"
+  clusterctl up -c catalog.yaml --check-version N # applies exactly that plan
+  clusterctl up -c catalog.yaml -o json --timeout 1200
+
+Starts what the catalog asks for and is not running, restarts what died, stops what the
+catalog no longer asks for, then writes the router config that 'clusterctl serve-router'
+reloads live. A second 'up' with nothing to do changes nothing.
+Exit codes: 0 every replica ready, 3 some could not be placed or started (the rest
+stay up), 2 bad input or --check-version out of date.
+"""
+
+
+def _connector(state_path: Path) -> Any:
+    from cluster_cli.probe.runner import AsyncsshConnector
+
+    return AsyncsshConnector(pinned_known_hosts=pinned_hosts_path(state_path))
+
+
+class _Progress:
+    """One line per replica: its phase and time; a live view in a terminal, plain lines otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.live: Any = None
+        self.rows: dict[str, tuple[str, str, float]] = {}
+        self.t0 = time.monotonic()
+        self.enabled = enabled
+        if enabled and ui.err.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(console=ui.err, transient=True, refresh_per_second=8)
+            self.live.__enter__()
+
+    def __call__(self, name: str, phase: str, detail: str) -> None:
+        if not self.enabled:
+            return
+        self.rows[name] = (phase, detail, time.monotonic())
+        if self.live is None:
+            ui.info(f"{name}: {phase}{' ' + detail if detail else ''}")
+            return
+        from rich.table import Table
+
+        t = Table.grid(padding=(0, 2))
+        for n, (ph, d, _) in sorted(self.rows.items()):
+            colour = {"ready": "green", "failed": "red", "unplaced": "red"}.get(ph, "yellow")
+            t.add_row(escape(n), f"[{colour}]{ph}[/]", f"{time.monotonic() - self.t0:5.1f}s", escape(d[:80]))
+        self.live.update(t)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.__exit__(None, None, None)
+
+
+@app.command(epilog=UP_EXAMPLE)
+def up(
+    ctx: typer.Context,
+    inventory: Path | None = typer.Option(
+        None, "--inventory", "-i", envvar=INVENTORY_ENV, help=RECORDED_INVENTORY_HELP
+    ),
+    catalog: Path = typer.Option(..., "--catalog", "-c", help="Catalog YAML (models, replicas, profiles)."),
+    router_config: Path | None = typer.Option(None, "--router-config", help=ROUTER_CONFIG_HELP),
+    check_version: int | None = typer.Option(
+        None, "--check-version", help="Apply only if the state is still at this version (from 'place --dry-run')."
+    ),
+    timeout: float = typer.Option(600.0, "--timeout", min=1, help="Seconds each replica may take to become ready."),
+    parallel: int = typer.Option(64, "--parallel", "-p", min=1, help="Nodes probed at once."),
+    output: ui.Output = ui.OUTPUT_OPTION,
+) -> None:
+    """Start the catalog's replicas on the nodes and publish them to the router."""
+    import asyncio
+
+    from cluster_cli.config.catalog import load_catalog
+    from cluster_cli.control.sessions import Sessions
+    from cluster_cli.control.up import up as run_up
+
+    state: App = ctx.obj
+    inventory = recorded_inventory(inventory, state.state_path)
+    inv = inventory_or_abort(inventory, check_files=True, state_path=state.state_path)
+    try:
+        cat = load_catalog(catalog)
+    except ClusterctlError as e:
+        ui.fail(e)
+    from cluster_cli.launch.routerconf import default_path
+
+    rc_path = router_config or default_path(state.state_path)
+    store = open_store(state.state_path)
+    progress = _Progress(output is ui.Output.table or ui.err.is_terminal)
+
+    async def go() -> Any:
+        if check_version is None:
+            await _probe_and_save(inv, inventory, store, state.state_path, parallel, progress)
+        nodes = _fleet(inv, store)
+        async with Sessions(inv, _connector(state.state_path)) as sessions:
+            return await run_up(
+                inv,
+                cat,
+                store,
+                sessions,
+                nodes,
+                router_config=rc_path,
+                expect_version=check_version,
+                timeout_s=timeout,
+                report=progress,
+            )
+
+    try:
+        result = asyncio.run(go())
+    except ClusterctlError as e:
+        progress.close()
+        ui.fail(e)
+    except KeyboardInterrupt:
+        progress.close()
+        ui.info("interrupted: replicas already started stay recorded; 'clusterctl up' again resumes")
+        raise typer.Exit(130) from None
+    finally:
+        store.close()
+    progress.close()
+    if output is ui.Output.table:
+        _render_up(result)
+    else:
+        ui.emit_data(result.to_dict(), output)
+    raise typer.Exit(ExitCode.OK if result.complete else ExitCode.UNPLACED)
+
+
+async def _probe_and_save(inv: Inventory, path: Path, store: Any, state_path: Path, parallel: int, report: Any) -> None:
+    """discover's probe and save, as 'discover' does them: fresh facts for the plan."""
+    from cluster_cli.probe.collect import discover
+    from cluster_cli.state.view import note_changes
+
+    own: dict[str, set[int]] = {}
+    for rec in store.records():
+        for run in rec.shards:
+            if run.pid is not None:
+                own.setdefault(run.node, set()).add(run.pid)
+    report("nodes", "probing", f"{len(inv.nodes)} node(s)")
+    facts = await discover(
+        inv, connector=_connector(state_path), parallel=parallel, own_pids={k: frozenset(v) for k, v in own.items()}
+    )
+    before = {f.name: f for f in store.nodes([f.name for f in facts], unreadable=[])}
+    store.save_discovery([note_changes(f, before.get(f.name)) for f in facts], inventory=path.resolve())
+    down = [f.name for f in facts if not f.reachable]
+    report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))
+
+
+def _fleet(inv: Inventory, store: Any) -> list[Any]:
+    from cluster_cli.probe.fabric import distrust_conflicting_ports
+    from cluster_cli.state.view import for_inventory
+
+    nodes = for_inventory(inv, store.nodes([n.name for n in inv.nodes], unreadable=[]), from_state=True)
+    return distrust_conflicting_ports(nodes, inv.declared_prefixes())
+
+
+def _render_up(result: Any) -> None:
+    rows = []
+    for o in result.outcomes:
+        colour = {"ready": "green", "stopped": "yellow"}.get(o.state, "red")
+        rows.append(
+            [
+                escape(o.name),
+                o.action,
+                f"[{colour}]{o.state}[/]",
+                escape(",".join(o.nodes) or "-"),
+                escape(o.endpoint or "-"),
+                f"{o.seconds:.1f}s" if o.seconds else "-",
+            ]
+        )
+    ui.print_table(
+        [("REPLICA", 12), ("ACTION", 0), ("STATE", 0), ("NODES", None), ("ENDPOINT", None), ("TOOK", 0)], rows
+    )
+    for o in result.outcomes:
+        if o.reason and o.state != "ready":
+            ui.out.print(f"[red]{escape(o.name)}[/]: {escape(o.reason)}", highlight=False)
+            for line in o.log[-10:]:
+                ui.out.print(f"    {escape(line)}", highlight=False)
+        elif o.reason:
+            ui.out.print(f"{escape(o.name)}: {escape(o.reason)}", highlight=False)
+    ui.out.print(f"router config: {escape(str(result.router_config))} (state version {result.state_version})")
+
+
+DOWN_EXAMPLE = """
+Examples:
+
+  clusterctl down tiny/0            # one replica
+  clusterctl down llama-70b         # every replica of a model
+  clusterctl down --all
+
+A replica taken down leaves the router config first, then every process of it is stopped
+(TERM, then KILL) and checked gone, with its port; nothing brings it back until the next 'up'.
+"""
+
+
+@app.command(epilog=DOWN_EXAMPLE)
+def down(
+    ctx: typer.Context,
+    names: list[str] = typer.Argument(None, help="Replicas (MODEL/N) or models to stop."),
+    all_: bool = typer.Option(False, "--all", help="Stop every replica."),
+    inventory: Path | None = typer.Option(
+        None, "--inventory", "-i", envvar=INVENTORY_ENV, help=RECORDED_INVENTORY_HELP
+    ),
+    catalog: Path | None = typer.Option(None, "--catalog", "-c", help="Accepted for symmetry with up; not needed."),
+    router_config: Path | None = typer.Option(None, "--router-config", help=ROUTER_CONFIG_HELP),
+    output: ui.Output = ui.OUTPUT_OPTION,
+) -> None:
+    """Stop replicas and release their GPUs and ports."""
+    import asyncio
+
+    from cluster_cli.control.replicas import down as run_down
+    from cluster_cli.control.replicas import select
+    from cluster_cli.control.sessions import Sessions
+    from cluster_cli.launch.routerconf import default_path
+
+    if not names and not all_:
+        ui.abort("name the replicas (MODEL/N) or models to stop, or give --all")
+    if names and all_:
+        ui.abort("give replica names or --all, not both")
+    state: App = ctx.obj
+    store = open_store(state.state_path, create=False)
+    inv = inventory_or_abort(recorded_inventory(inventory, state.state_path), state_path=state.state_path)
+    try:
+        records = store.records()
+        targets = records if all_ else select(records, names)
+    except ClusterctlError as e:
+        store.close()
+        ui.fail(e)
+    rc_path = router_config or default_path(state.state_path)
+    say = ui.info if output is ui.Output.table else (lambda _: None)
+
+    async def go() -> Any:
+        async with Sessions(inv, _connector(state.state_path)) as sessions:
+            return await run_down(store, sessions, targets, router_config=rc_path, report=say)
+
+    try:
+        done = asyncio.run(go())
+    except ClusterctlError as e:
+        ui.fail(e)
+    finally:
+        store.close()
+    if output is not ui.Output.table:
+        ui.emit_data({"replicas": [d.to_dict() for d in done]}, output)
+    elif not done:
+        ui.info("nothing to stop")
+    raise typer.Exit(ExitCode.OK if all(d.clean for d in done) else ExitCode.PARTIAL)
+
+
+STATUS_EXAMPLE = """
+Examples:
+
+  clusterctl status
+  clusterctl status -o json | jq '.replicas[] | select(.state != "ready")'
+
+Each replica is checked through its node's SSH session (process, health check, /metrics):
+no engine port needs to be reachable from here. --no-check shows what the state recorded.
+"""
+
+
+@app.command(epilog=STATUS_EXAMPLE)
+def status(
+    ctx: typer.Context,
+    inventory: Path | None = typer.Option(
+        None, "--inventory", "-i", envvar=INVENTORY_ENV, help=RECORDED_INVENTORY_HELP
+    ),
+    check: bool = typer.Option(True, "--check/--no-check", help="Check each replica on its node now."),
+    output: ui.Output = ui.OUTPUT_OPTION,
+) -> None:
+    """One row per replica: where it runs, its state, uptime, restarts and load."""
+    import asyncio
+
+    from cluster_cli.control.replicas import status as run_status
+    from cluster_cli.control.sessions import Sessions
+
+    state: App = ctx.obj
+    store = open_store(state.state_path, create=False)
+
+    async def go() -> Any:
+        if not check:
+            return await run_status(store, None)
+        inv = inventory_or_abort(recorded_inventory(inventory, state.state_path), state_path=state.state_path)
+        async with Sessions(inv, _connector(state.state_path)) as sessions:
+            return await run_status(store, sessions)
+
+    try:
+        rows = asyncio.run(go())
+    except ClusterctlError as e:
+        ui.fail(e)
+    finally:
+        store.close()
+    data = [r.to_dict() for r in rows]
+    if output is not ui.Output.table:
+        ui.emit_data({"replicas": data}, output)
+        raise typer.Exit(0)
+    if not data:
+        ui.info("no replicas (clusterctl up starts them)")
+        raise typer.Exit(0)
+    table = []
+    for d in data:
+        colour = {"ready": "green", "stopped": "dim"}.get(d["state"], "red")
+        load = d["load"]
+        table.append(
+            [
+                escape(d["name"]),
+                escape(d["profile"]),
+                d["engine"],
+                escape(",".join(d["nodes"])),
+                escape(" ".join(f"{n}:{','.join(map(str, g))}" for n, g in d["gpus"].items()) or "-"),
+                escape(d["endpoint"] or "-"),
+                f"[{colour}]{d['state']}[/]",
+                _ago(d["uptime_s"]),
+                str(d["restarts"]),
+                _num(load["running"]),
+                _num(load["waiting"]),
+                _num(load["kv_cache_usage"], pct=True),
+            ]
+        )
+    cols = [("REPLICA", 12), ("PROFILE", None), ("ENGINE", 0), ("NODES", None), ("GPUS", None), ("ENDPOINT", None),
+            ("STATE", 0), ("UP", 0), ("RESTARTS", 0), ("RUN", 0), ("WAIT", 0), ("KV", 0)]  # fmt: skip
+    ui.print_table(cols, table)
+    for d in data:
+        if d["state"] not in ("ready", "stopped") and d["detail"]:
+            ui.out.print(f"[red]{escape(d['name'])}[/]: {escape(d['detail'])}", highlight=False)
+
+
+def _num(v: float | None, pct: bool = False) -> str:
+    if v is None:
+        return "unknown"
+    return f"{v * 100:.0f}%" if pct else f"{v:g}"
+
+
+def _ago(s: float | None) -> str:
+    if s is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{int(s // size)}{unit}"
+    return f"{int(s)}s"
+
+
+LOGS_EXAMPLE = """
+Examples:
+
+  clusterctl logs tiny/0
+  clusterctl logs llama-70b/1 --shard 1 -n 200
+  clusterctl logs tiny/0 -f        # follow until Ctrl-C
+"""
+
+
+@app.command(epilog=LOGS_EXAMPLE)
+def logs(
+    ctx: typer.Context,
+    replica: str = typer.Argument(..., help="The replica (MODEL/N)."),
+    shard: int = typer.Option(0, "--shard", help="Which shard of a multi-node replica (0 = the head)."),
+    lines: int = typer.Option(100, "-n", "--lines", min=0, help="Lines from the end."),
+    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines until Ctrl-C."),
+    inventory: Path | None = typer.Option(
+        None, "--inventory", "-i", envvar=INVENTORY_ENV, help=RECORDED_INVENTORY_HELP
+    ),
+) -> None:
+    """The engine's log, read from its node."""
+    import asyncio
+
+    from cluster_cli.control.replicas import find
+    from cluster_cli.control.replicas import logs as run_logs
+    from cluster_cli.control.sessions import Sessions
+
+    state: App = ctx.obj
+    store = open_store(state.state_path, create=False)
+    try:
+        rec = find(store, replica, shard)
+    except ClusterctlError as e:
+        ui.fail(e)
+    finally:
+        store.close()
+    inv = inventory_or_abort(recorded_inventory(inventory, state.state_path), state_path=state.state_path)
+
+    def write(data: bytes) -> None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+
+    async def go() -> int | None:
+        async with Sessions(inv, _connector(state.state_path)) as sessions:
+            return await run_logs(sessions, rec, shard=shard, lines=lines, follow=follow, write=write)
+
+    try:
+        rc = asyncio.run(go())
+    except ClusterctlError as e:
+        ui.fail(e)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+    raise typer.Exit(0 if rc in (0, None) else 1)

@@ -1,0 +1,180 @@
+"""``down``, ``status`` and ``logs``: the launched replicas, found again from the state."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cluster_cli.engines import get_engine
+from cluster_cli.errors import ClusterctlError, ConfigError, SSHError
+from cluster_cli.launch import node as nodeops
+from cluster_cli.launch import remote, routerconf
+from cluster_cli.state.records import READY, STOPPED, UNHEALTHY, UP, ReplicaRecord
+
+if TYPE_CHECKING:
+    from cluster_cli.control.sessions import Sessions
+    from cluster_cli.state.store import Store
+
+
+def select(records: Iterable[ReplicaRecord], names: Iterable[str]) -> list[ReplicaRecord]:
+    """The records that ``names`` (``MODEL/N`` or ``MODEL``) name. Raises ConfigError naming
+    one that matches nothing."""
+    records = list(records)
+    out: dict[tuple[str, int, int], ReplicaRecord] = {}
+    for name in names:
+        hit = [r for r in records if r.name == name or r.replica.model == name]
+        if not hit:
+            known = ", ".join(sorted({r.name for r in records})) or "none"
+            raise ConfigError(f"{name}: no such replica or model in the state (replicas: {known})")
+        out.update((r.key, r) for r in hit)
+    return sorted(out.values(), key=lambda r: r.key)
+
+
+@dataclass
+class Downed:
+    name: str
+    nodes: list[str]
+    clean: bool
+    problem: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "nodes": self.nodes, "stopped": self.clean, "problem": self.problem or None}
+
+
+async def down(
+    store: Store,
+    sessions: Sessions,
+    targets: list[ReplicaRecord],
+    *,
+    router_config: Path,
+    report: Callable[[str], None],
+) -> list[Downed]:
+    """Take ``targets`` out of the router config, then stop each whole and release it, wanted
+    down (nothing brings it back until the next ``up``)."""
+    from cluster_cli.control.up import stop_replica
+
+    keys = {t.key for t in targets}
+    left = [r for r in store.records() if r.key not in keys]
+    if router_config.exists() or left:
+        routerconf.write(router_config, routerconf.render(left, None))
+
+    async def one(rec: ReplicaRecord) -> Downed:
+        problem = await stop_replica(rec, sessions)
+        store.release(rec, wanted_down=True, why="stopped by down")
+        report(f"{rec.name}: {'stopped' if not problem else 'stopped, with problems: ' + problem}")
+        return Downed(rec.name, [s.node for s in rec.replica.shards], not problem, problem)
+
+    return list(await asyncio.gather(*(one(r) for r in targets)))
+
+
+@dataclass
+class Row:
+    """One replica as ``status`` shows it."""
+
+    rec: ReplicaRecord
+    state: str
+    load: dict[str, float | None]
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.rec.replica
+        return {
+            "name": self.rec.name,
+            "model": r.model,
+            "profile": r.profile,
+            "engine": r.engine,
+            "nodes": [s.node for s in r.shards],
+            "gpus": {s.node: list(s.gpus) for s in r.shards if s.gpus},
+            "endpoint": self.rec.endpoint,
+            "state": self.state,
+            "generation": self.rec.generation,
+            "uptime_s": round(time.time() - self.rec.started_at, 1)
+            if self.rec.started_at and self.state == READY
+            else None,
+            "restarts": self.rec.restarts,
+            "desired": self.rec.desired,
+            "load": self.load,
+            "detail": self.detail or self.rec.detail,
+        }
+
+
+_UNKNOWN = {"running": None, "waiting": None, "kv_cache_usage": None}
+
+
+async def status(store: Store, sessions: Sessions | None) -> list[Row]:
+    """Every replica with its state as seen now (``sessions`` None: as last recorded) and its
+    engine's load, scraped through the node's SSH session."""
+    records = store.records(include_down=True)
+
+    async def one(rec: ReplicaRecord) -> Row:
+        if rec.desired != UP:
+            return Row(rec, STOPPED, dict(_UNKNOWN))
+        if sessions is None or rec.status != READY or rec.port is None or not rec.shards:
+            return Row(rec, rec.status, dict(_UNKNOWN))
+        try:
+            for run in rec.shards:
+                (ok,) = await nodeops.alive(await sessions.get(run.node), [run])
+                if not ok:
+                    return Row(rec, UNHEALTHY, dict(_UNKNOWN), f"its engine on {run.node} is not running")
+            s = await sessions.get(rec.shards[0].node)
+            why = await nodeops.ready(s, rec.port, rec.replica.model)
+            if why is not None:
+                return Row(rec, UNHEALTHY, dict(_UNKNOWN), why)
+            return Row(rec, READY, await _load(s, rec))
+        except (SSHError, OSError) as e:
+            return Row(rec, UNHEALTHY, dict(_UNKNOWN), f"cannot be checked: {e}")
+
+    rows = list(await asyncio.gather(*(one(r) for r in records)))
+    for row in rows:  # observed health: recorded, no new state version
+        if row.rec.desired == UP and row.state != row.rec.status and sessions is not None:
+            store.observe(replace(row.rec, status=row.state, detail=row.detail or None))
+    return rows
+
+
+async def _load(session: Any, rec: ReplicaRecord) -> dict[str, float | None]:
+    from cluster_cli.router.scrape import mapped_names, parse_metrics, resolve
+
+    engine = get_engine(rec.replica.engine)
+    if engine is None or rec.port is None:
+        return dict(_UNKNOWN)
+    try:
+        code, body = await nodeops.get(session, rec.port, "/metrics")
+    except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError):
+        return dict(_UNKNOWN)
+    if code != 200:
+        return dict(_UNKNOWN)
+    values = parse_metrics(body.decode("utf-8", "replace"), mapped_names(engine.metrics))
+    running, waiting, kv = resolve(values, engine.metrics)
+    return {"running": running, "waiting": waiting, "kv_cache_usage": kv}
+
+
+def find(store: Store, name: str, shard: int = 0) -> ReplicaRecord:
+    """The live record of replica ``name`` (``MODEL/N``). Raises ConfigError."""
+    recs = [r for r in store.records(include_down=True) if r.name == name]
+    if not recs:
+        known = ", ".join(sorted({r.name for r in store.records()})) or "none"
+        raise ConfigError(f"{name}: no such replica in the state (replicas: {known})")
+    rec = recs[-1]
+    if not rec.shards:
+        raise ClusterctlError(f"{name}: it was never started (state {rec.status})")
+    if not 0 <= shard < len(rec.shards):
+        raise ConfigError(f"--shard {shard}: {name} has shards 0-{len(rec.shards) - 1}")
+    return rec
+
+
+async def logs(
+    sessions: Sessions, rec: ReplicaRecord, *, shard: int, lines: int, follow: bool, write: Callable[[bytes], None]
+) -> int | None:
+    run = rec.shards[shard]
+    s = await sessions.get(run.node)
+    cmd = remote.log_command(run.run_dir, lines=lines, follow=follow)
+    stream = getattr(s, "stream", None)
+    if stream is None:
+        res = await s.run(cmd, timeout=nodeops.SCRIPT_TIMEOUT_S)
+        write(res.stdout.encode())
+        return res.rc
+    return await stream(cmd, write)

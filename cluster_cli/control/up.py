@@ -1,0 +1,387 @@
+"""``up``: make the cluster run what the catalog asks for.
+
+probe the nodes → save their facts → place (the planner of ``place``, unchanged) → reserve the
+new replicas in one transaction → start every shard → wait until each is ready → publish the
+router config. Replicas the catalog no longer asks for leave the router config first, then
+stop. Running healthy replicas are left alone; a dead or unanswering one is restarted on its
+own allocation. A replica that fails is stopped and released whole; the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cluster_cli.errors import ClusterctlError, SSHError
+from cluster_cli.launch import node as nodeops
+from cluster_cli.launch import routerconf
+from cluster_cli.launch.shards import pick_port, profile_of, shard_starts
+from cluster_cli.state.launches import StaleVersion
+from cluster_cli.state.records import FAILED, READY, STARTING, UNHEALTHY, ReplicaRecord, replica_name
+from cluster_cli.state.store import Store
+
+if TYPE_CHECKING:
+    from cluster_cli.config.catalog import Catalog
+    from cluster_cli.config.inventory import Inventory
+    from cluster_cli.control.sessions import Sessions
+    from cluster_cli.facts import NodeFacts
+    from cluster_cli.placement import Plan
+
+POLL_S = 0.5
+STOP_GRACE_S = 10.0
+Report = Callable[[str, str, str], None]  # (replica name, phase, detail)
+
+
+@dataclass
+class Outcome:
+    """What ``up`` did with one replica."""
+
+    name: str
+    model: str
+    action: str  # start, restart, keep, stop, unplaced
+    state: str  # ready, failed, stopped, unplaced, ...
+    nodes: list[str] = field(default_factory=list)
+    endpoint: str | None = None
+    reason: str = ""
+    log: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "model": self.model,
+            "action": self.action,
+            "state": self.state,
+            "nodes": self.nodes,
+            "endpoint": self.endpoint,
+            "reason": self.reason or None,
+            "log": self.log,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+@dataclass
+class UpResult:
+    outcomes: list[Outcome]
+    state_version: int
+    router_config: Path
+
+    @property
+    def complete(self) -> bool:
+        return all(o.state in (READY, "stopped") for o in self.outcomes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "complete": self.complete,
+            "state_version": self.state_version,
+            "router_config": str(self.router_config),
+            "replicas": [o.to_dict() for o in self.outcomes],
+        }
+
+
+def _quiet(name: str, phase: str, detail: str) -> None:
+    pass
+
+
+async def up(
+    inv: Inventory,
+    cat: Catalog,
+    store: Store,
+    sessions: Sessions,
+    facts: list[NodeFacts],
+    *,
+    router_config: Path,
+    expect_version: int | None = None,
+    timeout_s: float = 600.0,
+    report: Report = _quiet,
+) -> UpResult:
+    """Apply the catalog to the cluster (``facts``: the nodes as the state holds them now)."""
+    from cluster_cli.placement import plan
+
+    by_node = {f.name: f for f in facts}
+    outcomes: list[Outcome] = []
+    version = store.version()
+    if expect_version is not None and version != expect_version:
+        raise StaleVersion(
+            f"the state is at version {version}, not {expect_version}: run 'clusterctl place --dry-run' again"
+        )
+
+    # Kept replicas first: which still run and answer.
+    current = store.records()
+    dead = await _dead(current, sessions)
+
+    for attempt in range(3):
+        result: Plan = plan(facts, cat, [r.replica for r in current])
+        stops = [_record_of(current, p.replica) for p in result.stops]
+        new = _new_records(result, current, inv, cat, store, await _taken_ports(result, sessions, store))
+        try:
+            version = store.reserve(new, expect_version=version)
+            break
+        except StaleVersion:
+            if attempt == 2 or expect_version is not None:
+                raise
+            # Another up (or a cordon) wrote meanwhile: plan again from what is there now.
+            current = store.records()
+            facts = store.nodes()
+            by_node = {f.name: f for f in facts}
+            version = store.version()
+
+    # Out of the router first, then stopped: no new request reaches a replica being stopped.
+    stopping = [r for r in stops if r is not None]
+    if stopping:
+        left = [r for r in store.records() if r.key not in {s.key for s in stopping}]
+        routerconf.write(router_config, routerconf.render(left, cat))
+    for rec in stopping:
+        report(rec.name, "stopping", "")
+    outcomes += await asyncio.gather(*(_stop(rec, store, sessions, report) for rec in stopping))
+
+    keeps = [_record_of(current, p.replica) for p in result.keeps]
+    restart = [r for r in keeps if r is not None and r.key in dead]
+    for rec in keeps:
+        if rec is not None and rec.key not in dead:
+            outcomes.append(_kept(rec))
+            report(rec.name, "ready", "running")
+
+    deadline = time.monotonic() + timeout_s
+    jobs = [_launch(rec, "start", inv, cat, store, sessions, by_node, deadline, report) for rec in new]
+    for rec in restart:
+        report(rec.name, "restarting", dead[rec.key])
+        jobs.append(_restart(rec, dead[rec.key], inv, cat, store, sessions, by_node, deadline, report))
+    outcomes += await asyncio.gather(*jobs)
+
+    for u in result.unplaced:
+        why = "; ".join(r.message for r in u.reasons[:3]) if u.reasons else "no profile fits"
+        outcomes.append(Outcome(replica_name(u.model, u.replica), u.model, "unplaced", "unplaced", reason=why))
+        report(replica_name(u.model, u.replica), "unplaced", why)
+
+    routerconf.write(router_config, routerconf.render(store.records(), cat))
+    outcomes.sort(key=lambda o: (o.model, int(o.name.rpartition("/")[2])))
+    return UpResult(outcomes, store.version(), router_config)
+
+
+def _record_of(records: list[ReplicaRecord], replica: Any) -> ReplicaRecord | None:
+    return next((r for r in records if r.replica.key == replica.key), None)
+
+
+def _kept(rec: ReplicaRecord) -> Outcome:
+    return Outcome(rec.name, rec.replica.model, "keep", rec.status, [s.node for s in rec.replica.shards], rec.endpoint)
+
+
+async def _dead(records: list[ReplicaRecord], sessions: Sessions) -> dict[tuple[str, int, int], str]:
+    """The kept replicas that no longer run or answer, with why."""
+    out: dict[tuple[str, int, int], str] = {}
+
+    async def check(rec: ReplicaRecord) -> None:
+        if rec.status != READY or not rec.shards or rec.port is None:
+            out[rec.key] = f"was left {rec.status} by an earlier run"
+            return
+        try:
+            for run in rec.shards:
+                s = await sessions.get(run.node)
+                (ok,) = await nodeops.alive(s, [run])
+                if not ok:
+                    out[rec.key] = f"its engine on {run.node} is not running"
+                    return
+            s = await sessions.get(rec.shards[0].node)
+            why = await nodeops.ready(s, rec.port, rec.replica.model)
+            if why is not None:
+                out[rec.key] = f"its engine stopped answering ({why})"
+        except (SSHError, OSError) as e:
+            out[rec.key] = f"its node cannot be reached ({e})"
+
+    await asyncio.gather(*(check(r) for r in records))
+    return out
+
+
+async def _taken_ports(result: Plan, sessions: Sessions, store: Store) -> dict[str, set[int]]:
+    """Per node that gets a new replica: the ports listening there and those the state holds."""
+    nodes = {p.replica.shards[0].node for p in result.starts if p.replica.shards}
+    out: dict[str, set[int]] = {}
+
+    async def one(n: str) -> None:
+        taken = set(store.held_ports(n))
+        with contextlib.suppress(SSHError, OSError):  # the start finds the node unreachable and says so
+            taken |= await nodeops.listening(await sessions.get(n))
+        out[n] = taken
+
+    await asyncio.gather(*(one(n) for n in sorted(nodes)))
+    return out
+
+
+def _new_records(
+    result: Plan, current: list[ReplicaRecord], inv: Inventory, cat: Catalog, store: Store, taken: dict[str, set[int]]
+) -> list[ReplicaRecord]:
+    out = []
+    for p in result.starts:
+        r = p.replica
+        head = r.shards[0].node
+        used = taken.setdefault(head, set())
+        n = inv.node(head)
+        lo, hi = inv.port_range(n) if n is not None else (8100, 8999)
+        profile = profile_of(cat, ReplicaRecord(r))
+        port = profile.port or pick_port(lo, hi, used)
+        if port is None:
+            raise ClusterctlError(f"{head}: no free port left in {lo}-{hi} for {replica_name(r.model, r.replica)}")
+        used.add(port)
+        extra: tuple[int, ...] = ()
+        if len(r.shards) > 1:  # the replica's own Ray head port
+            ray = pick_port(lo, hi, used)
+            if ray is None:
+                raise ClusterctlError(f"{head}: no free port left in {lo}-{hi} for a Ray head")
+            used.add(ray)
+            extra = (ray,)
+        out.append(ReplicaRecord(r, generation=1, status="planned", port=port, extra_ports=extra))
+    return out
+
+
+def _endpoint(inv: Inventory, rec: ReplicaRecord) -> str:
+    n = inv.node(rec.replica.shards[0].node)
+    host = n.host if n is not None else rec.replica.shards[0].node
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{rec.port}"
+
+
+async def _launch(
+    rec: ReplicaRecord,
+    action: str,
+    inv: Inventory,
+    cat: Catalog,
+    store: Store,
+    sessions: Sessions,
+    facts: dict[str, NodeFacts],
+    deadline: float,
+    report: Report,
+) -> Outcome:
+    """Start every shard of ``rec``, wait until it is ready; on any failure stop it whole and
+    release it whole."""
+    t0 = time.monotonic()
+    nodes = [s.node for s in rec.replica.shards]
+    out = Outcome(rec.name, rec.replica.model, action, STARTING, nodes)
+    runs = []
+    report(rec.name, "starting", ", ".join(nodes))
+    try:
+        starts = shard_starts(rec, cat, inv, facts)
+        rec = replace(rec, shards=tuple(s.run for s in starts), status=STARTING, endpoint=_endpoint(inv, rec))
+        # Shard 0 first (a multi-node replica's Ray head), then the others together.
+        head = await nodeops.start(await sessions.get(starts[0].node), starts[0])
+        runs.append(head)
+
+        async def other(s: Any) -> Any:
+            return await nodeops.start(await sessions.get(s.node), s)
+
+        runs += await asyncio.gather(*(other(s) for s in starts[1:]))
+        rec = replace(rec, shards=tuple(runs), started_at=time.time())
+        store.observe(rec)
+        report(rec.name, "loading", f"pid {head.pid} on {head.node}")
+        await _wait_ready(rec, sessions, deadline, report)
+        rec = replace(rec, status=READY, detail=None)
+        store.observe(rec)
+        out.state, out.endpoint = READY, rec.endpoint
+        report(rec.name, "ready", rec.endpoint or "")
+    except (ClusterctlError, OSError, ValueError) as e:
+        out.state, out.reason = FAILED, str(e)
+        out.log = list(getattr(e, "log", []) or [])
+        report(rec.name, "failed", out.reason)
+        out.log = await _stop_whole(rec, sessions, out.log) or out.log
+        store.release(rec, why=f"failed to start: {out.reason}")
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+async def _wait_ready(rec: ReplicaRecord, sessions: Sessions, deadline: float, report: Report) -> None:
+    last = ""
+    head = rec.shards[0]
+    assert rec.port is not None
+    while True:
+        why = await nodeops.ready(await sessions.get(head.node), rec.port, rec.replica.model)
+        if why is None:
+            return
+        for run in rec.shards:
+            (ok,) = await nodeops.alive(await sessions.get(run.node), [run])
+            if not ok:
+                raise nodeops.LaunchError(f"the engine exited on {run.node}")
+        if why != last:
+            report(rec.name, "loading", why)
+            last = why
+        if time.monotonic() > deadline:
+            raise nodeops.LaunchError(f"not ready in time: {why}")
+        await asyncio.sleep(POLL_S)
+
+
+async def _stop_whole(rec: ReplicaRecord, sessions: Sessions, log: list[str]) -> list[str]:
+    """Stop every shard of ``rec`` (what of it started); shard 0's log tail."""
+    tails: list[str] = []
+
+    async def one(i: int, run: Any) -> None:
+        try:
+            res = await nodeops.stop(await sessions.get(run.node), run, grace_s=STOP_GRACE_S)
+        except (SSHError, OSError):
+            return
+        if i == 0:
+            tails.extend(res.log)
+
+    await asyncio.gather(*(one(i, run) for i, run in enumerate(rec.shards)))
+    return tails or log
+
+
+async def _restart(
+    rec: ReplicaRecord,
+    why: str,
+    inv: Inventory,
+    cat: Catalog,
+    store: Store,
+    sessions: Sessions,
+    facts: dict[str, NodeFacts],
+    deadline: float,
+    report: Report,
+) -> Outcome:
+    """A kept replica that died: what is left of it is stopped, then it starts again on its own
+    allocation (GPUs and port), one restart more."""
+    await _stop_whole(rec, sessions, [])
+    rec = replace(rec, status=UNHEALTHY, detail=why, restarts=rec.restarts + 1)
+    store.observe(rec)
+    out = await _launch(rec, "restart", inv, cat, store, sessions, facts, deadline, report)
+    if not out.reason:
+        out.reason = f"restarted: {why}"
+    return out
+
+
+async def _stop(rec: ReplicaRecord, store: Store, sessions: Sessions, report: Report) -> Outcome:
+    t0 = time.monotonic()
+    out = Outcome(rec.name, rec.replica.model, "stop", "stopped", [s.node for s in rec.replica.shards])
+    problems = await stop_replica(rec, sessions)
+    if problems:
+        out.state, out.reason = FAILED, problems
+    store.release(rec, why="stopped (no longer in the catalog)")
+    report(rec.name, out.state, out.reason)
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+async def stop_replica(rec: ReplicaRecord, sessions: Sessions) -> str:
+    """Stop every shard and check that nothing of it is left; what was left, or ""."""
+    problems: list[str] = []
+
+    async def one(i: int, run: Any) -> None:
+        port = rec.port if i == 0 else None
+        try:
+            res = await nodeops.stop(
+                await sessions.get(run.node), run, grace_s=STOP_GRACE_S, port=port, gpu_check=bool(run.gpu_uuids)
+            )
+        except (SSHError, OSError) as e:
+            problems.append(f"{run.node}: {e}")
+            return
+        if not res.clean:
+            problems.append(f"{run.node}: {res.problem()}")
+
+    await asyncio.gather(*(one(i, run) for i, run in enumerate(rec.shards)))
+    return "; ".join(problems)
+
+
+def open_state(path: Path) -> Store:
+    return Store(path)

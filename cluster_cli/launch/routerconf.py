@@ -1,0 +1,97 @@
+"""The router config that ``up`` and ``down`` publish: every ready replica as an endpoint.
+
+Written in exactly the format ``serve-router`` reads, atomically (a temporary file beside it,
+fsynced, renamed over the old one), so a running router's live reload never reads half a
+file. What else the file holds (a ``router:`` section of tunables) is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from cluster_cli.engines import get_engine
+from cluster_cli.errors import ConfigError
+from cluster_cli.state.records import READY, UP, ReplicaRecord
+
+if TYPE_CHECKING:
+    from cluster_cli.config.catalog import Catalog
+
+
+def default_path(state_path: Path) -> Path:
+    """``.clusterctl/router.yaml`` for ``.clusterctl/state.db``: beside the state."""
+    return state_path.with_name("router.yaml")
+
+
+def render(records: Iterable[ReplicaRecord], cat: Catalog | None) -> dict[str, Any]:
+    """``engines`` (each one's metric mapping: the catalog's, else the adapter's) and ``models``
+    (the ready replicas' endpoints, by model, in replica order)."""
+    models: dict[str, dict[str, Any]] = {}
+    engines: dict[str, Any] = {}
+    for rec in sorted(records, key=lambda r: (r.replica.model, r.replica.replica, r.generation)):
+        if rec.status != READY or rec.desired != UP or not rec.endpoint:
+            continue
+        eng = rec.replica.engine
+        ep = {"url": rec.endpoint, "engine": eng, "replica": rec.name}
+        models.setdefault(rec.replica.model, {"endpoints": []})["endpoints"].append(ep)
+        if eng not in engines:
+            cfg = cat.engines.get(eng) if cat is not None else None
+            adapter = get_engine(eng)
+            if cfg is not None and cfg.metrics is not None:
+                engines[eng] = {"metrics": dict(cfg.metrics)}
+            elif adapter is not None:
+                engines[eng] = {"metrics": adapter.metrics.to_config()}
+    return {"engines": engines, "models": models}
+
+
+def write(path: Path, doc: dict[str, Any]) -> None:
+    """Replace the models and engines of the router config at ``path`` with ``doc``'s, keeping
+    its other sections; atomically. Raises ConfigError."""
+    old: dict[str, Any] = {}
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        text = ""
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the router config: {e.strerror or e}") from None
+    if text.strip():
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError:
+            loaded = None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: not a router config (not YAML mapping); move it away or pick --router-config")
+        old = loaded
+    merged = {**{k: v for k, v in old.items() if k not in ("engines", "models")}, **doc}
+    body = "# Written by clusterctl up/down: the ready replicas. Other sections are kept.\n"
+    body += yaml.safe_dump(merged, sort_keys=False, default_flow_style=False)
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=folder)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot write the router config: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(OSError):
+            os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ConfigError(f"{path}: cannot write the router config: {e.strerror or e}") from None
+    with contextlib.suppress(OSError):  # the rename itself reaches the disk
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)

@@ -1,0 +1,314 @@
+"""``up``, ``status``, ``logs``, ``down`` end to end: real ``llama-server`` replicas on the
+testbed's sshd nodes, behind a real ``serve-router`` started before them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from gguf_tiny import make_tiny_gguf
+from llama import find_llama_server
+
+pytestmark = pytest.mark.llama
+
+CPU_NODES = "cpu-01=cpu-only,cpu-02=cpu-only,cpu-03=cpu-only"
+
+
+def ctl(state: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """The CLI in a child process (a hang fails the test instead of stalling the suite)."""
+    return subprocess.run(
+        [sys.executable, "-m", "cluster_cli", "--state", str(state), *args], capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inventory(cluster: Any, base: int) -> Path:
+    """The testbed's inventory with a port range per node: in loopback mode all nodes are one host."""
+    data = yaml.safe_load(cluster.inventory_path.read_text())
+    for i, n in enumerate(data["nodes"]):
+        n["ports"] = f"{base + 20 * i}-{base + 20 * i + 19}"
+    p = cluster.inventory_path.parent / "inventory-launch.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def _catalog(path: Path, model: Path, binary: str, replicas: int = 3, **profile: Any) -> Path:
+    prof = {"name": "cpu", "engine": "llamacpp", "cpus": 1, "memory_gib": 0.25, "model": str(model)}
+    prof.update(profile)
+    doc = {
+        "engines": {"llamacpp": {"command": binary}},
+        "models": [{"name": "tiny", "replicas": replicas, "profiles": [prof]}],
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture
+def fleet(testbed_factory, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    binary = find_llama_server()
+    if binary is None:
+        pytest.skip("llama-server binary not found: set $LLAMA_SERVER or run scripts/install-llama-server.sh")
+    cluster = testbed_factory(CPU_NODES)
+    model = make_tiny_gguf(tmp_path / "tiny.gguf")
+    base = 20000 + (os.getpid() % 200) * 60
+    env = {
+        "state": tmp_path / "st" / "state.db",
+        "inventory": _inventory(cluster, base),
+        "catalog": _catalog(tmp_path / "catalog.yaml", model, binary),
+        "model": model,
+        "binary": binary,
+        "cluster": cluster,
+        "tmp": tmp_path,
+    }
+    yield env
+    ctl(env["state"], "down", "--all")
+
+
+def _json(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert r.stdout.strip().startswith("{"), (r.returncode, r.stdout, r.stderr)
+    return json.loads(r.stdout)
+
+
+def _pids(cluster: Any, node: str) -> set[int]:
+    """The llama-server processes running on ``node``."""
+    out = cluster.ssh(node, "ps -eo pid=,comm= | awk '$2 == \"llama-server\" {print $1}'").stdout.decode()
+    return {int(x) for x in out.split()}
+
+
+def _router(config: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster_cli", "serve-router", "-c", str(config), "--port", str(port),
+         "--watch-interval", "0.2"],
+        stdout=open(tmp / "router.out", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115 - the child keeps it
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, port
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"serve-router did not start: {(tmp / 'router.out').read_text()}")
+
+
+def _chat(base_url: str, stream: bool) -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=30)
+    msgs = [{"role": "user", "content": "hello"}]
+    if stream:
+        parts = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, stream=True)
+        return "".join((c.choices[0].delta.content or "") for c in parts if c.choices)
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4)
+    return r.choices[0].message.content or ""
+
+
+def _wait(pred: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError("condition not met in time")
+
+
+def test_up_serves_three_replicas_through_a_router_started_before_it(fleet) -> None:
+    state, inv, cat, cluster = fleet["state"], fleet["inventory"], fleet["catalog"], fleet["cluster"]
+    config = state.parent / "router.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("models: {}\n")  # a router waiting for its first replicas
+    router, port = _router(config, fleet["tmp"])
+    try:
+        r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60")
+        doc = _json(r)
+        assert r.returncode == 0, doc
+        assert sorted(x["name"] for x in doc["replicas"]) == ["tiny/0", "tiny/1", "tiny/2"]
+        assert {x["state"] for x in doc["replicas"]} == {"ready"}
+        assert sorted(n for x in doc["replicas"] for n in x["nodes"]) == ["cpu-01", "cpu-02", "cpu-03"]
+
+        # Each replica answers directly...
+        for x in doc["replicas"]:
+            assert _chat(x["endpoint"] + "/v1", stream=False) is not None
+        # ...and through the router, which picked them up without a restart.
+        published = yaml.safe_load(config.read_text())
+        assert [e["replica"] for e in published["models"]["tiny"]["endpoints"]] == ["tiny/0", "tiny/1", "tiny/2"]
+        base = f"http://127.0.0.1:{port}/v1"
+        _wait(lambda: _models(port) == ["tiny"])
+        assert isinstance(_chat(base, stream=False), str)
+        assert isinstance(_chat(base, stream=True), str)
+
+        st = _json(ctl(state, "status", "-o", "json"))
+        assert [(x["name"], x["state"], x["engine"]) for x in st["replicas"]] == [
+            (f"tiny/{i}", "ready", "llamacpp") for i in range(3)
+        ]
+        assert all(x["endpoint"] and x["nodes"] and x["uptime_s"] is not None for x in st["replicas"])
+
+        log = ctl(state, "logs", "tiny/0", "-n", "50")
+        assert log.returncode == 0 and "llama" in log.stdout.lower(), log
+
+        # A second up changes no process.
+        before = {n: _pids(cluster, n) for n in ("cpu-01", "cpu-02", "cpu-03")}
+        r2 = ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json")
+        assert r2.returncode == 0
+        assert {x["action"] for x in _json(r2)["replicas"]} == {"keep"}
+        assert {n: _pids(cluster, n) for n in before} == before
+
+        # A killed engine is restarted by the next up, on its own node and port.
+        victim = next(x for x in st["replicas"] if x["name"] == "tiny/1")
+        node = victim["nodes"][0]
+        cluster.ssh(node, "pkill -KILL -x llama-server")
+        _wait(lambda: not _pids(cluster, node))
+        r3 = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60"))
+        again = next(x for x in r3["replicas"] if x["name"] == "tiny/1")
+        assert (again["action"], again["state"], again["endpoint"]) == ("restart", "ready", victim["endpoint"])
+        st2 = {x["name"]: x for x in _json(ctl(state, "status", "-o", "json"))["replicas"]}
+        assert st2["tiny/1"]["restarts"] == 1 and st2["tiny/0"]["restarts"] == 0
+
+        # down of one replica: out of the router first, then stopped; the router keeps serving.
+        assert ctl(state, "down", "tiny/1").returncode == 0
+        assert [e["replica"] for e in yaml.safe_load(config.read_text())["models"]["tiny"]["endpoints"]] == [
+            "tiny/0",
+            "tiny/2",
+        ]
+        assert not _pids(cluster, node)
+        for _ in range(3):
+            assert isinstance(_chat(base, stream=False), str)
+
+        # down --all: no process, no open port, no run folder left.
+        assert ctl(state, "down", "--all").returncode == 0
+        for n in ("cpu-01", "cpu-02", "cpu-03"):
+            assert not _pids(cluster, n)
+            left = cluster.ssh(n, "ls -A ~/.clusterctl/run 2>/dev/null").stdout.decode().split()
+            assert left == [], (n, left)
+        for x in doc["replicas"]:
+            host, p = x["endpoint"].removeprefix("http://").rsplit(":", 1)
+            with socket.socket() as s:
+                s.settimeout(2)
+                assert s.connect_ex((host, int(p))) != 0
+        assert {x["state"] for x in _json(ctl(state, "status", "-o", "json"))["replicas"]} == {"stopped"}
+    finally:
+        router.terminate()
+        router.wait(10)
+
+
+def _models(port: int) -> list[str]:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+            return [m["id"] for m in json.load(r)["data"]]
+    except OSError:
+        return []
+
+
+def _one(fleet: dict[str, Any], **profile: Any) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    cat = _catalog(fleet["tmp"] / "bad.yaml", profile.pop("model", fleet["model"]), profile.pop("binary", fleet["binary"]),
+                   replicas=1, **profile)  # fmt: skip
+    r = ctl(fleet["state"], "up", "-i", str(fleet["inventory"]), "-c", str(cat), "-o", "json", "--timeout", "20")
+    return r, _json(r)
+
+
+def _nothing_left(fleet: dict[str, Any]) -> None:
+    st = _json(ctl(fleet["state"], "status", "-o", "json"))
+    assert st["replicas"] == []  # released whole
+    for n in ("cpu-01", "cpu-02", "cpu-03"):
+        assert not _pids(fleet["cluster"], n)
+
+
+@pytest.mark.parametrize(
+    "profile,reason",
+    [
+        ({"binary": "/nonexistent/llama-server"}, "engine binary not found: /nonexistent/llama-server"),
+        ({"model": "/nonexistent/model.gguf"}, "model file not found: /nonexistent/model.gguf"),
+        ({"args": ["--no-such-flag"]}, "the engine exited"),
+    ],
+    ids=["missing-binary", "missing-model", "exits-at-once"],
+)
+def test_a_replica_that_cannot_start_is_released_whole_with_its_reason(fleet, profile, reason) -> None:
+    r, doc = _one(fleet, **profile)
+    assert r.returncode == 3
+    (x,) = doc["replicas"]
+    assert x["state"] == "failed" and reason in x["reason"], x
+    if reason == "the engine exited":
+        assert any("no-such-flag" in line or "invalid argument" in line.lower() for line in x["log"]), x["log"]
+    _nothing_left(fleet)
+
+
+def test_a_port_in_use_on_the_node_is_skipped(fleet) -> None:
+    """A port something listens on is never handed out: the next one in the range is."""
+    inv = yaml.safe_load(fleet["inventory"].read_text())
+    lo = int(inv["nodes"][0]["ports"].split("-")[0])
+    for n in inv["nodes"]:  # one range for all: every node has a squatter on its first port
+        n["ports"] = f"{lo}-{lo + 5}"
+    fleet["inventory"].write_text(yaml.safe_dump(inv))
+    squat = "nohup python3 -c 'import socket,time; s=socket.socket(); s.bind((\"0.0.0.0\", %d)); s.listen(); time.sleep(120)' >/dev/null 2>&1 &"
+    for n in inv["nodes"]:
+        fleet["cluster"].ssh(n["name"], squat % lo)
+    time.sleep(0.5)
+    r, doc = _one(fleet)
+    assert r.returncode == 0, doc
+    (x,) = doc["replicas"]
+    assert x["endpoint"].endswith(f":{lo + 1}") or fleet["cluster"].mode == "loopback"
+
+
+def test_a_hostile_model_path_reaches_the_engine_verbatim_and_runs_nothing(fleet) -> None:
+    hostile = fleet["tmp"] / 'it\'s a;b $(touch pwned) `touch pwned` "q" | model.gguf'
+    hostile.write_bytes(fleet["model"].read_bytes())
+    r, doc = _one(fleet, model=hostile)
+    assert r.returncode == 0, doc
+    (x,) = doc["replicas"]
+    log = ctl(fleet["state"], "logs", x["name"]).stdout
+    assert str(hostile) in log  # llama-server names the file it loads: the path arrived whole
+    made = subprocess.run(["find", "/tmp", "/root", "-name", "pwned"], capture_output=True, text=True).stdout
+    assert made == ""
+
+
+def test_secrets_in_a_profile_env_are_on_no_command_line_and_in_a_private_file(fleet) -> None:
+    r, doc = _one(fleet, env={"HF_TOKEN": "hf_secret_value_123"})
+    assert r.returncode == 0, doc
+    node = doc["replicas"][0]["nodes"][0]
+    c = fleet["cluster"]
+    cmdlines = c.ssh(node, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '").stdout.decode()
+    assert "hf_secret_value_123" not in cmdlines
+    env_file = c.ssh(node, "stat -c %a ~/.clusterctl/run/tiny-0.g1/env").stdout.decode().strip()
+    assert env_file == "600"
+    assert "hf_secret_value_123" not in r.stdout + r.stderr
+    assert "hf_secret_value_123" not in ctl(fleet["state"], "status", "-o", "json").stdout
+
+
+def test_check_version_out_of_date_starts_nothing(fleet) -> None:
+    """The plan printed at version N is applied only while the state is at N: a cordon since
+    then moves it, and up refuses before starting anything."""
+    state, inv, cat = fleet["state"], fleet["inventory"], fleet["catalog"]
+    assert ctl(state, "discover", "-i", str(inv)).returncode == 0
+    plan = _json(ctl(state, "place", "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json"))
+    version = plan["state_version"]
+    assert ctl(state, "cordon", "cpu-03", "-i", str(inv), "--reason", "fan").returncode == 0
+    r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "--check-version", str(version))
+    assert r.returncode == 2 and f"not {version}" in r.stderr, r.stderr
+    for n in ("cpu-01", "cpu-02", "cpu-03"):
+        assert not _pids(fleet["cluster"], n)
+    # At the state's current version, the same command applies the plan.
+    now = _json(ctl(state, "place", "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json"))["state_version"]
+    r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "--check-version", str(now), "-o", "json")
+    assert r.returncode == 0, r.stdout
+    got = _json(r)["replicas"]
+    assert {x["state"] for x in got} == {"ready"}
+    assert "cpu-03" not in {n for x in got for n in x["nodes"]}  # the cordon holds
+    assert len({x["endpoint"] for x in got}) == 3  # two on one node: two ports
