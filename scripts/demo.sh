@@ -11,11 +11,8 @@ say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 KEEP=${DEMO_KEEP:-0}  # DEMO_KEEP=1: leave the testbed running after a demo that went through
 ok=0
 stop_engines() {  # the replicas a DEMO_KEEP=1 run left up
-  [ -f "$DIR/engines.pids" ] || return 0
-  while read -r pid; do  # only if that pid is still a llama-server (the file may be old)
-    { [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = llama-server ] && kill -TERM -- "-$pid" 2>/dev/null; } || true
-  done <"$DIR/engines.pids"
-  rm -f "$DIR/engines.pids"
+  [ -f "$DIR/state.db" ] && [ -f "$DIR/testbed.json" ] || return 0
+  "$CTL" down --all >/dev/null 2>&1 || true
 }
 cleanup() {
   [ "$KEEP" = 1 ] && [ "$ok" = 1 ] && return 0
@@ -71,7 +68,8 @@ set -e
 echo "(exit code $rc: 1 = some node did not answer; the others' facts are saved)"
 
 if [ "${DEMO_ROUTER:-1}" = 1 ]; then
-  say "The router: two real llama-server replicas of a tiny model behind clusterctl serve-router"
+  say "clusterctl up: real llama-server replicas of a tiny model, behind clusterctl serve-router"
+  "$PY" -m testbed revive --dir "$DIR" h100-01 >/dev/null
   if [ -z "${LLAMA_SERVER:-}" ]; then
     LLAMA_SERVER="$(PYTHON="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" bash scripts/install-llama-server.sh)"  # a failed install stops the demo
   fi
@@ -81,11 +79,11 @@ fi
 
 ok=1
 if [ "$KEEP" = 1 ]; then
-  "$PY" -m testbed revive --dir "$DIR" h100-01 >/dev/null
+  "$PY" -m testbed revive --dir "$DIR" h100-01 >/dev/null 2>&1 || true
   say "Done. The testbed keeps running (h100-01 revived); state is in $DIR/state.db"
   echo "Try:   . .venv/bin/activate && export CLUSTERCTL_STATE=$DIR/state.db"
   echo "       clusterctl discover -i $DIR/inventory.yaml"
-  [ -f "$DIR/engines.pids" ] && echo "       clusterctl serve-router --config $DIR/router.yaml --port 8000   (its two replicas are up)"
+  echo "       clusterctl status; clusterctl serve-router --config $DIR/router.yaml --port 8000"
   echo "Stop:  make demo-down"
 else
   say "Done. The testbed is stopped on exit (DEMO_KEEP=1 keeps it); state is in $DIR/state.db"

@@ -1,5 +1,7 @@
-"""Demo: two llama-server replicas of a generated tiny model, clusterctl's router in front,
-and a streamed chat completion through it with the official openai client."""
+"""Demo: `clusterctl up` starts two llama-server replicas of a generated tiny model on the
+testbed's CPU nodes, a `clusterctl serve-router` started before them picks them up, a chat
+completion streams through it with the official openai client, and `clusterctl down` stops
+them (unless --keep)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -19,70 +20,72 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from gguf_tiny import make_tiny_gguf  # noqa: E402
-from llama import free_port, run_llama_server  # noqa: E402
+from llama import free_port  # noqa: E402
+
+
+def say(text: str) -> None:
+    print(f"\n\033[1m== {text}\033[0m", flush=True)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default=".demo")
-    ap.add_argument("--keep", action="store_true", help="leave the replicas running (pids in DIR/engines.pids)")
+    ap.add_argument(
+        "--keep", action="store_true", help="leave the replicas running ('clusterctl down --all' stops them)"
+    )
     args = ap.parse_args()
     d = Path(args.dir).resolve()
-    d.mkdir(parents=True, exist_ok=True)
     model = make_tiny_gguf(d / "tiny.gguf")
-    print(f"model: {model} ({model.stat().st_size // 1024} KiB, generated with the gguf package)")
-    with ExitStack() as stack:
-        urls = []
-        for i in range(2):
-            kept = {"leave_running": d / "engines.pids", "log_path": d / f"tiny-{i}.log"} if args.keep else {}
-            url = stack.enter_context(run_llama_server(model, port=free_port(), alias="tiny", n_predict=24, **kept))
-            print(f"replica tiny-{i}: llama-server at {url}")
-            urls.append(url)
-        cfg = d / "router.yaml"
-        cfg.write_text(
-            "engines:\n"
-            '  llamacpp: {metrics: {running: "llamacpp:requests_processing", waiting: "llamacpp:requests_deferred"}}\n'
-            "models:\n  tiny:\n    endpoints:\n"
-            + "".join(f'      - {{url: "{u}", engine: llamacpp, replica: tiny-{i}}}\n' for i, u in enumerate(urls))
-        )
-        print(f"router config: {cfg}\n" + cfg.read_text())
-        port = free_port()
-        ctl = str(Path(sys.executable).parent / "clusterctl")
-        router = subprocess.Popen(
-            [ctl, "serve-router", "--config", str(cfg), "--port", str(port), "--access-log", "off"],
-            start_new_session=True,
-        )
+    binary = os.environ["LLAMA_SERVER"]
+    catalog = d / "catalog-cpu.yaml"
+    catalog.write_text(
+        f"engines:\n  llamacpp: {{command: {binary}}}\n"
+        "models:\n  - name: tiny\n    replicas: 2\n    profiles:\n"
+        f"      - {{name: cpu, engine: llamacpp, cpus: 2, memory_gib: 1, model: {model}}}\n"
+    )
+    config = d / "router.yaml"
+    config.write_text("models: {}\n")  # the router starts first, with nothing to serve yet
+    ctl = str(Path(sys.executable).parent / "clusterctl")
+    port = free_port()
+    router = subprocess.Popen(
+        [ctl, "serve-router", "--config", str(config), "--port", str(port), "--access-log", "off",
+         "--watch-interval", "0.5"],
+        start_new_session=True,
+    )  # fmt: skip
 
-        def stop_router() -> None:
-            with contextlib.suppress(ProcessLookupError):  # it may have exited (and been reaped) already
-                os.killpg(router.pid, signal.SIGTERM)
-            try:
-                router.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(router.pid, signal.SIGKILL)
-                router.wait()
+    def stop_router() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(router.pid, signal.SIGTERM)
+        try:
+            router.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(router.pid, signal.SIGKILL)
+            router.wait()
 
-        stack.callback(stop_router)
+    try:
         base = f"http://127.0.0.1:{port}"
+        print(f"clusterctl serve-router --config {config} --port {port}   (no models yet: 404 until up)")
+        say(f"clusterctl up -c {catalog.name}: two llama-server replicas on the CPU nodes")
+        print(catalog.read_text())
+        if subprocess.run([ctl, "up", "-c", str(catalog), "--timeout", "120"]).returncode != 0:
+            return 1
+        say("clusterctl status")
+        subprocess.run([ctl, "status"], check=True)
+        say("a streamed chat completion through the router (the official openai client)")
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+        while True:  # the router reloads its config within its watch interval
+            with contextlib.suppress(httpx.HTTPError):
+                if any(m["id"] == "tiny" for m in httpx.get(f"{base}/v1/models", timeout=1).json()["data"]):
                     break
-            except httpx.HTTPError:
-                pass
             if time.monotonic() > deadline or router.poll() is not None:
-                print("router did not become healthy", file=sys.stderr)
+                print("the router did not pick up the replicas", file=sys.stderr)
                 return 1
             time.sleep(0.2)
-        print(f"clusterctl serve-router listening on {base}\n")
-
         from openai import OpenAI
 
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")
-        print("models:", [m.id for m in client.models.list().data])
-        print("streamed chat completion (the tiny model's weights are random, so is its text):\n  ", end="")
+        print("  (the tiny model's weights are random, so is its text)\n  ", end="")
         chunks = 0
         stream = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Say hello"}], max_tokens=16, stream=True
@@ -92,17 +95,18 @@ def main() -> int:
                 chunks += 1
                 print(chunk.choices[0].delta.content, end="", flush=True)
         print(f"\n  ({chunks} chunks streamed through the router)")
-        metrics = httpx.get(f"{base}/metrics", timeout=5).text
-        # The proxied requests (the router's own /health and /v1/models have no model label).
-        lines = [
-            m for m in metrics.splitlines() if m.startswith("clusterctl_router_requests_total") and 'model=""' not in m
-        ]
-        print("router metrics:", *lines[:4], sep="\n  ")
+        say("clusterctl logs tiny/0 -n 3")
+        subprocess.run([ctl, "logs", "tiny/0", "-n", "3"], check=True)
+        if not args.keep:
+            say("clusterctl down --all: every process stopped, ports closed, folders removed")
+            subprocess.run([ctl, "down", "--all"], check=True)
         return 0 if chunks else 1
+    finally:
+        stop_router()
 
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except KeyboardInterrupt:  # Ctrl-C: the replicas and the router are stopped on the way out
+    except KeyboardInterrupt:
         sys.exit(130)
