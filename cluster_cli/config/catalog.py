@@ -60,9 +60,7 @@ class EngineConfig(_Strict):
     @field_validator("metrics")
     @classmethod
     def _metrics(cls, v: dict[str, str | None] | None) -> dict[str, str | None] | None:
-        if v is not None:
-            MetricMapping.from_config(v)  # raises ValueError naming the bad key
-        return v
+        return MetricMapping.checked(v)
 
 
 class Profile(_Strict):

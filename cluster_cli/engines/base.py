@@ -67,6 +67,13 @@ class MetricMapping:
             {} if "kv_cache_usage" in mapping else base.fallbacks,
         )
 
+    @classmethod
+    def checked(cls, mapping: dict[str, str | None] | None) -> dict[str, str | None] | None:
+        """``mapping`` as given, once ``from_config`` reads it (a config field's validator)."""
+        if mapping is not None:
+            cls.from_config(mapping)  # raises ValueError naming the bad key
+        return mapping
+
     def names(self, signal: str) -> tuple[str, ...]:
         primary = getattr(self, signal)
         if primary is None:
