@@ -312,3 +312,27 @@ def test_check_version_out_of_date_starts_nothing(fleet) -> None:
     assert {x["state"] for x in got} == {"ready"}
     assert "cpu-03" not in {n for x in got for n in x["nodes"]}  # the cordon holds
     assert len({x["endpoint"] for x in got}) == 3  # two on one node: two ports
+
+
+def test_a_replica_on_a_node_that_went_away_is_left_recorded_and_restarted_once_it_is_back(fleet) -> None:
+    """A node that does not answer may still run its engine (a partition): up neither stops
+    nor releases nor replaces its replica; once the node is back and the engine gone, the next
+    up restarts it there."""
+    state, inv, cat, cluster = fleet["state"], fleet["inventory"], fleet["catalog"], fleet["cluster"]
+    first = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60"))
+    victim = next(x for x in first["replicas"] if x["name"] == "tiny/1")
+    node = victim["nodes"][0]
+    cluster.kill(node)
+    r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "30")
+    assert r.returncode == 3
+    got = {x["name"]: x for x in _json(r)["replicas"]}
+    assert got["tiny/1"]["state"] == "unhealthy" and "unreachable" in got["tiny/1"]["reason"], got["tiny/1"]
+    assert {got["tiny/0"]["action"], got["tiny/2"]["action"]} == {"keep"}
+    st = {x["name"]: x for x in _json(ctl(state, "status", "--no-check", "-o", "json"))["replicas"]}
+    assert st["tiny/1"]["nodes"] == [node]  # still recorded, its GPUs and port still held
+    published = yaml.safe_load((state.parent / "router.yaml").read_text())
+    assert "tiny/1" not in [e["replica"] for e in published["models"]["tiny"]["endpoints"]]
+    cluster.revive(node)
+    r = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60"))
+    back = {x["name"]: x for x in r["replicas"]}["tiny/1"]
+    assert (back["action"], back["state"], back["nodes"]) == ("restart", "ready", [node])

@@ -126,10 +126,9 @@ def discover(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from cluster_cli.probe.collect import discover as run_discover
+    from cluster_cli.control import discovery
     from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts, fabric_warnings
     from cluster_cli.probe.runner import AsyncsshConnector
-    from cluster_cli.state.view import for_inventory, note_changes
 
     state: App = ctx.obj
     inv = inventory_or_abort(inventory, check_files=True, state_path=state.state_path)
@@ -168,8 +167,9 @@ def discover(
                     if trace is not None:
                         trace.done(f)
 
-                facts = asyncio.run(_cancelled_by_sigterm(run_discover(
-                    inv, nodes, connector=trace or connector, parallel=parallel, node_timeout_s=timeout, on_done=done
+                facts = asyncio.run(_cancelled_by_sigterm(discovery.probe(
+                    inv, nodes, connector=trace or connector, parallel=parallel, node_timeout_s=timeout, store=store,
+                    on_done=done,
                 )))  # fmt: skip
             if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the loop's own handler went with it
                 with contextlib.suppress(ValueError):  # (not the main thread)
@@ -186,16 +186,13 @@ def discover(
         try:
             if store is None:
                 store = open_store(state.state_path)
-            # A stored row that cannot be read is no earlier knowledge: this discover replaces it.
-            before = {f.name: f for f in store.nodes([f.name for f in facts], unreadable=[])}
-            facts = [note_changes(f, before.get(f.name)) for f in facts]
-            store.save_discovery(facts, inventory=inventory.resolve())
+            facts = discovery.save(store, facts, inventory)
             saved = True
             # Every node of the inventory, as it declares them now (fabrics, classes, labels): the
             # fabric cross-check also covers nodes probed by an earlier run (``--node``). The facts
             # are saved by now: a node not probed this time whose row cannot be read is warned of.
             bad: list[str] = []
-            fleet = for_inventory(inv, store.nodes([n.name for n in inv.nodes], unreadable=bad), from_state=True)
+            fleet = discovery.fleet(inv, store, bad)
             for name in bad:
                 ui.warn(
                     f"{store.path}: node {name}: its stored facts cannot be read; 'clusterctl discover --node {name}' replaces them"

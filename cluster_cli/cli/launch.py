@@ -155,31 +155,20 @@ def up(
 
 
 async def _probe_and_save(inv: Inventory, path: Path, store: Any, state_path: Path, parallel: int, report: Any) -> None:
-    """discover's probe and save, as 'discover' does them: fresh facts for the plan."""
-    from cluster_cli.probe.collect import discover
-    from cluster_cli.state.view import note_changes
+    """discover's probe and save: fresh facts for the plan."""
+    from cluster_cli.control import discovery
 
-    own: dict[str, set[int]] = {}
-    for rec in store.records():
-        for run in rec.shards:
-            if run.pid is not None:
-                own.setdefault(run.node, set()).add(run.pid)
     report("nodes", "probing", f"{len(inv.nodes)} node(s)")
-    facts = await discover(
-        inv, connector=_connector(state_path), parallel=parallel, own_pids={k: frozenset(v) for k, v in own.items()}
-    )
-    before = {f.name: f for f in store.nodes([f.name for f in facts], unreadable=[])}
-    store.save_discovery([note_changes(f, before.get(f.name)) for f in facts], inventory=path.resolve())
+    facts = await discovery.probe(inv, connector=_connector(state_path), parallel=parallel, store=store)
+    discovery.save(store, facts, path)
     down = [f.name for f in facts if not f.reachable]
     report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))
 
 
 def _fleet(inv: Inventory, store: Any) -> list[Any]:
-    from cluster_cli.probe.fabric import distrust_conflicting_ports
-    from cluster_cli.state.view import for_inventory
+    from cluster_cli.control import discovery
 
-    nodes = for_inventory(inv, store.nodes([n.name for n in inv.nodes], unreadable=[]), from_state=True)
-    return distrust_conflicting_ports(nodes, inv.declared_prefixes())
+    return discovery.placeable(inv, discovery.fleet(inv, store))
 
 
 def _render_up(result: Any) -> None:

@@ -117,8 +117,11 @@ async def up(
 
     for attempt in range(3):
         result: Plan = plan(facts, cat, [r.replica for r in current])
-        stops = [_record_of(current, p.replica) for p in result.stops]
-        new = _new_records(result, current, inv, cat, store, await _taken_ports(result, sessions, store))
+        # A replica on a node that did not answer may still run there: it is neither stopped
+        # nor released (its engine would be left behind, unrecorded), nor replaced by this run.
+        away = {p.replica.key: p.note for p in result.stops if p.note.endswith(" unreachable")}
+        stops = [_record_of(current, p.replica) for p in result.stops if p.replica.key not in away]
+        new = _new_records(result, away, inv, cat, store, await _taken_ports(result, sessions, store))
         try:
             version = store.reserve(new, expect_version=version)
             break
@@ -140,6 +143,12 @@ async def up(
         report(rec.name, "stopping", "")
     outcomes += await asyncio.gather(*(_stop(rec, store, sessions, report) for rec in stopping))
 
+    for rec in current:
+        if rec.replica.key in away:
+            why = f"{away[rec.replica.key]}: left as it is (the next up checks it again)"
+            store.observe(replace(rec, status=UNHEALTHY, detail=why))  # out of the router config
+            outcomes.append(replace(_kept(rec), state=UNHEALTHY, reason=why))
+            report(rec.name, "unhealthy", why)
     keeps = [_record_of(current, p.replica) for p in result.keeps]
     restart = [r for r in keeps if r is not None and r.key in dead]
     for rec in keeps:
@@ -214,11 +223,14 @@ async def _taken_ports(result: Plan, sessions: Sessions, store: Store) -> dict[s
 
 
 def _new_records(
-    result: Plan, current: list[ReplicaRecord], inv: Inventory, cat: Catalog, store: Store, taken: dict[str, set[int]]
-) -> list[ReplicaRecord]:
+    result: Plan, away: dict[tuple[str, int], str], inv: Inventory, cat: Catalog, store: Store,
+    taken: dict[str, set[int]],
+) -> list[ReplicaRecord]:  # fmt: skip
     out = []
     for p in result.starts:
         r = p.replica
+        if r.key in away:
+            continue
         head = r.shards[0].node
         used = taken.setdefault(head, set())
         n = inv.node(head)

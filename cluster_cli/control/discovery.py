@@ -1,0 +1,80 @@
+"""What ``discover`` does, for every command that needs fresh facts (``discover``, ``up``,
+later ``supervise``): probe the nodes, save their facts, and read back the fleet as placement
+sees it (inventory declarations, cordons, fabric cross-checks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cluster_cli.facts import NodeFacts
+
+if TYPE_CHECKING:
+    from cluster_cli.config.inventory import Inventory, Node
+    from cluster_cli.probe.runner import Connector
+    from cluster_cli.state.store import Store
+
+
+def own_pids(store: Store | None) -> dict[str, frozenset[int]]:
+    """Per node, the PIDs of the shards the state launched there: their GPU processes are the
+    replicas' own, not foreign ones."""
+    out: dict[str, set[int]] = {}
+    if store is not None:
+        for rec in store.records():
+            for run in rec.shards:
+                if run.pid is not None:
+                    out.setdefault(run.node, set()).add(run.pid)
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+async def probe(
+    inv: Inventory,
+    nodes: Sequence[Node] | None = None,
+    *,
+    connector: Connector,
+    parallel: int = 64,
+    node_timeout_s: float | None = None,
+    store: Store | None = None,
+    on_done: Callable[[NodeFacts], None] | None = None,
+) -> list[NodeFacts]:
+    """Probe ``nodes`` (default: all), the state's launched processes known as its own."""
+    from cluster_cli.probe.collect import discover
+
+    return await discover(
+        inv,
+        nodes,
+        connector=connector,
+        parallel=parallel,
+        node_timeout_s=node_timeout_s,
+        own_pids=own_pids(store),
+        on_done=on_done,
+    )
+
+
+def save(store: Store, facts: list[NodeFacts], inventory: Path) -> list[NodeFacts]:
+    """Save one probe run's facts (one transaction), each with what changed since the last;
+    returns them as saved. A stored row that cannot be read is no earlier knowledge: replaced."""
+    from cluster_cli.state.view import note_changes
+
+    before = {f.name: f for f in store.nodes([f.name for f in facts], unreadable=[])}
+    facts = [note_changes(f, before.get(f.name)) for f in facts]
+    store.save_discovery(facts, inventory=inventory.resolve())
+    return facts
+
+
+def fleet(inv: Inventory, store: Store, unreadable: list[str] | None = None) -> list[NodeFacts]:
+    """Every node of the inventory as the state holds it, with what the inventory declares
+    (fabrics, classes, labels) and the cordons; nodes whose row cannot be read go to
+    ``unreadable``."""
+    from cluster_cli.state.view import for_inventory
+
+    bad = unreadable if unreadable is not None else []
+    return for_inventory(inv, store.nodes([n.name for n in inv.nodes], unreadable=bad), from_state=True)
+
+
+def placeable(inv: Inventory, nodes: list[NodeFacts]) -> list[NodeFacts]:
+    """``nodes`` with the ports whose subnet contradicts their declared fabric taken off."""
+    from cluster_cli.probe.fabric import distrust_conflicting_ports
+
+    return distrust_conflicting_ports(nodes, inv.declared_prefixes())
