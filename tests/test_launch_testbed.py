@@ -336,3 +336,51 @@ def test_a_replica_on_a_node_that_went_away_is_left_recorded_and_restarted_once_
     r = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60"))
     back = {x["name"]: x for x in r["replicas"]}["tiny/1"]
     assert (back["action"], back["state"], back["nodes"]) == ("restart", "ready", [node])
+
+
+def test_up_status_logs_through_a_jump_host_with_the_engine_port_unreachable_from_here(
+    testbed_factory, tmp_path: Path
+) -> None:
+    """The CLI reaches the nodes only through a bastion (ssh_config ProxyJump), and each engine
+    listens on the node's loopback only: readiness, status and logs all go through SSH."""
+    binary = find_llama_server()
+    if binary is None:
+        pytest.skip("llama-server binary not found: set $LLAMA_SERVER or run scripts/install-llama-server.sh")
+    c = testbed_factory("jump=cpu-only,n1=cpu-only,n2=cpu-only")
+    d = c.inventory_path.parent
+    cfg = [f"Host jump\n  HostName {c.nodes['jump'].host}\n  Port {c.nodes['jump'].port}\n  User {c.user}\n"
+           f"  IdentityFile {d / 'id_ed25519'}\n", "Host node-*\n  ProxyJump jump\n"]  # fmt: skip
+    base = 21000 + (os.getpid() % 100) * 40
+    nodes = []
+    for i, name in enumerate(("n1", "n2")):
+        cfg.append(f"Host node-{name}\n  HostName {c.nodes[name].host}\n  Port {c.nodes[name].port}\n")
+        nodes.append({"name": name, "host": f"node-{name}", "ports": f"{base + 20 * i}-{base + 20 * i + 19}"})
+    (d / "ssh_config").write_text("".join(cfg))
+    data = yaml.safe_load(c.inventory_path.read_text())
+    data["ssh_config"] = "ssh_config"
+    data["defaults"].pop("port", None)
+    data["nodes"] = nodes
+    inv = d / "inv-jump.yaml"
+    inv.write_text(yaml.safe_dump(data))
+    model = make_tiny_gguf(tmp_path / "tiny.gguf")
+    cat = _catalog(tmp_path / "cat.yaml", model, binary, replicas=2, args=["--host", "127.0.0.1"])
+    state = tmp_path / "st" / "state.db"
+    try:
+        r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60")
+        doc = _json(r)
+        assert r.returncode == 0, doc
+        assert {x["state"] for x in doc["replicas"]} == {"ready"}
+        if c.mode == "netns":  # the engine's port answers on the node only
+            for x in doc["replicas"]:
+                name = x["nodes"][0]
+                port = int(x["endpoint"].rsplit(":", 1)[1])
+                with socket.socket() as s:
+                    s.settimeout(2)
+                    assert s.connect_ex((c.nodes[name].host, port)) != 0
+        st = _json(ctl(state, "status", "-i", str(inv), "-o", "json"))
+        assert [x["state"] for x in st["replicas"]] == ["ready", "ready"]
+        assert all(x["load"]["running"] is not None for x in st["replicas"])  # /metrics read through SSH
+        log = ctl(state, "logs", "tiny/0", "-i", str(inv), "-n", "20")
+        assert log.returncode == 0 and "listening" in log.stdout, log
+    finally:
+        ctl(state, "down", "--all", "-i", str(inv))
