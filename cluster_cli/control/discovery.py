@@ -16,16 +16,19 @@ if TYPE_CHECKING:
     from cluster_cli.state.store import Store
 
 
-def own_pids(store: Store | None) -> dict[str, frozenset[int]]:
-    """Per node, the PIDs of the shards the state launched there: their GPU processes are the
-    replicas' own, not foreign ones."""
-    out: dict[str, set[int]] = {}
+def launched(store: Store | None) -> tuple[dict[str, frozenset[int]], dict[str, frozenset[str]]]:
+    """Per node, the PIDs and the launch markers of the shards the state launched there: their
+    GPU processes (workers included, which carry the marker) are the replicas' own, not
+    foreign ones."""
+    pids: dict[str, set[int]] = {}
+    tokens: dict[str, set[str]] = {}
     if store is not None:
         for rec in store.records():
             for run in rec.shards:
+                tokens.setdefault(run.node, set()).add(run.token)
                 if run.pid is not None:
-                    out.setdefault(run.node, set()).add(run.pid)
-    return {k: frozenset(v) for k, v in out.items()}
+                    pids.setdefault(run.node, set()).add(run.pid)
+    return {k: frozenset(v) for k, v in pids.items()}, {k: frozenset(v) for k, v in tokens.items()}
 
 
 async def probe(
@@ -41,13 +44,15 @@ async def probe(
     """Probe ``nodes`` (default: all), the state's launched processes known as its own."""
     from cluster_cli.probe.collect import discover
 
+    pids, tokens = launched(store)
     return await discover(
         inv,
         nodes,
         connector=connector,
         parallel=parallel,
         node_timeout_s=node_timeout_s,
-        own_pids=own_pids(store),
+        own_pids=pids,
+        own_tokens=tokens,
         on_done=on_done,
     )
 

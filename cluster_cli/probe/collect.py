@@ -18,6 +18,7 @@ from cluster_cli.facts import Gpu, HcaPort, NodeFacts, lost_gpus_problem, printa
 from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
 from cluster_cli.probe.commands import (
     GPU_FIELDS,
+    LAUNCHED_AFTER_APPS,
     OPTIONAL_GPU_FIELDS,
     PROBES,
     SMINFO_AFTER_IBSTAT,
@@ -27,7 +28,7 @@ from cluster_cli.probe.commands import (
     sminfo_command,
     sminfo_record,
 )
-from cluster_cli.probe.parsers.host import parse_meminfo, parse_nproc
+from cluster_cli.probe.parsers.host import parse_launched, parse_meminfo, parse_nproc
 from cluster_cli.probe.parsers.ibstat import parse_gid_prefix, parse_ibstat, parse_sminfo
 from cluster_cli.probe.parsers.nvidia_smi import (
     build_gpus,
@@ -62,6 +63,7 @@ def facts_from_outputs(
     outputs: Mapping[str, CommandResult],
     *,
     own_pids: frozenset[int] = frozenset(),
+    own_tokens: frozenset[str] = frozenset(),
     sm_guids: Mapping[tuple[str, int], int | None] | None = None,
     probed_at: float | None = None,
     ib_ports: Sequence[HcaPort] | None = None,
@@ -108,6 +110,12 @@ def facts_from_outputs(
             # list does not show by that bus id may be one of its fault rows: not a new GPU).
             buses = {r.pci_bus_id for r in rows if r.pci_bus_id}
             gone = [g for g in parse_lost(apps.output) if g.pci_bus_id in buses] if apps is not None else []
+            # The replicas' own processes: the recorded ones, and every one carrying a marker
+            # of theirs (workers the engine forked, whatever their PID).
+            launched = outputs.get("launched")
+            # grep exits 2 for a process that ended while it read (its environ gone): still read
+            if launched is not None and launched.rc in (0, 2) and own_tokens:
+                own_pids = own_pids | {p for p, t in parse_launched(launched.stdout).items() if t in own_tokens}
             gpus = build_gpus(rows, procs, [*lost, *gone], gpu_class=inv.gpu_class, own_pids=own_pids)
             if apps is not None and not apps_ok:
                 problems.append("nvidia-smi: could not list compute processes; GPUs treated as busy")
@@ -219,6 +227,7 @@ async def probe_node(
     connector: Connector,
     *,
     own_pids: frozenset[int] = frozenset(),
+    own_tokens: frozenset[str] = frozenset(),
     deadline: float | None = None,
 ) -> NodeFacts:
     """Probe one node; never raises for node-level failures (they become ``error``).
@@ -238,7 +247,10 @@ async def probe_node(
     try:
         async with connector.session(target) as session:
             # sminfo for the Active IB ports starts inside the same exec once ibstat is done.
-            outputs = await run_batch(session, dict(PROBES), command_timeout(), then={"ibstat": SMINFO_AFTER_IBSTAT})
+            then = {"ibstat": SMINFO_AFTER_IBSTAT}
+            if own_tokens:
+                then["apps"] = LAUNCHED_AFTER_APPS
+            outputs = await run_batch(session, dict(PROBES), command_timeout(), then=then)
             await _narrow_gpu_query(session, outputs, command_timeout)
             sm: dict[tuple[str, int], int | None] = {}
             ib = outputs.get("ibstat")
@@ -260,7 +272,14 @@ async def probe_node(
                     outputs.update({gid_record(*k): r for i, k in enumerate(gids) if (r := res.get(f"gid{i}"))})
                 sm = {k: parse_sminfo(r.stdout) if r is not None and r.rc == 0 else None for k, r in got.items()}
         return facts_from_outputs(
-            inv, node, outputs, own_pids=own_pids, sm_guids=sm, probed_at=started, ib_ports=every_port
+            inv,
+            node,
+            outputs,
+            own_pids=own_pids,
+            own_tokens=own_tokens,
+            sm_guids=sm,
+            probed_at=started,
+            ib_ports=every_port,
         )
     except SSHError as e:
         return unreachable(node, e.message.removeprefix(f"{node.name}: "), started)
@@ -314,6 +333,7 @@ async def discover(
     parallel: int = 64,
     node_timeout_s: float | None = None,
     own_pids: Mapping[str, frozenset[int]] | None = None,
+    own_tokens: Mapping[str, frozenset[str]] | None = None,
     on_done: OnDone | None = None,
 ) -> list[NodeFacts]:
     """Probe ``nodes`` (default: all) with at most ``parallel`` at once.
@@ -334,7 +354,14 @@ async def discover(
             try:
                 ends = time.monotonic() + deadline
                 f = await asyncio.wait_for(
-                    probe_node(inv, n, connector, own_pids=(own_pids or {}).get(n.name, frozenset()), deadline=ends),
+                    probe_node(
+                        inv,
+                        n,
+                        connector,
+                        own_pids=(own_pids or {}).get(n.name, frozenset()),
+                        own_tokens=(own_tokens or {}).get(n.name, frozenset()),
+                        deadline=ends,
+                    ),
                     timeout=deadline,
                 )
             except TimeoutError:

@@ -72,6 +72,13 @@ SMINFO_AFTER_IBSTAT = (
 )
 
 
+# Run inside the probe batch once the compute-process query succeeded with some output: the
+# launch markers of the node's processes (cluster_cli/launch/remote.py), so that the GPU
+# processes of the replicas clusterctl launched, their workers included, are not foreign.
+# One grep, no shell; the glob is the batch shell's.
+LAUNCHED_AFTER_APPS = "[ -s \"$o\" ] && run launched grep -Hsazo 'CLUSTERCTL_RUN=[!-~]*' /proc/[0-9]*/environ"
+
+
 def sminfo_record(ca: str, port: int) -> str:
     """The batch record name of ``sminfo`` for one port."""
     return f"sm:{ca}:{int(port)}"

@@ -30,3 +30,21 @@ def parse_meminfo(text: str) -> int | None:
         if m:
             return int(m.group(1)) // 1024 or None
     return None
+
+
+_MARKER = "CLUSTERCTL_RUN="
+
+
+def parse_launched(text: str) -> dict[int, str]:
+    """PID -> launch marker (``CLUSTERCTL_RUN``'s value), from ``grep -Hazo`` over the nodes'
+    ``/proc/PID/environ``: ``/proc/PID/environ:CLUSTERCTL_RUN=TOKEN`` records, NUL or newline
+    ended. Records that do not read so are skipped; never raises."""
+    out: dict[int, str] = {}
+    for rec in text.replace("\x00", "\n").splitlines():
+        path, sep, value = rec.partition(":" + _MARKER)
+        if not sep or not path.startswith("/proc/") or not path.endswith("/environ"):
+            continue
+        pid = path[len("/proc/") : -len("/environ")]
+        if pid.isdigit() and value and value.isprintable():
+            out[int(pid)] = value
+    return out
