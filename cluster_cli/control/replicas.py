@@ -61,6 +61,8 @@ async def down(
     left = [r for r in store.records() if r.key not in keys]
     if router_config.exists() or left:
         routerconf.write(router_config, routerconf.render(left, None))
+        if any(t.status == READY for t in targets):  # published: let a running router see it go first
+            await asyncio.sleep(routerconf.PICKUP_S)
 
     async def one(rec: ReplicaRecord) -> Downed:
         problem = await stop_replica(rec, sessions)

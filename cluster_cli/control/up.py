@@ -139,6 +139,7 @@ async def up(
     if stopping:
         left = [r for r in store.records() if r.key not in {s.key for s in stopping}]
         routerconf.write(router_config, routerconf.render(left, cat))
+        await asyncio.sleep(routerconf.PICKUP_S)
     for rec in stopping:
         report(rec.name, "stopping", "")
     outcomes += await asyncio.gather(*(_stop(rec, store, sessions, report) for rec in stopping))

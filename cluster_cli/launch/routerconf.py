@@ -24,6 +24,12 @@ if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
 
 
+# How long a serve-router takes to see a new config: its default --watch-interval (1 s) and a
+# margin. An endpoint taken out of the config is stopped only after this, so that the router
+# sends it no new request meanwhile.
+PICKUP_S = 1.5
+
+
 def default_path(state_path: Path) -> Path:
     """``.clusterctl/router.yaml`` for ``.clusterctl/state.db``: beside the state."""
     return state_path.with_name("router.yaml")
