@@ -1,6 +1,6 @@
 # clusterctl — two set-up commands on a fresh Debian machine:
 #   make demo   start a local testbed cluster and run clusterctl against it
-#   make test   run the test suite
+#   make test   run the test suite (make test-fast: the quick part of it, for while you work)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DEMO_DIR ?= .demo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps venv install test lint demo demo-down llama-server bench clean
+.PHONY: all deps venv install test test-fast lint demo demo-down llama-server bench clean
 
 all: test
 
@@ -54,6 +54,14 @@ test: install llama-server
 	$(VENV)/bin/ruff check cluster_cli testbed tests bench scripts
 	$(VENV)/bin/ruff format --check cluster_cli testbed tests bench scripts
 	LLAMA_SERVER="$$(PYTHON=$(abspath $(PY)) bash scripts/install-llama-server.sh)" $(PY) -m pytest -q -p no:cacheprovider
+
+# The quick loop while working: lint, and the tests that need neither the SSH testbed nor a
+# llama-server (marker e2e), wait on no real timeouts (slow) and are no property tests with
+# hundreds of examples (hypothesis). `make test` is the whole suite.
+test-fast: install
+	$(VENV)/bin/ruff check cluster_cli testbed tests bench scripts
+	$(VENV)/bin/ruff format --check cluster_cli testbed tests bench scripts
+	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e and not slow and not hypothesis"
 
 demo: install
 	@bash scripts/demo.sh

@@ -179,8 +179,8 @@ build_from_source() {
 }
 
 main() {
-    # One installer at a time per cache (parallel CI jobs / test sessions); the others wait, then find the
-    # cache filled.
+    # One installer at a time per cache (parallel CI jobs, two `make test` runs at once); the others wait, then
+    # find the cache filled.
     mkdir -p "$CACHE_ROOT"
     if command -v flock >/dev/null; then
         exec 9>"${CACHE_ROOT}/.install.lock"

@@ -1,9 +1,9 @@
 """Shared fixtures: the SSH testbed (real sshd nodes with simulated GPU/IB tools).
 
-* ``testbed`` (session): a running :class:`testbed.Cluster` of a few mixed nodes
-  (see ``TESTBED_SPECS``). Shared by every test of the session: do not inject faults
+* ``testbed`` (one per test run): a running :class:`testbed.Cluster` of a few mixed nodes
+  (see ``TESTBED_SPECS``). Shared by every test of the run: do not inject faults
   into it; start your own with ``testbed_factory``.
-* ``testbed_inventory`` (session): the path of its ``inventory.yaml``.
+* ``testbed_inventory`` (one per test run): the path of its ``inventory.yaml``.
 * ``testbed_factory``: ``testbed_factory(specs, **kwargs) -> Cluster`` starts a custom
   cluster (``Cluster.start`` arguments) in a fresh folder; all are stopped after the test.
 
@@ -11,6 +11,10 @@ Tests that use these fixtures get the ``testbed`` marker (``-m "not testbed"`` s
 and are skipped with the reason when no testbed can run here (no OpenSSH server). Root
 gets network namespaces; other users get the loopback fallback. Override the mode with
 ``CLUSTERCTL_TESTBED_MODE=netns|loopback``.
+
+Every test marked ``testbed`` (by these fixtures or by hand) or ``llama`` (a real
+llama-server) also gets ``e2e``, which ``make test-fast`` leaves out, as it does ``slow``
+(real timeouts, subprocesses) and ``hypothesis`` (property tests, hundreds of examples each).
 """
 
 from __future__ import annotations
@@ -62,11 +66,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if any(f in getattr(item, "fixturenames", ()) for f in TESTBED_FIXTURES):
             item.add_marker(pytest.mark.testbed)
+        if item.get_closest_marker("testbed") or item.get_closest_marker("llama"):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")
 def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A running mixed cluster shared by the session (read-only use, please)."""
+    """A running mixed cluster shared by the whole test run (read-only use, please)."""
     _skip_unless_available()
     c = Cluster.start(tmp_path_factory.mktemp("testbed"), TESTBED_SPECS, mode=testbed_mode())
     try:

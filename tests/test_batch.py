@@ -57,6 +57,7 @@ def test_results_rc_stdout_stderr_per_command() -> None:
     assert res["quote"].stdout == "it's $HOME\n"
 
 
+@pytest.mark.slow
 def test_a_hung_command_times_out_alone() -> None:
     _, res = run_local({"hang": "sleep 30", "fine": "echo fine"}, timeout=1)
     assert res["hang"].rc in (124, 137) and "timed out" in res["hang"].stderr
@@ -169,6 +170,7 @@ def _still_running(*durations: str, within: float = 10) -> list[str]:
     return left
 
 
+@pytest.mark.slow
 def test_nothing_is_left_running_after_the_batch() -> None:
     # The watchdog's sleep (the timeout) must go with the batch, and so must a timed-out job.
     # Durations of this run's own (another test run on the box has sleeps of its own).
@@ -185,6 +187,7 @@ def test_nothing_is_left_running_after_the_batch() -> None:
     assert left == [], [line for line in ps.splitlines() if "sleep" in line or "sh -s" in line]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shell", ["sh", "bash"])
 def test_no_watchdog_outlives_its_batch_when_many_end_at_once(shell: str) -> None:
     # A batch that ends at once stops its watchdog while that may still be starting its
@@ -209,6 +212,7 @@ def test_no_watchdog_outlives_its_batch_when_many_end_at_once(shell: str) -> Non
         subprocess.run(["pkill", "-f", f"sleep {watchdog}"], check=False)
 
 
+@pytest.mark.slow
 def test_every_process_of_a_timed_out_job_gets_its_term() -> None:
     # The watchdog TERMs a timed-out job's whole tree, the job first. That wakes the batch,
     # which stops the watchdog: were it stopped before the last TERM was out, the job's
@@ -224,6 +228,7 @@ def test_every_process_of_a_timed_out_job_gets_its_term() -> None:
         subprocess.run(["pkill", "-f", f"sleep {kid}"], check=False)
 
 
+@pytest.mark.slow
 def test_a_job_forking_as_it_is_timed_out_leaves_no_child_behind() -> None:
     """A job still forking at its deadline: its trees are STOPped and walked again before the
     TERM, so that no child forked after the walk outlives its TERMed parent under init (one
@@ -239,6 +244,7 @@ def test_a_job_forking_as_it_is_timed_out_leaves_no_child_behind() -> None:
         subprocess.run(["pkill", "-f", f"sleep {kid}"], check=False)
 
 
+@pytest.mark.slow
 def test_a_signal_just_after_the_deadline_still_ends_the_term_ignoring_children() -> None:
     """The batch is told to stop just after its deadline's TERM: a job's children that ignore
     TERM are out of the job's tree once it dies, and only the list noted at the deadline
@@ -263,6 +269,7 @@ def test_a_signal_just_after_the_deadline_still_ends_the_term_ignoring_children(
         subprocess.run(["pkill", "-KILL", "-f", f"sleep {long}"], check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shell", ["dash", "bash", "busybox sh", "mksh"])
 def test_a_signal_while_a_job_is_stopped_still_cleans_up(shell: str) -> None:
     """At the deadline the jobs are STOPped while their trees are walked; mksh, told to stop
@@ -292,6 +299,7 @@ def test_a_signal_while_a_job_is_stopped_still_cleans_up(shell: str) -> None:
         subprocess.run(["pkill", "-KILL", "-f", f"sleep {b}"], check=False)
 
 
+@pytest.mark.slow
 def test_a_timed_out_job_that_catches_term_is_still_timed_out() -> None:
     """A job TERMed at the deadline that then exits 0 from its own trap timed out all the
     same: rc 124 and "probe timed out" (it read as a success, with partial output)."""
@@ -324,6 +332,7 @@ def _left_in_session(sid: int, within: float) -> list[str]:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shell", SHELLS)
 def test_a_batch_told_to_stop_leaves_nothing_running(shell: str) -> None:
     # The client went away (SIGHUP or SIGTERM to the batch's shell alone): its jobs and its
@@ -349,6 +358,7 @@ def test_a_batch_told_to_stop_leaves_nothing_running(shell: str) -> None:
         subprocess.run(["pkill", "-f", f"sleep {watchdog}"], check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shell", SHELLS)
 def test_the_batch_behaves_the_same_under_every_common_sh(shell: str) -> None:
     _need(shell)
@@ -387,6 +397,7 @@ def test_the_batch_behaves_the_same_under_every_common_sh(shell: str) -> None:
         subprocess.run(["pkill", "-f", f"sleep {hang}"], check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shell", SHELLS)
 def test_a_timed_out_batch_leaves_nothing_of_its_own_running(shell: str) -> None:
     # Past the deadline the watchdog sits in its one-second waits between TERM and KILL; the
@@ -465,6 +476,7 @@ def test_a_batch_that_went_well_says_nothing_on_stderr(shell: str) -> None:
     assert p.stderr == b""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shell", ["dash", "bash"])
 def test_a_script_cut_short_anywhere_in_its_set_up_fails_cleanly(shell: str) -> None:
     # The client gone while the script arrives: every prefix up to the jobs must end without
@@ -482,6 +494,7 @@ def test_a_script_cut_short_anywhere_in_its_set_up_fails_cleanly(shell: str) -> 
     assert errors == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shell", SHELLS)
 def test_a_timed_out_jobs_child_that_ignores_term_goes_too(shell: str) -> None:
     # The job dies of its TERM, its child does not: orphaned, it was out of every later walk
@@ -499,6 +512,7 @@ def test_a_timed_out_jobs_child_that_ignores_term_goes_too(shell: str) -> None:
         subprocess.run(["pkill", "-KILL", "-f", f"sleep {kid}"], check=False)
 
 
+@pytest.mark.slow
 def test_a_threaded_probes_children_are_timed_out_too() -> None:
     # A probe that forks from another thread (Go's os/exec, a Python thread) lists that child
     # under the thread, not under its main task.
@@ -636,12 +650,14 @@ def test_builtins_as_first_word_run_in_a_shell() -> None:
     assert res["t"].rc == 0
 
 
+@pytest.mark.slow
 def test_only_probes_still_running_at_the_deadline_are_labelled_timed_out() -> None:
     _, res = run_local({"hang": f"sleep {LONG}", "crash": "sh -c 'kill -SEGV $$'"}, timeout=1)
     assert res["hang"].rc == 124
     assert res["crash"].rc == 128 + 11 and "timed out" not in res["crash"].stderr
 
 
+@pytest.mark.slow
 def test_the_watchdog_never_signals_a_process_that_is_not_its_own_job() -> None:
     # A finished job's pid can be reused by anyone; simulate that by putting a stranger's pid in
     # the batch's pid list (found through the job's own stdout file) before the deadline.
@@ -656,6 +672,7 @@ def test_the_watchdog_never_signals_a_process_that_is_not_its_own_job() -> None:
         stranger.wait()
 
 
+@pytest.mark.slow
 def test_a_leftover_writer_never_shifts_output_into_other_records() -> None:
     # The timed-out job leaves a child that keeps writing to its output file, also while the
     # batch reads (cat) the files: the records after it must never get its bytes, and they
@@ -693,6 +710,7 @@ def test_the_probe_deadline_leaves_room_at_small_timeouts() -> None:
         assert f'while [ $n -lt {probe_deadline} ]; do [ -e "$d/q" ] && exit; $cc_p sleep 1 & s=$!' in Capture.command
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shell", SHELLS)
 def test_a_batch_whose_client_is_gone_cleans_up_at_once(shell: str) -> None:
     """sshd neither signals a batch whose connection ended (a root session's signal request
@@ -725,6 +743,7 @@ def test_a_batch_whose_client_is_gone_cleans_up_at_once(shell: str) -> None:
         subprocess.run(["pkill", "-f", f"sleep {kid}"], check=False)
 
 
+@pytest.mark.slow
 def test_a_batch_done_as_its_watchdog_wakes_is_not_held_to_its_deadline() -> None:
     """The watchdog sleeps in 1-s steps; a batch whose jobs end just as a step does (a 1-s
     job) KILLs a sleep that has already ended, and the watchdog slept on to the deadline
@@ -762,6 +781,7 @@ def _scratch_folders_of(token: str) -> list[Path]:
     return found
 
 
+@pytest.mark.slow
 def test_a_batch_killed_outright_does_not_keep_its_output_open() -> None:
     """The OOM killer takes the batch's shell: its watchdog, which now writes to the batch's
     stdout, goes within a second too, so the client sees the end (EOF) then, not at the
@@ -789,6 +809,7 @@ def test_a_batch_killed_outright_does_not_keep_its_output_open() -> None:
         subprocess.run(["pkill", "-f", f"sleep {job}"], check=False)
 
 
+@pytest.mark.slow
 def test_a_batch_killed_outright_past_its_deadline_leaves_no_scratch_folder() -> None:
     """Killed while its watchdog is TERMing and KILLing the jobs, the batch leaves its scratch
     folder to the watchdog, which removes it when it is done (it only did so before the
@@ -842,6 +863,7 @@ def test_the_scratch_folder_goes_when_the_client_hangs_up() -> None:
 FREEZER = Path("/sys/fs/cgroup/freezer")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (FREEZER.is_dir() and os.access(FREEZER, os.W_OK)), reason="needs the cgroup v1 freezer")
 def test_a_probe_that_even_kill_cannot_stop_is_given_up_on() -> None:
     # A job in a frozen cgroup ignores SIGKILL until thawed, like nvidia-smi stuck in D state.

@@ -6,24 +6,14 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import ISSUE_EXAMPLE, dgx, write_inputs
+from typer.testing import CliRunner
 
+from cluster_cli.cli.main import app
 from cluster_cli.config.catalog import load_catalog
 from cluster_cli.errors import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-ISSUE_EXAMPLE = """
-engines:
-  vllm:     {command: vllm}
-  llamacpp: {command: llama-server}
-models:
-  - name: llama-70b
-    replicas: 2
-    profiles:
-      - {name: h100-tp8, engine: vllm, gpu_class: H100, gpus: 8, priority: 100, model: /models/llama-70b}
-      - {name: a100-2x8, engine: vllm, gpu_class: A100, gpus: 8, nodes: 2, priority: 50, model: /models/llama-70b}
-      - {name: cpu, engine: llamacpp, cpus: 32, memory_gib: 64, priority: 1, model: /models/llama-70b.Q4_K_M.gguf}
-"""
 
 
 def write(tmp_path: Path, body: str) -> Path:
@@ -199,3 +189,67 @@ def test_a_profile_must_say_what_its_engine_loads(tmp_path: Path, profile: str, 
     with pytest.raises(ConfigError) as e:
         load_catalog(path)
     assert str(e.value).startswith(f"{path}: {needle}"), str(e.value)
+
+
+@pytest.mark.parametrize(("field", "value"), [("cpus", "8"), ("memory_gib", "64")])
+def test_gpu_profile_with_cpus_or_memory_is_refused(tmp_path: Path, field: str, value: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "models:\n  - name: m\n    profiles:\n"
+        f"      - {{name: p, engine: vllm, gpu_class: H100, gpus: 1, {field}: {value}, model: /m}}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_catalog(path)
+    msg = str(e.value)
+    assert "\n" not in msg and f"models.0.profiles.0.{field}: only a CPU profile" in msg, msg
+    inv, cat, facts = write_inputs(tmp_path, [dgx("h1")], catalog=path.read_text())
+    r = CliRunner().invoke(
+        app,
+        [
+            "--state",
+            str(tmp_path / "state.db"),
+            "place",
+            "--dry-run",
+            "-i",
+            str(inv),
+            "-c",
+            str(cat),
+            "--facts",
+            str(facts),
+        ],
+    )
+    assert r.exit_code == 2, r.output
+
+
+def test_gpu_class_unknown_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("models:\n  - {name: m, profiles: [{name: p, engine: vllm, gpu_class: unknown, model: /m}]}\n")
+    with pytest.raises(ConfigError, match=r"models\.0\.profiles\.0\.gpu_class: 'unknown' is reserved"):
+        load_catalog(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("{name: m, replicas: true, profiles: [{name: p, engine: vllm, gpu_class: H100, model: /m}]}", "replicas"),
+        ("{name: m, replicas: '2', profiles: [{name: p, engine: vllm, gpu_class: H100, model: /m}]}", "replicas"),
+        ("{name: m, profiles: [{name: p, engine: vllm, gpu_class: H100, gpus: true, model: /m}]}", "profiles.0.gpus"),
+        ("{name: m, profiles: [{name: p, engine: vllm, gpu_class: H100, nodes: '1', model: /m}]}", "profiles.0.nodes"),
+        ("{name: m, profiles: [{name: p, engine: vllm, gpu_class: H100, priority: '9', model: /m}]}", "profiles.0.priority"),
+        ("{name: m, profiles: [{name: p, engine: llamacpp, cpus: '4', model: /m}]}", "profiles.0.cpus"),
+        ("{name: m, profiles: [{name: p, engine: llamacpp, memory_gib: true, model: /m}]}", "profiles.0.memory_gib"),
+    ],
+)  # fmt: skip
+def test_catalog_numbers_are_strict(tmp_path: Path, text: str, where: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"models:\n  - {text}\n")
+    with pytest.raises(ConfigError, match=rf"models\.0\.{where}: "):
+        load_catalog(path)
+
+
+def test_catalog_float_memory_still_takes_an_int(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "models:\n  - {name: m, profiles: [{name: p, engine: llamacpp, cpus: 4, memory_gib: 8, model: /m}]}\n"
+    )
+    assert load_catalog(path).models[0].profiles[0].memory_mib == 8192

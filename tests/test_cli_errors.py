@@ -1,7 +1,9 @@
-"""CLI bad input: one error line naming the file/field/node, the documented exit code, nothing written."""
+"""CLI bad input: one error line naming the file/field/node, the documented exit code, nothing written;
+and cordon, uncordon and state paths as the README and ``--help`` describe them."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import asyncssh
 import pytest
+from helpers import dgx, write_inputs
 from typer.testing import CliRunner
 
 from cluster_cli.cli.main import app
@@ -241,6 +244,7 @@ def test_several_validation_errors_are_all_named(tmp_path: Path) -> None:
     assert "nodes.0.prot: unknown key" in line and "nodes.0.usr: unknown key" in line
 
 
+@pytest.mark.slow
 def test_global_options_may_follow_the_command(tmp_path: Path) -> None:
     from cluster_cli.cli.main import hoist_global_options as hoist
 
@@ -368,6 +372,7 @@ def test_cordon_says_when_it_made_a_new_state_and_uncordon_makes_none(tmp_path: 
     assert r.exit_code == 0 and "created a new one" not in r.output  # only the first time
 
 
+@pytest.mark.slow
 def test_discover_makes_the_state_folder_it_is_given(tmp_path: Path) -> None:
     write_key(tmp_path / "id")
     (tmp_path / "kh").write_text("")
@@ -406,6 +411,7 @@ def test_help_shows_no_value_for_flags_and_a_name_for_repeatable_options() -> No
     assert re.search(r"--dry-run\s+Compute and print the plan", r.output), r.output
 
 
+@pytest.mark.slow
 def test_discover_warns_of_one_machine_under_two_names(tmp_path: Path) -> None:
     write_key(tmp_path / "id")
     (tmp_path / "kh").write_text("")
@@ -420,6 +426,7 @@ def test_discover_warns_of_one_machine_under_two_names(tmp_path: Path) -> None:
     assert "inventory.yaml: line 4 (b): nodes.1.host: 198.18.0.77:22 is also node a's" in " ".join(r.output.split())
 
 
+@pytest.mark.slow
 def test_ssh_config_loops_and_the_implicit_user_config_are_configuration_errors(tmp_path: Path) -> None:
     """Exit 2 before any node is contacted, one line, no state: an Include loop (asyncssh
     recurses until Python gives up), and a bad line in ~/.ssh/config, which SSH reads when
@@ -463,6 +470,7 @@ def test_ssh_config_dev_null_means_none(tmp_path: Path) -> None:
         check_ssh_files(load_inventory(p), p)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() != 0, reason="needs root")
 def test_a_read_only_state_file_is_refused_before_anything_runs(tmp_path: Path) -> None:
     """Found when the state is opened (before discover probes the fleet), not when it saves."""
@@ -470,18 +478,21 @@ def test_a_read_only_state_file_is_refused_before_anything_runs(tmp_path: Path) 
     import shutil
     import tempfile
 
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("setpriv not installed")
+    # The child imports clusterctl as root, then becomes uid/gid 65534 for good before it opens
+    # the state: the checkout and its virtualenv may be in a folder only root can enter (a
+    # private clone), which another user could not import from.
     code = (
-        "import sys; from cluster_cli.errors import ClusterctlError; from cluster_cli.state.store import Store\n"
+        "import os, sys; from cluster_cli.errors import ClusterctlError; from cluster_cli.state.store import Store\n"
+        "os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)\n"
+        "assert os.getresuid() == (65534, 65534, 65534) and os.getgroups() == []\n"
         "try: Store(sys.argv[1])\nexcept ClusterctlError as e: sys.exit(f'error: {e}')"
     )
 
     def as_nobody(state: Path) -> subprocess.CompletedProcess[str]:
-        argv = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code, str(state)]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-c", code, str(state)], capture_output=True, text=True, env=env, cwd="/", timeout=60
+        )
 
     d = Path(tempfile.mkdtemp())  # not under pytest's folder, which only root may enter
     try:
@@ -492,7 +503,7 @@ def test_a_read_only_state_file_is_refused_before_anything_runs(tmp_path: Path) 
         r = as_nobody(state)
         assert (
             r.returncode == 1 and r.stderr == f"error: {state}: the state file is read-only (check its permissions)\n"
-        )
+        ), r.stderr
         r = as_nobody(tmp_path / "state.db")  # a folder on the way it may not enter: one line too
         assert r.returncode == 1 and r.stderr.startswith(f"error: {tmp_path / 'state.db'}: cannot reach the state: ")
         assert len(r.stderr.splitlines()) == 1, r.stderr
@@ -531,6 +542,7 @@ def test_a_match_exec_in_an_included_file_is_not_run_up_front(tmp_path: Path) ->
     assert not marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
@@ -647,3 +659,161 @@ def test_a_port_that_is_not_an_ssh_server_is_named_as_such(tmp_path: Path) -> No
         f"the other end closed the connection during the SSH handshake (127.0.0.1:{port}): "
         "is an SSH server listening there, and does it accept connections from this machine?"
     )
+
+
+# --------------------------------------------------------------------------- cordon reasons, cordons before the first discover, state paths
+
+
+@pytest.mark.parametrize(
+    "reason", ["bad\nfan", "bad\tfan", "bad \x1b[31mfan", "x" * 30_000], ids=["newline", "tab", "esc", "30000-chars"]
+)
+def test_cordon_refuses_control_characters_and_long_reasons(tmp_path: Path, reason: str) -> None:
+    inv, _, _ = write_inputs(tmp_path, [dgx("h1")], catalog="models: []\n")
+    r = run(tmp_path, "cordon", "h1", "-i", str(inv), "--reason", reason)
+    assert r.exit_code == 2, r.output
+    err = r.stderr.strip()
+    assert "\n" not in err and "--reason" in err and "\x1b" not in err and len(err) < 300, err
+    assert not (tmp_path / "state.db").exists()  # nothing written
+
+
+def test_rich_markup_in_a_reason_is_printed_literally(tmp_path: Path) -> None:
+    reason = "[red]PSU[/red] [bold]x"
+    inv, cat, facts = write_inputs(
+        tmp_path,
+        [dgx("h1")],
+        catalog="models:\n  - {name: m, profiles: [{name: p, engine: vllm, gpu_class: H100, model: /m}]}\n",
+    )
+    r = run(tmp_path, "cordon", "h1", "-i", str(inv), "--reason", reason)
+    assert r.exit_code == 0 and f"h1 cordoned: {reason}" in r.stderr, r.output
+    r = run(tmp_path, "cordon", "h1", "-i", str(inv), "--reason", reason + "!")
+    assert r.exit_code == 0 and json.dumps(reason) in r.stderr, r.output
+    r = run(tmp_path, "-v", "place", "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts))
+    assert r.exit_code == 3, r.output
+    assert f"h1: cordoned ({reason}!)" in r.stdout
+    assert f"h1: rejected: cordoned ({reason}!)" in r.stderr
+
+
+def test_noop_uncordon_from_the_cli_writes_nothing(tmp_path: Path) -> None:
+    inv, _, _ = write_inputs(tmp_path, [dgx("h1")], catalog="models: []\n")
+    assert run(tmp_path, "cordon", "h1", "-i", str(inv), "--reason", "fan").exit_code == 0
+    assert run(tmp_path, "uncordon", "h1", "-i", str(inv)).exit_code == 0
+    with Store(tmp_path / "state.db", readonly=True) as s:
+        v = s.version()
+    for args in (["uncordon", "h1"], ["uncordon", "h1"]):
+        r = run(tmp_path, *args, "-i", str(inv))
+        assert r.exit_code == 0 and "was not cordoned" in r.stderr, r.output
+    assert run(tmp_path, "cordon", "h1", "-i", str(inv), "--reason", "fan").exit_code == 0
+    assert run(tmp_path, "cordon", "h1", "-i", str(inv), "--reason", "fan").exit_code == 0
+    with Store(tmp_path / "state.db", readonly=True) as s:
+        assert s.version() == v + 1
+
+
+@pytest.fixture
+def no_clusterctl_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CLUSTERCTL_INVENTORY", raising=False)
+    monkeypatch.delenv("CLUSTERCTL_STATE", raising=False)
+
+
+def two_node_inventory(tmp_path: Path) -> Path:
+    p = tmp_path / "inv.yaml"
+    p.write_text("nodes:\n  - {name: h1, host: 198.18.0.250}\n  - {name: h2, host: 198.18.0.251}\n")
+    return p
+
+
+@pytest.mark.usefixtures("no_clusterctl_env")
+@pytest.mark.parametrize(
+    "command", [["discover"], ["cordon", "h1", "-r", "x"], ["uncordon", "h1"], ["place", "--dry-run"]]
+)
+def test_a_state_path_that_is_a_folder_or_empty_is_one_line_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    inv = two_node_inventory(tmp_path)
+    (tmp_path / "file.db").write_text("")
+    extra = ["-i", str(inv)] + (["-c", str(inv)] if command[0] == "place" else [])
+    cases = {
+        ".": "error: .: is a folder, not a state database file",
+        str(tmp_path): f"error: {tmp_path}: is a folder, not a state database file",
+        "": "error: empty state path (--state / CLUSTERCTL_STATE)",
+        "file.db/state.db": "error: file.db/state.db: file.db is a file, not a folder",
+    }
+    for given, want in cases.items():
+        r = runner.invoke(app, ["--state", given, *command, *extra])
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith(want), (given, r.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.db", "inv.yaml"]  # nothing written
+
+
+@pytest.mark.usefixtures("no_clusterctl_env")
+def test_uncordon_with_no_state_and_no_inventory_says_so_and_creates_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "none" / "state.db"
+    r = runner.invoke(app, ["--state", str(state), "uncordon", "gpu-03"])
+    assert r.exit_code == 0, r.output
+    assert r.output.strip() == f"gpu-03 was not cordoned (no state at {state})"
+    assert not state.parent.exists()
+
+
+@pytest.mark.usefixtures("no_clusterctl_env")
+def test_a_cordon_before_the_first_discover_records_its_inventory(tmp_path: Path) -> None:
+    """cordon -i on a new state records the inventory, so later commands need no -i, and
+    uncordoning twice is a no-op the second time (as the README says), not an error."""
+    inv = two_node_inventory(tmp_path)
+    state = tmp_path / "state.db"
+
+    def cli(*args: str):
+        return runner.invoke(app, ["--state", str(state), *args])
+
+    assert cli("cordon", "h2", "-i", str(inv), "-r", "rack move").exit_code == 0
+    with Store(state, readonly=True) as s:
+        assert s.inventory() == inv.resolve()
+    assert cli("cordon", "h1", "-r", "psu").exit_code == 0
+    assert cli("uncordon", "h2").output.strip() == "h2 uncordoned"
+    r = cli("uncordon", "h2")
+    assert r.exit_code == 0 and r.output.strip() == "h2 was not cordoned"
+    r = cli("uncordon", "h9")  # a typo is still caught, against the recorded inventory
+    assert r.exit_code == 2 and "no node named 'h9'" in r.output
+    # A later discover's inventory is not overridden by a cordon with another -i.
+    other = tmp_path / "other.yaml"
+    other.write_text(inv.read_text())
+    assert cli("cordon", "h1", "-i", str(other), "-r", "psu").exit_code == 0
+    with Store(state, readonly=True) as s:
+        assert s.inventory() == inv.resolve()
+
+
+@pytest.mark.usefixtures("no_clusterctl_env")
+def test_a_missing_option_value_names_the_subcommand(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["--state", str(tmp_path / "s.db"), "place", "-c", "cat.yaml", "--dry-run", "--facts"])
+    assert r.exit_code == 2
+    assert r.output.strip() == (
+        "error: clusterctl place: Option '--facts' requires an argument. (see: clusterctl place -h)"
+    )
+    r = runner.invoke(app, ["--state"])
+    assert r.exit_code == 2 and "(see: clusterctl -h)" in r.output
+
+
+@pytest.mark.usefixtures("no_clusterctl_env")
+def test_uncordon_in_a_state_with_no_inventory_recorded_checks_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state.db"
+    Store(state).close()  # a state no discover or cordon -i has recorded an inventory in
+    r = runner.invoke(app, ["--state", str(state), "uncordon", "h1"])
+    assert r.exit_code == 0 and r.output.strip() == "h1 was not cordoned"
+
+
+@pytest.mark.usefixtures("no_clusterctl_env")
+def test_a_cordon_with_an_inventory_replaces_a_recorded_one_that_is_gone(tmp_path: Path) -> None:
+    inv = two_node_inventory(tmp_path)
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(inv.read_text())
+    state = tmp_path / "state.db"
+
+    def cli(*args: str):
+        return runner.invoke(app, ["--state", str(state), *args])
+
+    assert cli("cordon", "h1", "-r", "x", "-i", str(moved)).exit_code == 0
+    moved.unlink()
+    r = cli("cordon", "h2", "-r", "y")
+    assert r.exit_code == 2 and "moved.yaml" in r.output and "is gone; pass -i" in r.output
+    assert cli("cordon", "h2", "-r", "y", "-i", str(inv)).exit_code == 0
+    with Store(state, readonly=True) as s:
+        assert s.inventory() == inv.resolve()
+    assert cli("uncordon", "h2").exit_code == 0 and cli("cordon", "h2", "-r", "z").exit_code == 0

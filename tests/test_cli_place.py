@@ -7,8 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_catalog import ISSUE_EXAMPLE
-from test_placement_clusters import a100_pcie, cpu_node, dgx, ib
+from helpers import ISSUE_EXAMPLE, a100_pcie, cpu_node, dgx, ib, write_inputs
 from typer.testing import CliRunner
 
 from cluster_cli.cli.main import app
@@ -19,18 +18,6 @@ runner = CliRunner()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 CATALOG = ISSUE_EXAMPLE  # the catalog of issue 3, as test_catalog checks it
-
-
-def write_inputs(tmp_path: Path, nodes: list[NodeFacts], *, inventory_nodes: list[str] | None = None,
-                 catalog: str = CATALOG) -> tuple[Path, Path, Path]:  # fmt: skip
-    names = inventory_nodes if inventory_nodes is not None else [n.name for n in nodes]
-    inv = tmp_path / "inventory.yaml"
-    inv.write_text("nodes:\n" + "".join(f"  - {{name: {n}, host: 10.0.0.{i + 1}}}\n" for i, n in enumerate(names)))
-    cat = tmp_path / "catalog.yaml"
-    cat.write_text(catalog)
-    facts = tmp_path / "facts.json"
-    facts.write_text(json.dumps({"nodes": [n.to_dict() for n in nodes]}))
-    return inv, cat, facts
 
 
 def place(tmp_path: Path, *args: str):
@@ -480,6 +467,7 @@ def test_a_facts_file_planned_with_another_clusters_state_says_whose_cordons_app
     assert "cordons and replicas come from" not in r.stderr  # its own state: nothing to say
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 @pytest.mark.parametrize("fmt", ["json", "table"])
 def test_output_that_cannot_be_written_is_one_error_line(tmp_path: Path, fmt: str) -> None:
@@ -505,3 +493,96 @@ def test_a_class_missing_because_a_nodes_nvidia_smi_failed_says_so(tmp_path: Pat
     r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts))
     warning = next(line for line in r.stderr.splitlines() if "gpu_class" in line)
     assert "no GPU of class 'H100'" in warning and "GPUs not known on gpu-02 (nvidia-smi failed" in warning
+
+
+def test_cordoned_node_without_facts_is_explained_as_cordoned(tmp_path: Path) -> None:
+    inv, cat, _ = write_inputs(
+        tmp_path,
+        [],
+        inventory_nodes=["h1"],
+        catalog="models:\n  - {name: m, profiles: [{name: p, engine: vllm, gpu_class: H100, model: /m}]}\n",
+    )
+    r = runner.invoke(
+        app, ["--state", str(tmp_path / "state.db"), "cordon", "h1", "-i", str(inv), "--reason", "RMA 4411"]
+    )
+    assert r.exit_code == 0
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json")
+    assert r.exit_code == 3, r.output
+    (u,) = json.loads(r.stdout)["unplaced"]
+    (reason,) = u["reasons"]
+    assert (reason["constraint"], reason["detail"]) == (
+        "cordoned",
+        "cordoned (RMA 4411); also unreachable: no facts (not discovered yet)",
+    )
+    assert u["attempts"][0]["metrics"]["filtered_by"] == {"cordoned": 1}
+    assert u["attempts"][0]["placed"] is False and u["attempts"][0]["summary"].startswith("0/")
+
+
+def test_unplaced_replicas_list_their_attempts_like_placed_ones(tmp_path: Path) -> None:
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01", cordoned=True)])
+    r = runner.invoke(app, ["--state", str(tmp_path / "s.db"), "place", "--dry-run", "-i", str(inv), "-c", str(cat),
+                            "--facts", str(facts), "-o", "json"])  # fmt: skip
+    assert r.exit_code == 3, r.output
+    for u in json.loads(r.stdout)["unplaced"]:
+        assert "profiles" not in u
+        assert {a["profile"] for a in u["attempts"]} == {"h100-tp8", "a100-2x8", "cpu"}
+        for a in u["attempts"]:
+            assert set(a) == {"profile", "placed", "metrics", "summary"} and a["placed"] is False
+
+
+# --------------------------------------------------------------------------- facts files
+
+
+def _facts(tmp_path: Path, doc: object, cat: str) -> object:
+    inv, catp, _ = write_inputs(tmp_path, [cpu_node("n1")], catalog=cat)
+    f = tmp_path / "f.json"
+    f.write_text(json.dumps(doc))
+    return runner.invoke(
+        app,
+        ["--state", str(tmp_path / "s.db"), "place", "--dry-run", "-i", str(inv), "-c", str(catp), "--facts", str(f)],
+    )
+
+
+H100_CAT = """
+engines: {vllm: {command: vllm}}
+models:
+  - name: m
+    replicas: 1
+    profiles:
+      - {name: h, engine: vllm, gpu_class: H100 80GB HBM3, gpus: 8, model: /m}
+"""
+
+
+def test_facts_without_a_class_get_the_products_class(tmp_path: Path) -> None:
+    gpus = [{"index": i, "uuid": f"GPU-{i}", "product": "NVIDIA H100 80GB HBM3"} for i in range(8)]
+    r = _facts(tmp_path, {"nodes": [{"name": "n1", "cpus": 64, "memory_mib": 1 << 20, "gpus": gpus}]}, H100_CAT)
+    assert r.exit_code == 0, r.output
+    assert "n1 GPU 0-7" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ({"name": "n1", "cpus": 16, "memory_mib": 65536, "problems": [5]}, "problems"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "state": "Active", "link_layer": "InfiniBand", "fabric": 5}]}, "fabric"),
+        ({"name": "n1", "labels": {"rack": 3}}, "labels"),
+        ({"name": "n1", "gpus": [{"index": 0, "uuid": "G", "product": "P", "problems": [1]}]}, "problems"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "sm_lid": "x"}]}, "sm_lid"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "sm_guid": [1]}]}, "sm_guid"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "sm_guid": 1.5}]}, "sm_guid"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "port_guid": 1.5}]}, "port_guid"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "port_guid": "0xzz"}]}, "port_guid"),
+        ({"name": "n1", "nvlink_domains": "0123"}, "nvlink_domains"),
+        ({"name": "n1", "cordoned": True, "cordon_reason": 5}, "cordon_reason"),
+        ({"name": "n1", "reachable": False, "error": 5}, "error"),
+        ({"name": "n1", "gpus": [{"index": 0, "uuid": "G", "product": "P", "class": 5}]}, "class"),
+        ({"name": "n1", "gpus": [{"index": 0, "uuid": "G", "product": "P", "processes": [{"pid": "x"}]}]}, "processes"),
+        ({"name": "n1", "hcas": [{"name": "mlx5_0", "port": 1, "rate_gbps": "x"}]}, "rate_gbps"),
+        ({"name": "n1", "nvlink_domains": [[0, True]]}, "nvlink_domains"),
+    ],
+)  # fmt: skip
+def test_facts_of_the_wrong_type_are_a_one_line_error(tmp_path: Path, doc: dict, field: str) -> None:
+    r = _facts(tmp_path, {"nodes": [doc]}, H100_CAT)
+    assert r.exit_code == 2, r.output
+    (line,) = r.output.strip().splitlines()
+    assert "f.json: nodes.0 (n1): invalid facts: " in line and f"{field}: expected" in line

@@ -289,7 +289,7 @@ def test_a_hostile_node_cannot_put_terminal_escapes_on_the_operators_screen(tmp_
     assert back.error == "ssh: \\x1b]0;pwned\\x07"
 
 
-# --- rules a mutation audit found unguarded ----------------------------------------------
+# --- partial and failed probe outputs: cut-short lists, failed tools, lost GPUs, failed batches ---
 
 TOPO_PAIR = "\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tNV12\t0-31\nGPU1\tNV12\t X \t0-31\n"
 

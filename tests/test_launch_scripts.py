@@ -45,6 +45,7 @@ def _start(tmp: Path, argv: list[str], **kw: object) -> tuple[str, int, int]:
     return token, pid, st
 
 
+@pytest.mark.slow
 def test_a_shard_runs_detached_in_its_own_session_with_its_files(tmp_path: Path) -> None:
     token, pid, st = _start(tmp_path, ["sh", "-c", 'echo "token=$SECRET"; exec sleep 300'])
     try:
@@ -61,6 +62,7 @@ def test_a_shard_runs_detached_in_its_own_session_with_its_files(tmp_path: Path)
         sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=2))
 
 
+@pytest.mark.slow
 def test_stop_ends_a_worker_that_left_the_session_and_was_reparented(tmp_path: Path) -> None:
     # The shard forks a worker into a session of its own (as Ray's and vLLM's do), then dies:
     # the worker is reparented to init, outside the shard's session and process group.
@@ -80,6 +82,7 @@ def test_stop_ends_a_worker_that_left_the_session_and_was_reparented(tmp_path: P
     assert not (tmp_path / "run").exists()  # the folder goes with it
 
 
+@pytest.mark.slow
 def test_stop_kills_what_ignores_term_after_the_grace(tmp_path: Path) -> None:
     token, pid, st = _start(tmp_path, ["sh", "-c", "trap '' TERM; while :; do sleep 0.1; done"])
     t0 = time.monotonic()
@@ -127,6 +130,7 @@ def test_start_refuses_a_port_something_listens_on(tmp_path: Path) -> None:
         assert port in listening
 
 
+@pytest.mark.slow
 def test_hostile_arguments_reach_the_process_verbatim(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     weird = ["it's", '"q"', "a;b", f"$(touch {marker})", f"`touch {marker}`", "$HOME", "x\ny"]

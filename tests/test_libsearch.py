@@ -73,6 +73,7 @@ def test_quick_find_library_answers_listed_names_without_processes(monkeypatch, 
     assert ctypes.util.find_library is original
 
 
+@pytest.mark.slow
 @linux_only
 def test_importing_the_ssh_layer_runs_no_programs():
     # A fresh interpreter: asyncssh is imported there for the first time.
@@ -101,6 +102,7 @@ def test_importing_the_ssh_layer_runs_no_programs():
     assert {"oqs", "liboqs", "nettle"} <= libsearch.ASYNCSSH_LIBS
 
 
+@pytest.mark.slow
 @linux_only
 def test_a_library_that_fails_to_load_anyway_falls_back_to_the_slow_import():
     code = textwrap.dedent(

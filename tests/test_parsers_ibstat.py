@@ -394,3 +394,24 @@ def test_hca_port_round_trips_its_subnet_prefix() -> None:
     assert HcaPort.from_dict({**d, "subnet_prefix": None}).subnet_prefix is None
     with pytest.raises(ValueError, match="subnet_prefix"):
         HcaPort.from_dict({**d, "subnet_prefix": "fe80::"})
+
+
+_IBSTAT = """CA 'mlx5_0'
+\tCA type: MT4129
+\tNumber of ports: 1
+\tPort 1:
+\t\tState: Active
+\t\tPhysical state: LinkUp
+\t\tRate: 400
+\t\tBase lid: 0x1a
+\t\tLMC: 0
+\t\tSM lid: 0x10
+\t\tCapability mask: 0xa751e84a
+\t\tPort GUID: 0x58a2e103001b2576
+\t\tLink layer: InfiniBand
+"""
+
+
+def test_ibstat_lids_printed_in_hex_are_read() -> None:
+    (p,) = parse_ibstat(_IBSTAT)
+    assert (p.base_lid, p.sm_lid) == (26, 16)

@@ -841,3 +841,8 @@ def test_a_narrowed_query_reads_as_the_full_one_with_unknowns(dropped: list[str]
     assert row == expected and row.name == name
     assert gone.pci_bus_id == "0000:31:00.0"
     assert widen_query_gpu(narrow, GPU_FIELDS) == narrow
+
+
+def test_a_query_gpu_row_with_one_column_too_many_and_no_bus_id_is_not_ours() -> None:
+    line = "0, GPU-aaa, NVIDIA H100, 81559, 0, [N/A], 0, Disabled, No, No, extra"
+    assert parse_query_gpu(line) == ([], [])

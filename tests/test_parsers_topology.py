@@ -248,3 +248,8 @@ def test_never_raises_on_binaryish(blob: bytes) -> None:
 
 def test_non_string_is_unknown() -> None:
     assert parse_topo(None) is None  # type: ignore[arg-type]
+
+
+def test_a_topology_matrix_with_a_duplicated_gpu_column_is_unknown() -> None:
+    text = "\tGPU0\tGPU1\tGPU1\tCPU Affinity\nGPU0\t X \tNV12\tNV12\t0-31\nGPU1\tNV12\t X \tNV12\t0-31\n"
+    assert parse_topo(text) is None

@@ -1,4 +1,4 @@
-"""An operator's review of ``place --dry-run``: TP groups split across NVLink domains are
+"""What ``place --dry-run`` tells an operator: TP groups split across NVLink domains are
 noted, hand-written facts are believed, rejections name what would help first, and catalog
 slips (a class in the wrong case, a product name, an odd tensor-parallel size) are warned
 about with their line."""
@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_cli_place import write_inputs
-from test_placement_clusters import a100_pcie, catalog, cpu_node, dgx, ib, l40s, node, profile
+from helpers import a100_pcie, catalog, cpu_node, dgx, ib, l40s, node, profile, write_inputs
 from typer.testing import CliRunner
 
 from cluster_cli.cli.main import app

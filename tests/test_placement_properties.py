@@ -13,9 +13,9 @@ import random
 from dataclasses import replace
 from typing import Any
 
+from helpers import gpu, ib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_placement_clusters import gpu, ib
 
 from cluster_cli.config.catalog import Catalog, Profile
 from cluster_cli.facts import NodeFacts, Replica

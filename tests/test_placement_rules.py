@@ -1,4 +1,5 @@
-"""Table-driven placement rules on realistic clusters (see test_placement_clusters for the nodes)."""
+"""Table-driven placement rules on realistic clusters, and how the plan explains them (see helpers.py
+for the nodes)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import random
 from dataclasses import replace
 
 import pytest
-from test_placement_clusters import a100_pcie, catalog, cpu_node, dgx, ib, l40s, node, profile
+from helpers import a100_pcie, catalog, cpu_node, dgx, ib, l40s, node, profile, rep
 
-from cluster_cli.facts import NodeFacts, Replica, Shard
-from cluster_cli.placement import Plan, filter_lines, fit_message, plan
+from cluster_cli.facts import UNREAD, Gpu, NodeFacts
+from cluster_cli.placement import Plan, filter_lines, fit_message, plan, render_plan, render_trace
+from cluster_cli.placement.constraints import choose_gpus
 
 H100x8 = profile("h100-tp8", gpu_class="H100", gpus=8, priority=100)
 A100_2x8 = profile("a100-2x8", gpu_class="A100", gpus=8, nodes=2, priority=50)
@@ -226,12 +228,6 @@ def test_two_domains_of_four_choose_the_best_fitting() -> None:
 
 
 # --------------------------------------------------------------------------- current allocations
-
-
-def rep(model: str, i: int, prof: str, shards: list[tuple[str, tuple[int, ...]]], **kw: object) -> Replica:
-    return Replica(
-        model, i, prof, kw.pop("engine", "vllm"), tuple(Shard(n, g, tuple(kw.pop("hcas", ()))) for n, g in shards), **kw
-    )  # type: ignore[arg-type]
 
 
 def test_keep_valid_and_stop_what_the_catalog_no_longer_wants() -> None:
@@ -477,3 +473,328 @@ def test_a_tp_group_placed_without_known_topology_says_so() -> None:
     assert p.starts[0].note == ""  # known topology: nothing to say
     p = plan([unknown], catalog(("m", 1, [profile("one", gpu_class="A100", gpus=1)])))
     assert p.starts[0].note == ""  # one GPU: no group to keep together
+
+
+# --------------------------------------------------------------------------- explanations of the moment each replica was tried
+
+
+def test_unplaced_is_explained_by_the_state_it_failed_on_not_the_final_one() -> None:
+    """a (8x H100) fails on h1 (2 ECC); b (4x H100) is placed there afterwards: a's reason is
+    6 free, as -v says, not the 2 left after b."""
+    cat = catalog(
+        ("a", 1, [profile("tp8", gpu_class="H100", gpus=8)]), ("b", 1, [profile("tp4", gpu_class="H100", gpus=4)])
+    )
+    p = plan([dgx("h1", problems={0: "ecc", 1: "ecc"})], cat, trace=True)
+    want = "6 of 8 H100 free (2 ECC), profile needs 8"
+    (u,) = p.to_dict()["unplaced"]
+    assert [r["detail"] for r in u["reasons"]] == [want]
+    assert f"      h1: {want}" in render_plan(p)
+    assert f"    h1: rejected by capacity: {want}" in render_trace(p)
+
+
+def test_fallback_summary_is_taken_when_the_better_profile_failed() -> None:
+    """m's 2-node profile fails for want of a second node on ib-a (h1 fits alone); its
+    replicas then fill h1 and h2 with tp8. The "not ..." line and the JSON summary say why it
+    failed (fabric too small), not what the nodes look like at the end (full)."""
+    nodes = [dgx("h1"), dgx("h2", fabric="ib-b", hcas=[ib("mlx5_0", "ib-b")])]
+    cat = catalog(
+        (
+            "m",
+            2,
+            [profile("mn", gpu_class="H100", gpus=8, nodes=2, priority=10), profile("tp8", gpu_class="H100", gpus=8)],
+        )
+    )
+    p = plan(nodes, cat)
+    assert p.complete and len(p.starts) == 2
+    line = "    not mn (2 nodes x 8x H100): 0/2 nodes are available: 2 fabric too small."
+    assert line in render_plan(p)
+    first = p.to_dict()["replicas"][0]["attempts"][0]
+    assert first["summary"] == line.split(": ", 1)[1]
+    assert first["metrics"]["exhausted_by"] == {"fabric": 2}
+
+
+def test_explanations_stay_deterministic() -> None:
+    cat = catalog(
+        ("a", 2, [profile("tp8", gpu_class="H100", gpus=8)]), ("b", 1, [profile("tp4", gpu_class="H100", gpus=4)])
+    )
+    nodes = [dgx("h1", problems={0: "ecc"}), dgx("h2", problems={3: "ecc"})]
+    assert plan(nodes, cat).to_dict() == plan(list(reversed(nodes)), cat).to_dict()
+
+
+def test_an_unplaced_replica_is_explained_by_the_allocations_when_it_was_tried() -> None:
+    """a's tp8 fails on gpu-01 (4 ECC) and a falls back to tp4 there; b's tp8 (the same
+    request) is tried after that: its reason counts a's 4 GPUs as allocated."""
+    nodes = [dgx("gpu-01", problems={0: "ecc", 1: "ecc", 2: "ecc", 3: "ecc"})]
+    cat = catalog(
+        ("a", 1, [profile("tp8", gpu_class="H100", gpus=8, priority=10), profile("tp4", gpu_class="H100", gpus=4)]),
+        ("b", 1, [profile("tp8", gpu_class="H100", gpus=8)]),
+    )
+    p = plan(nodes, cat)
+    (a,) = p.starts
+    assert a.attempts[0].profile == "tp8" and not a.attempts[0].placed
+    (u,) = p.unplaced
+    assert [r.detail for r in u.reasons] == ["0 of 8 H100 free (4 ECC, 4 allocated), profile needs 8"]
+    assert "      gpu-01: 0 of 8 H100 free (4 ECC, 4 allocated), profile needs 8" in render_plan(p)
+    # a's own fallback line still says how tp8 failed for a: 4 free then.
+    assert a.attempts[0].metrics.reasons == {"insufficient gpus": 1}
+
+
+def test_lost_gpu_of_unread_class_is_called_lost() -> None:
+    n = dgx("g3")
+    gpus = (*n.gpus[:7], replace(n.gpus[7], lost=True, product=UNREAD, gpu_class=UNREAD, uuid=""))
+    p = plan([replace(n, gpus=gpus)], catalog(("m", 1, [profile("p", gpu_class="H200", gpus=1)])))
+    assert [r.detail for r in p.unplaced[0].reasons] == ["no H200 GPU (has 7 H100, 1 lost)"]
+
+
+def test_a_node_held_out_for_several_reasons_names_them_all_and_a_known_cpu_node_its_class() -> None:
+    nodes = [
+        cpu_node("cpu-1", cordoned=True),
+        dgx("gpu-1", cls="A100", cordoned=True),
+        dgx("gpu-2", problems={0: "ecc"}, cordoned=True, reachable=False),
+    ]
+    p = plan(nodes, catalog(("m", 1, [profile("h", gpu_class="H100", gpus=8)])))
+    (u,) = p.to_dict()["unplaced"]
+    got = {r["node"]: (r["constraint"], r["detail"]) for r in u["reasons"]}
+    assert got["cpu-1"] == ("gpu-class", "no GPU, profile needs H100")
+    assert got["gpu-1"] == ("gpu-class", "no H100 GPU (has 8 A100)")
+    assert got["gpu-2"][0] == "cordoned"
+    assert got["gpu-2"][1].startswith("cordoned (maintenance); also unreachable")
+    (a,) = u["attempts"]
+    assert a["metrics"]["filtered_by"] == {"cordoned": 1, "gpu-class": 2}
+    # The same counts for a profile that fits elsewhere (the index counts as the explanation does).
+    nodes.append(dgx("h100-1"))
+    p = plan(nodes, catalog(("m", 1, [profile("h", gpu_class="H100", gpus=8)])))
+    assert p.starts[0].attempts[0].metrics.filtered_by == {"cordoned": 1, "gpu-class": 2}
+
+
+def test_a_cpu_node_whose_nvidia_smi_failed_is_not_taken_for_one_without_gpus() -> None:
+    blind = replace(cpu_node("c1", cordoned=True), problems=("nvidia-smi: NVIDIA-SMI has failed (no driver)",))
+    p = plan([blind], catalog(("m", 1, [profile("h", gpu_class="H100", gpus=8)])))
+    (r,) = p.unplaced[0].reasons
+    assert r.constraint == "cordoned"
+
+
+def test_one_node_evaluated_is_singular() -> None:
+    p = plan([dgx("h1")], catalog(("m", 1, [profile("tp8", gpu_class="H100", gpus=8)])))
+    assert "  m [0] on tp8: 1 node evaluated" in render_plan(p)
+
+
+def test_one_more_node_is_singular() -> None:
+    nodes = [a100_pcie(f"a-{i:02}") for i in range(11)]
+    lines = render_plan(plan(nodes, catalog(("m", 1, [profile("p", gpu_class="H100", gpus=8)]))))
+    assert "      ... and 1 more node (-o json lists every one)" in lines
+
+
+# --------------------------------------------------------------------------- NVLink over the whole fleet
+
+
+PAIRS = [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+@pytest.mark.parametrize("before", [1, 63, 64, 200])
+def test_a_tp_group_is_not_split_while_any_node_has_a_whole_domain(before: int) -> None:
+    """``before`` nodes whose two free GPUs sit in different NVLink pairs come first in
+    best-fit order; the last node has its two free GPUs in one pair: the group goes there,
+    however many split-only nodes come before it."""
+    split = {1: "ecc", 3: "ecc", 4: "ecc", 5: "ecc", 6: "ecc", 7: "ecc"}  # free: 0, 2
+    whole = {2: "ecc", 3: "ecc", 4: "ecc", 5: "ecc", 6: "ecc", 7: "ecc"}  # free: 0, 1
+    nodes = [node(f"n{i:03d}", cls="A100", gpus=8, problems=split, domains=PAIRS) for i in range(before)]
+    nodes.append(node("z-last", cls="A100", gpus=8, problems=whole, domains=PAIRS))
+    p = plan(nodes, catalog(("m", 1, [profile("tp2", gpu_class="A100", gpus=2)])))
+    (start,) = p.starts
+    assert [(s.node, s.gpus) for s in start.replica.shards] == [("z-last", (0, 1))]
+    assert start.note == ""
+
+
+def test_the_domain_index_follows_allocations() -> None:
+    """Once the roomy node's pair is taken, the next TP-2 group has no whole pair anywhere and
+    goes to the best fit, split (with its note); a third finds nothing."""
+    split = {1: "ecc", 3: "ecc", 4: "ecc", 5: "ecc", 6: "ecc", 7: "ecc"}
+    whole = {2: "ecc", 3: "ecc", 4: "ecc", 5: "ecc", 6: "ecc", 7: "ecc"}
+    nodes = [node(f"n{i:03d}", cls="A100", gpus=8, problems=split, domains=PAIRS) for i in range(70)]
+    nodes.append(node("z-last", cls="A100", gpus=8, problems=whole, domains=PAIRS))
+    p = plan(nodes, catalog(("m", 3, [profile("tp2", gpu_class="A100", gpus=2)])))
+    got = [(s.node, s.gpus) for st in p.starts for s in st.replica.shards]
+    assert got == [("z-last", (0, 1)), ("n000", (0, 2)), ("n001", (0, 2))]
+    assert [bool(st.note) for st in p.starts] == [False, True, True]
+
+
+def test_nvlink_choice_keeps_whole_domains_and_lone_gpus_first() -> None:
+    # Fewest free GPUs left over in the chosen domain: the broken domain's pair, not a whole one.
+    assert choose_gpus([0, 1, 8, 9, 10, 11], 2, (tuple(range(8)), (8, 9, 10, 11))) == ((0, 1), True)
+    # One GPU: a GPU in no NVLink domain before breaking into a pair.
+    assert choose_gpus([0, 1, 2], 1, ((0, 1),)) == ((2,), True)
+
+
+def test_a_duplicated_gpu_index_is_never_handed_out_twice() -> None:
+    n = dgx("h-1")
+    twin = Gpu(0, "GPU-other", n.gpus[0].product, "H100")
+    one = NodeFacts(name="h-1", gpus=(n.gpus[0], twin), nvlink_domains=None, cpus=8, memory_mib=1024)
+    p = plan([one], catalog(("m", 1, [profile("p", gpu_class="H100", gpus=2)])))
+    assert not p.starts and p.unplaced
+
+
+# --------------------------------------------------------------------------- CPU replicas: spread, capacity and the work it takes
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of the planner's ``name`` (a method of ``_Planner`` or a function it imported)."""
+    from cluster_cli.placement import placer
+
+    calls = [0]
+    owner = placer._Planner if hasattr(placer._Planner, name) else placer
+    real = getattr(owner, name)
+
+    def counted(*a: object, **kw: object) -> object:
+        calls[0] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def test_cpu_replicas_beyond_the_node_count_spread_evenly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More replicas of one model than nodes: every node gets one before any gets a second,
+    and so on (not all extra ones on the first node), each replica looking at a few nodes (the
+    old placer looked at every node for each replica past the node count: 50 x 80 here)."""
+    fits = _counting(monkeypatch, "_cpu_fits")
+    nodes = [cpu_node(f"n{i:03d}", cpus=1024) for i in range(50)]
+    p = plan(nodes, catalog(("m", 130, [profile("c", engine="llamacpp", cpus=1)])))
+    per: dict[str, int] = {}
+    for st in p.starts:
+        per[st.replica.shards[0].node] = per.get(st.replica.shards[0].node, 0) + 1
+    assert sorted(per.values()) == [2] * 20 + [3] * 30
+    assert not p.unplaced
+    assert fits[0] <= 3 * 130 + 50, fits[0]
+
+
+def test_cpu_replicas_on_a_mixed_fleet_take_every_node_then_the_gpu_less_ones_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPU-less nodes come first in spread order, so once each has a replica they stand before
+    every GPU host without one: set aside for each further replica, that was quadratic. Now
+    the model gets a heap of its own: each node once, then the GPU-less ones again."""
+    fits = _counting(monkeypatch, "_cpu_fits")
+    nodes = [cpu_node(f"c{i:03d}", cpus=1024) for i in range(100)] + [dgx(f"g{i:03d}") for i in range(100)]
+    p = plan(nodes, catalog(("m", 300, [profile("c", engine="llamacpp", cpus=1)])))
+    per: dict[str, int] = {}
+    for st in p.starts:
+        per[st.replica.shards[0].node] = per.get(st.replica.shards[0].node, 0) + 1
+    assert {n: k for n, k in per.items() if n.startswith("c")} == {f"c{i:03d}": 2 for i in range(100)}
+    assert {n: k for n, k in per.items() if n.startswith("g")} == {f"g{i:03d}": 1 for i in range(100)}
+    assert fits[0] < 2000, fits[0]  # set aside 100 nodes per replica: 20,000
+
+
+def test_nodes_too_small_are_looked_at_once_per_request_not_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many CPU models asking for the same: a node that cannot take it is dropped once for all."""
+    from cluster_cli.placement import placer
+
+    checks = [0]
+    real = placer.CAPACITY
+
+    class Counting:
+        name = real.name
+
+        def check(self, node: object, req: object) -> object:
+            checks[0] += 1
+            return real.check(node, req)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(placer, "CAPACITY", Counting())
+    nodes = [cpu_node(f"c{i:04d}", cpus=1024 if i % 100 == 0 else 8) for i in range(1000)]
+    p = plan(nodes, catalog(*[(f"m{j}", 2, [profile("cpu", engine="llamacpp", cpus=16)]) for j in range(20)]))
+    assert len(p.starts) == 40 and not p.unplaced
+    assert checks[0] == 990  # each small node once (the big ones fit)
+    # Each model's counts still name the small ones it skipped.
+    assert p.starts[-1].attempts[-1].metrics.exhausted_by == {"cpus": 990}
+
+
+def test_an_unplaced_model_is_explained_again_only_after_allocations_of_its_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A B200 model no node can take is explained once: H100 replicas placed between its
+    replicas' attempts cannot change why (each explanation is a pass over the whole fleet)."""
+    calls = _counting(monkeypatch, "explain_request")
+    models = []
+    for j in range(5):
+        models += [(f"big{j}", 1, [profile("b200", gpu_class="B200", gpus=8)])]
+        models += [(f"small{j}", 1, [profile("tp1", gpu_class="H100", gpus=1)])]
+    p = plan([dgx(f"g{i:02d}") for i in range(10)], catalog(*models))
+    assert len(p.unplaced) == 5 and len(p.starts) == 5
+    assert calls[0] == 1
+
+
+def test_cpu_counts_say_unknown_resources_as_the_explanation_does_and_that_they_are_partial() -> None:
+    cat = catalog(("m", 1, [profile("c", engine="llamacpp", cpus=32, memory_gib=64)]))
+    nodes = [cpu_node("a-small", cpus=4), cpu_node("b-unknown", cpus=None), cpu_node("c-big", cpus=64)]
+    p = plan(nodes, cat)
+    (start,) = p.starts
+    m = start.attempts[-1].metrics
+    assert m.filtered_by == {"capacity": 1} and m.exhausted_by == {"cpus": 1}
+    assert m.reasons == {"resources unknown": 1, "insufficient cpus": 1}
+    line = next(x for x in render_plan(p) if " on c:" in x)
+    assert line == (
+        "  m [0] on c: 3 nodes evaluated; 1 node filtered: capacity 1; 1 node exhausted: cpus 1; "
+        "capacity checked up to the first node that fits, in spread order"
+    )
+    # The same shape, where the first node in spread order fits: nothing counted past it, and said so.
+    nodes = [cpu_node("a-big", cpus=64), cpu_node("b-small", cpus=4), cpu_node("c-unknown", cpus=None)]
+    line = next(x for x in render_plan(plan(nodes, cat)) if " on c:" in x)
+    assert line.endswith("3 nodes evaluated; capacity checked up to the first node that fits, in spread order")
+
+
+def test_exactly_enough_memory_fits() -> None:
+    cat = catalog(("tiny", 1, [profile("cpu", engine="llamacpp", memory_gib=128)]))
+    assert plan([cpu_node("c-1", memory_gib=128)], cat).complete
+    from cluster_cli.placement.constraints import Capacity, NodeState, Request
+
+    req = Request.of(cat.models[0].profiles[0])
+    assert Capacity().check(NodeState.build(cpu_node("c-1", memory_gib=128), 0), req).ok  # what place -v says
+    assert not Capacity().check(NodeState.build(cpu_node("c-1", memory_gib=127), 0), req).ok
+
+
+# --------------------------------------------------------------------------- kept replicas
+
+
+def test_a_cpu_replica_is_restarted_when_its_profile_memory_changes() -> None:
+    cat = catalog(("tiny", 1, [profile("cpu", engine="llamacpp", cpus=4, memory_gib=16)]))
+    current = [rep("tiny", 0, "cpu", [("c-1", ())], engine="llamacpp", cpus=4, memory_mib=8192)]
+    p = plan([cpu_node("c-1")], cat, current)
+    assert [(x.action, x.replica.memory_mib) for x in p.placements] == [("stop", 8192), ("start", 16384)]
+    assert "now reserves" in p.placements[0].note
+
+
+@pytest.mark.parametrize("change", [{"state": "Down"}, {"fabric": "ib-b"}])
+def test_a_kept_multi_node_replica_whose_hca_went_away_is_released_whole(change: dict[str, str]) -> None:
+    cat = catalog(("m", 1, [profile("mn", gpu_class="H100", gpus=8, nodes=2)]))
+    nodes = [dgx("a1"), dgx("a2")]
+    rep = plan(nodes, cat).starts[0].replica
+    assert "mlx5_3" in rep.shards[0].hcas
+    nodes[0] = replace(nodes[0], hcas=tuple(replace(h, **change) if h.ca == "mlx5_3" else h for h in nodes[0].hcas))
+    p = plan(nodes, cat, [rep])
+    (stop,) = p.stops
+    assert stop.note == "mlx5_3 of a1 is no longer Active on fabric ib-a"
+    (start,) = p.starts
+    assert "mlx5_3" not in start.replica.shards[0].hcas and not p.keeps
+
+
+def test_two_nodes_of_one_name_give_one_plan_whatever_their_order() -> None:
+    a, b = dgx("n1"), dgx("n1", cls="A100")
+    cat = catalog(
+        ("m", 1, [profile("h", gpu_class="H100", gpus=8, priority=2), profile("a", gpu_class="A100", gpus=8)])
+    )
+    assert plan([a, b], cat).to_dict() == plan([b, a], cat).to_dict()
+
+
+def test_of_two_allocations_of_one_replica_the_valid_one_is_kept_whatever_their_order() -> None:
+    """The invalid one (on a0, whose GPU 0 has an ECC error) comes first in the placer's own
+    order: it is stopped for its fault, and the valid one is kept, not stopped as a duplicate."""
+    cat = catalog(("m", 1, [profile("tp8", gpu_class="H100", gpus=8)]))
+    nodes = [dgx("h1"), dgx("a0", problems={0: "ecc"})]
+    good = plan(nodes[:1], cat).starts[0].replica
+    bad = replace(good, shards=(replace(good.shards[0], node="a0"),))
+    for current in ([good, bad], [bad, good]):
+        p = plan(nodes, cat, current)
+        assert [k.replica for k in p.keeps] == [good]
+        ((stopped, note),) = [(s.replica, s.note) for s in p.stops]
+        assert stopped == bad and note.startswith("GPU 0 of a0 is unhealthy (ecc")
+        assert not p.starts

@@ -1,4 +1,4 @@
-"""API-surface edges found by review: the access log, the API-keys file, what /metrics
+"""API-surface edges: the access log, the API-keys file, what /metrics
 counts, the listen address, error messages."""
 
 from __future__ import annotations
@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 from simengine import Fleet
 from typer.testing import CliRunner
 
 from cluster_cli.cli.main import app
+from cluster_cli.errors import ConfigError
 from cluster_cli.router.accesslog import AccessLog
 from cluster_cli.router.keys import ApiKeys
 
@@ -89,3 +91,14 @@ def test_the_access_log_is_reopened_for_log_rotation(tmp_path: Path) -> None:
     log.log(4, "c", "GET", "/health", "", "", 200, 0, None, 0.001)
     log.flush()
     assert [json.loads(line)["id"] for line in (tmp_path / "access.log.2").read_text().splitlines()] == [3, 4]
+
+
+def test_api_keys_file_rules(tmp_path: Path) -> None:
+    p = tmp_path / "keys"
+    with pytest.raises(ConfigError, match="no API keys"):
+        ApiKeys.load(p, b"# nobody yet\n\n")
+    with pytest.raises(ConfigError, match="64 hex digits"):
+        ApiKeys.load(p, b"sha256:" + b"ab" * 16)
+    keys = ApiKeys.load(p, b"sk-a\n")
+    assert keys.check(b"Bearer sk-a") and keys.check(b"bearer sk-a") and keys.check(b"BEARER sk-a")
+    assert not keys.check(b"Bearer sk-b") and not keys.check(b"Basic sk-a")

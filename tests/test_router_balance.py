@@ -1,41 +1,25 @@
-"""Load signals, learned capacity and the policies, with an injected clock (no I/O)."""
+"""Load signals, learned capacity, the policies, half-open probe slots, Retry-After and queue deadlines,
+with an injected clock (no I/O)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 from collections.abc import Callable
 
+import pytest
+from helpers import Clock, router_config, worker
+
 from cluster_cli.engines import MetricMapping
-from cluster_cli.router.balancer import fit_message
-from cluster_cli.router.breaker import BreakerConfig
+from cluster_cli.router.admission import ModelQueue, QueueLimits, Rejected
+from cluster_cli.router.balancer import Balancer, fit_message, no_endpoint
+from cluster_cli.router.breaker import BreakerConfig, State
 from cluster_cli.router.config import EndpointView
-from cluster_cli.router.policy import LeastLoad, PowerOfTwo, RoundRobin
+from cluster_cli.router.policy import LeastLoad, PowerOfTwo, RoundRobin, make_policy
+from cluster_cli.router.registry import adopt_peer_capacity, build_table
 from cluster_cli.router.retry import RetryBudget, RetryPolicy
 from cluster_cli.router.worker import ADMIT_WINDOW_S, Worker
-
-
-class Clock:
-    t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def worker(i: int, clock: Clock, *, max_inflight: int | None = None, draining: bool = False) -> Worker:
-    view = EndpointView(
-        url=f"http://127.0.0.1:{9000 + i}",
-        host="127.0.0.1",
-        port=9000 + i,
-        engine="vllm",
-        replica=f"r{i}",
-        draining=draining,
-        max_inflight=max_inflight,
-        metrics=MetricMapping.vllm(),
-        health_path="/health",
-        models=("m",),
-    )
-    return Worker(view, breaker_cfg=BreakerConfig(), clock=clock, stale_s=3.0, probe_s=5.0)
 
 
 def test_capacity_is_learned_from_waiting_and_probed_upwards():
@@ -330,3 +314,123 @@ def test_a_scrape_in_flight_across_a_reload_that_keeps_the_engine_counts(monkeyp
 
     w = _scrape_across_a_reload(monkeypatch, reloaded)
     assert w.scraped.running == 2 and w.cap == 2
+
+
+# --------------------------------------------------------------------------- half-open probe slots, Retry-After and the queue
+
+
+def test_a_probe_that_was_answered_gives_its_slot_back_once() -> None:
+    """Half-open with one probe slot: probe A is answered (its slot goes to B), then A ends.
+    A's release must not free B's slot too, or a third request would probe alongside B."""
+    c = Clock()
+    w = worker(0, c)
+    b = w.breaker
+    for _ in range(b.cfg.failure_threshold):
+        b.on_result(False)
+    c.t += b.open_for() + 0.1
+    assert b.current() is State.HALF_OPEN
+    cfg = router_config({"m": {"endpoints": [{"url": w.url}]}})
+    table = build_table(cfg)
+    table.workers = {w.url: w}
+    table.models["m"].workers = [w]
+    bal = Balancer(table, make_policy("least_load"), clock=c)
+    a = bal.try_acquire(table.models["m"])
+    assert a is not None and a.probe and not b.allows()
+    a.answered()
+    second = bal.try_acquire(table.models["m"])
+    assert second is not None and second.probe and b.probes == 1
+    a.release(True)
+    assert b.probes == 1 and not b.allows()
+    second.release(True)
+
+
+def test_retry_after_is_the_soonest_breaker_and_never_beyond_the_queue_wait() -> None:
+    c = Clock()
+    soon, late = worker(0, c), worker(1, c)
+    for w, openings in ((soon, 1), (late, 4)):
+        w.breaker.openings = openings - 1
+        for _ in range(w.breaker.cfg.failure_threshold):
+            w.breaker.on_result(False)
+    assert soon.breaker.reopens_in() == pytest.approx(5.0) and late.breaker.reopens_in() == pytest.approx(20.0)
+    assert no_endpoint([late, soon]).retry_after == pytest.approx(5.0)
+    q = ModelQueue(QueueLimits(max_queue=1000, max_wait_s=1.5))
+    q.live = 200  # a long queue: Retry-After grows with it, up to the wait a client would get
+    assert q.retry_after() == 1.5
+
+
+def test_queued_requests_get_503_at_once_when_their_last_endpoint_goes() -> None:
+    async def scenario() -> None:
+        c = Clock()
+        cfg = router_config({"m": {"endpoints": [{"url": "http://10.0.0.1:8000", "max_inflight": 1}]}})
+        table = build_table(cfg, clock=c)
+        bal = Balancer(table, make_policy("least_load"), clock=c)
+        entry = table.models["m"]
+        held = bal.try_acquire(entry)
+        assert held is not None
+        waiting = asyncio.ensure_future(bal.acquire(entry))
+        await asyncio.sleep(0)
+        assert len(entry.queue) == 1
+        (w,) = table.workers.values()
+        for _ in range(w.breaker.cfg.failure_threshold):
+            w.breaker.on_result(False)
+        bal.kick()
+        with pytest.raises(Rejected) as err:
+            await asyncio.wait_for(waiting, 1)
+        assert (err.value.status, err.value.reason) == (503, "no_endpoint")
+        held.release(None)
+
+    asyncio.run(scenario())
+
+
+def test_queue_deadlines_only_shrink_and_the_deadline_itself_is_expired() -> None:
+    q = ModelQueue(QueueLimits(max_queue=8, max_wait_s=5.0))
+
+    class _Fut:
+        def done(self) -> bool:
+            return False
+
+        def add_done_callback(self, _cb: object) -> None:
+            pass
+
+    w = q.push(_Fut(), 0.0)  # type: ignore[arg-type]
+    q.limits = QueueLimits(max_queue=8, max_wait_s=30.0)  # longer: the queued keep theirs
+    q.limits = QueueLimits(max_queue=8, max_wait_s=10.0)  # shorter than 30, longer than its 5: still 5
+    assert w.deadline == 5.0
+    assert q.expired(4.999) == [] and q.expired(5.0) == [w]
+
+
+# --------------------------------------------------------------------------- learned capacity and scraped load across changes
+
+
+def test_a_re_added_endpoint_starts_at_the_largest_learned_estimate_not_an_operator_limit() -> None:
+    c = Clock()
+    a, b, new = worker(0, c), worker(1, c), worker(2, c)
+    a.cap, b.cap = 4, 8
+    adopt_peer_capacity([a, b, new], {new.url})
+    assert new.cap == 8
+    c2 = Clock()
+    a, limited, new = worker(0, c2), worker(1, c2, max_inflight=16), worker(2, c2)
+    a.cap, limited.cap = 4, 16
+    adopt_peer_capacity([a, limited, new], {new.url})
+    assert new.cap == 4
+
+
+def test_an_engine_showing_less_than_the_router_sent_adds_no_negative_load() -> None:
+    c = Clock()
+    w = worker(0, c)
+    w.inflight = 3
+    w.on_scrape(0, 0, None, c())  # the scrape raced ahead of our three requests
+    assert w.external(c()) == 0.0 and w.load(c()) == 3
+
+
+def test_a_reload_with_another_metric_mapping_forgets_the_scraped_load() -> None:
+    from dataclasses import replace
+
+    from cluster_cli.router.breaker import BreakerConfig
+
+    c = Clock()
+    w = worker(0, c)
+    w.on_scrape(5, 2, 0.5, c())
+    llama = MetricMapping.from_config({"running": "llamacpp:requests_processing"})
+    w.update_view(replace(w.view, metrics=llama), breaker_cfg=BreakerConfig(), stale_s=3.0, probe_s=5.0)
+    assert w.scraped.running is None and w.external(c()) == 0.0

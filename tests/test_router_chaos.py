@@ -47,6 +47,7 @@ def _retries(f: Fleet) -> float:
     )
 
 
+@pytest.mark.slow
 def test_engine_killed_while_clients_stream():
     f = Fleet(4, capacity=3, token_delay_s=0.01, tokens=25).start(router={"breaker": {"failure_threshold": 2}})
     victim = f.engines[0]

@@ -1,4 +1,4 @@
-"""Control-plane edges found by review: half-open probes, an engine's own 429, retries that
+"""Control-plane edges: half-open probes, an engine's own 429, retries that
 have nowhere else to go, IPv6 endpoints, failed scrapes. Simulated engines, real sockets."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import pytest
 from simengine import Fleet
 
 from cluster_cli.router.breaker import State
@@ -19,6 +20,7 @@ def chat(f: Fleet, **kw: object) -> httpx.Response:
     return httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG, **kw}, timeout=30)
 
 
+@pytest.mark.slow
 def test_a_half_open_probe_is_judged_when_the_engine_answers_and_requests_wait_behind_it() -> None:
     """One endpoint, streams of about a second: once its breaker half-opens, requests that
     come while the probe is out wait in the queue (they were refused with 503, for as long
@@ -97,6 +99,7 @@ def test_a_probe_that_is_answered_and_then_cut_reopens_the_breaker_for_longer() 
         f.close()
 
 
+@pytest.mark.slow
 def test_an_engine_s_429_is_retried_elsewhere_and_is_no_success_or_failure() -> None:
     f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(router={"breaker": {"failure_threshold": 2}})
     busy, good = f.engines

@@ -1,4 +1,5 @@
-"""Failure handling end to end: retries, breaker, stream cuts, timeouts, draining, admission."""
+"""Failure handling end to end: retries, breaker, stream cuts, timeouts, draining, admission, clients
+that stop reading, and connections closed under a write."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+from helpers import chat_request
 from simengine import Fleet
 
 from cluster_cli.router.accesslog import AccessLog
@@ -28,6 +30,7 @@ def chat(f: Fleet, **kw) -> httpx.Response:
     return httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG, **kw}, timeout=20)
 
 
+@pytest.mark.slow
 def test_5xx_is_retried_elsewhere_and_opens_the_breaker():
     f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(router={"breaker": {"failure_threshold": 3}})
     bad, _good = f.engines
@@ -185,6 +188,7 @@ def test_upstream_idle_timeout_gives_504_in_openai_shape():
         f.close()
 
 
+@pytest.mark.slow
 def test_a_non_streamed_answer_may_take_longer_than_the_idle_timeout():
     """A non-streamed reply comes only once generated: silence before it is the engine's work.
     Past the idle timeout it is still served, by one generation, and no breaker is struck."""
@@ -201,6 +205,7 @@ def test_a_non_streamed_answer_may_take_longer_than_the_idle_timeout():
         f.close()
 
 
+@pytest.mark.slow
 def test_a_response_timeout_is_a_504_not_retried_and_no_breaker_strike():
     """Past response_timeout_s with no answer the client gets 504 upstream_timeout, marked not to
     be retried (x-should-retry: false, which OpenAI's clients honour); no other endpoint starts
@@ -223,6 +228,7 @@ def test_a_response_timeout_is_a_504_not_retried_and_no_breaker_strike():
         f.close()
 
 
+@pytest.mark.slow
 def test_hanging_endpoint_is_retried_before_first_byte():
     f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2).start(router={"limits": {"idle_timeout_s": 0.3}})
     f.engines[0].hang = True
@@ -234,6 +240,7 @@ def test_hanging_endpoint_is_retried_before_first_byte():
         f.close()
 
 
+@pytest.mark.slow
 def test_draining_endpoint_gets_nothing_and_503_reason():
     f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2)
     f.start(cfg=f.config(endpoint_extra={0: {"draining": True}}))
@@ -355,8 +362,9 @@ def test_learned_capacity_holds_requests_in_the_router():
         f.close()
 
 
+@pytest.mark.slow
 def test_requests_waiting_only_for_the_next_scheduler_step_do_not_teach_a_low_capacity():
-    """A regression: at moderate load a scrape often catches the router's newest request
+    """At moderate load a scrape often catches the router's newest request
     waiting for the engine's next step while slots are free. Read as "full at running",
     that taught a capacity of 3 to an engine of 8 and the router held requests back from
     it (at 8 req/s on 16 slots, time to first token went from 15 ms to 9 s)."""
@@ -383,6 +391,7 @@ def test_requests_waiting_only_for_the_next_scheduler_step_do_not_teach_a_low_ca
         f.close()
 
 
+@pytest.mark.slow
 def test_requests_hanging_on_an_endpoint_judged_dead_are_retried_at_once():
     """A frozen engine (accepts, never answers, fails /health): once its breaker opens on the
     health checks, requests still waiting there for a first byte go elsewhere, instead of
@@ -416,6 +425,7 @@ def test_requests_hanging_on_an_endpoint_judged_dead_are_retried_at_once():
         f.close()
 
 
+@pytest.mark.slow
 def test_streams_longer_than_the_grace_period_end_cleanly_and_are_logged():
     buf = io.StringIO()
     f = Fleet(1, capacity=4, token_delay_s=0.05, tokens=200).start(access_log=AccessLog(buf, max_buffer=1))
@@ -453,6 +463,7 @@ def test_streams_longer_than_the_grace_period_end_cleanly_and_are_logged():
         f.close()
 
 
+@pytest.mark.slow
 def test_a_request_refused_while_draining_closes_its_kept_alive_connection():
     f = Fleet(1, capacity=4, token_delay_s=0.02, tokens=40).start()
     try:
@@ -528,6 +539,7 @@ def test_an_unanswered_request_cut_by_the_shutdown_gets_a_closing_503():
         f.close()
 
 
+@pytest.mark.slow
 def test_a_slow_engine_that_misses_health_checks_keeps_its_requests():
     """A busy engine that misses a few health checks is not frozen: its stream keeps moving,
     so its breaker opens (no new work) but the requests it is serving are not cut."""
@@ -554,6 +566,7 @@ def test_a_slow_engine_that_misses_health_checks_keeps_its_requests():
         f.close()
 
 
+@pytest.mark.slow
 def test_the_same_5xx_from_every_endpoint_is_the_requests_fault_and_opens_no_breaker():
     """llama-server answers 500 for an image sent to a text-only model on every replica: a few
     such requests opened every healthy replica's breaker and the whole model answered 503."""
@@ -595,6 +608,7 @@ def test_a_501_is_relayed_not_retried_and_blames_no_engine():
         f.close()
 
 
+@pytest.mark.slow
 def test_kept_connections_the_engine_closed_after_a_stream_are_retried_on_a_new_one():
     """llama-server closes about a quarter of its kept-alive connections after a streamed
     reply, without "Connection: close". A request sent on one is not the engine's failure:
@@ -619,6 +633,7 @@ def test_kept_connections_the_engine_closed_after_a_stream_are_retried_on_a_new_
         f.close()
 
 
+@pytest.mark.slow
 def test_a_retried_stream_gives_its_retry_budget_slot_back_once_answered():
     """The retry budget limits retries in flight to engines. A retried stream held its slot
     for the whole stream, and a retry waiting in the queue held one too: with streams of a
@@ -652,6 +667,7 @@ def test_a_retried_stream_gives_its_retry_budget_slot_back_once_answered():
         f.close()
 
 
+@pytest.mark.slow
 def test_a_half_open_probe_is_bounded_by_the_idle_timeout_and_reopens_the_breaker():
     """A half-open breaker's probe holds the endpoint's one slot: even non-streamed, its wait
     for an answer is bounded by the idle timeout, not the (long) response timeout, and a
@@ -680,3 +696,175 @@ def test_a_half_open_probe_is_bounded_by_the_idle_timeout_and_reopens_the_breake
         assert f.lt.call(lambda: w.breaker.state) is State.OPEN
     finally:
         f.close()
+
+
+@pytest.mark.slow
+def test_router_does_not_answer_queue_full_for_clients_that_left():
+    f = Fleet(1, capacity=1, token_delay_s=0.01, tokens=1)
+    f.start(
+        cfg=f.config(router={"admission": {"max_queue": 3, "max_wait_s": 30}}, endpoint_extra={0: {"max_inflight": 1}})
+    )
+    f.lt.call(lambda: setattr(f.engines[0], "hang", True))
+    q = f.router.table.models["sim"].queue
+    w = f.router.table.workers[f.engines[0].url]
+    body = {"model": "sim", "messages": []}
+
+    def post(timeout: float) -> int | str:
+        try:
+            return httpx.post(f.base + "/chat/completions", json=body, timeout=timeout).status_code
+        except httpx.TimeoutException:
+            return "timeout"
+        except httpx.HTTPError:  # the fleet closing under the ones still waiting
+            return "closed"
+
+    try:
+        for _ in range(2):  # one in the engine (hangs), one live waiter at the head of the queue
+            threading.Thread(target=post, args=(30,), daemon=True).start()
+        f.lt.wait_for(lambda: w.inflight == 1 and len(q) == 1, what="one in flight, one queued")
+        assert post(0.3) == "timeout" and post(0.3) == "timeout"  # two queued clients give up
+        f.lt.wait_for(lambda: len(q) == 1, what="the clients that left no longer counted")
+        assert post(0.5) == "timeout"  # queued behind the live waiter, not 429 "queue full"
+        assert f.lt.call(lambda: q.rejected_full) == 0
+    finally:
+        f.close()
+
+
+# --------------------------------------------------------------------------- clients that stop reading
+
+
+def _stream_socket(port: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # backpressure reaches the router fast
+    s.connect(("127.0.0.1", port))
+    s.sendall(chat_request(1, stream=True))
+    return s
+
+
+@pytest.mark.slow
+def test_a_client_that_stops_reading_is_dropped_without_blaming_the_engine() -> None:
+    import io
+
+    from cluster_cli.router.accesslog import AccessLog
+
+    log = io.StringIO()
+    f = Fleet(1, capacity=4, token_delay_s=0, tokens=20_000).start(
+        router={"limits": {"idle_timeout_s": 1.0}, "breaker": {"failure_threshold": 1}},
+        access_log=AccessLog(log, max_buffer=1),
+    )
+    try:
+        w = f.router.table.workers[f.engines[0].url]
+        s = _stream_socket(f.port)
+        s.recv(1024)
+        time.sleep(2.5)  # stalled for more than the idle timeout
+        s.settimeout(5)
+        got = b""
+        try:
+            while d := s.recv(1 << 20):
+                got += d
+        except (ConnectionResetError, TimeoutError):
+            pass
+        s.close()
+        assert b"upstream_stream_cut" not in got  # not reported as the engine's cut
+        f.lt.wait_for(lambda: w.inflight == 0 and '"status":499' in log.getvalue(), what="the 499 logged")
+        assert w.failed == 0 and f.lt.call(lambda: w.breaker.stats())["state"] == "closed"
+        assert f.lt.call(lambda: w.inflight) == 0  # the engine slot was freed
+        (line,) = [json.loads(x) for x in log.getvalue().splitlines() if '"status":499' in x]
+        assert line["note"] == "dropped: the client read nothing for the idle timeout" and line["endpoint"] == "r0"
+        # The engine still serves.
+        assert httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": [], "max_tokens": 2},
+                          timeout=10).status_code == 200  # fmt: skip
+    finally:
+        f.close()
+
+
+@pytest.mark.slow
+def test_a_slow_but_steady_reader_gets_the_whole_stream() -> None:
+    # Reads 4 KB every 50 ms: always behind (the router stays paused on the engine for the
+    # whole stream, far longer than the idle timeout), yet always making progress.
+    f = Fleet(1, capacity=4, token_delay_s=0, tokens=2_000).start(router={"limits": {"idle_timeout_s": 1.0}})
+    try:
+        s = _stream_socket(f.port)
+        s.settimeout(10)
+        got = b""
+        while not got.endswith(b"0\r\n\r\n"):
+            d = s.recv(4096)
+            if not d:
+                break
+            got += d
+            time.sleep(0.05)
+        s.close()
+        assert b"data: [DONE]" in got and b"upstream_stream_cut" not in got
+    finally:
+        f.close()
+
+
+# --------------------------------------------------------------------------- connections closed under a write
+
+
+class _ClosedTransport:
+    """What uvloop hands back once the engine has closed the socket and before the protocol's
+    connection_lost has run: closing, and a write raises RuntimeError ("handler is closed")."""
+
+    def is_closing(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    def abort(self) -> None:
+        pass
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.errors: list = []
+
+    def on_error(self, exc: object) -> None:
+        self.errors.append(exc)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_pooled_connection_the_engine_closed_is_skipped_or_failed_as_stale_never_raised() -> None:
+    """An engine killed with kept-alive connections to it: a request that picked one up just
+    then got a 500 from the router (uvloop's RuntimeError escaped). The pool now skips such a
+    connection, and a send on one reports a stale failure (retried on a fresh connection)."""
+    from cluster_cli.router.upstream import UpstreamConn, UpstreamPool
+
+    async def scenario() -> None:
+        pool = UpstreamPool("127.0.0.1", 9)
+        c = UpstreamConn(pool)
+        c.tr = _ClosedTransport()  # type: ignore[assignment]
+        pool.idle.append(c)
+        assert pool.get_idle() is None
+        c.reused = True
+        sink = _Sink()
+        c.send(b"GET / HTTP/1.1\r\n\r\n", sink)  # type: ignore[arg-type]
+        assert sink.errors == []
+        c.connection_lost(None)  # uvloop delivers it next
+        (err,) = sink.errors
+        assert err.kind == "reset" and err.stale
+        # Lost before the send (a fresh connection the engine reset during the caller's await).
+        d = UpstreamConn(pool)
+        d.tr = _ClosedTransport()  # type: ignore[assignment]
+        d.connection_lost(ConnectionResetError())
+        sink2 = _Sink()
+        d.send(b"GET / HTTP/1.1\r\n\r\n", sink2)  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        (err,) = sink2.errors
+        assert err.kind == "reset" and not err.stale
+
+    asyncio.run(scenario())
+
+
+def test_a_write_to_a_client_that_just_reset_does_not_raise() -> None:
+    """The client resets its connection; before its connection_lost runs, the engine's next
+    chunk is written to it: the RuntimeError uvloop raises must not escape into the engine's
+    connection (it would be torn down with an error logged)."""
+    from cluster_cli.router.server import ClientConn
+
+    conn = ClientConn.__new__(ClientConn)
+    conn.closed = False
+    conn.tr = _ClosedTransport()  # type: ignore[assignment]
+    conn.write(b"data: {}\n\n")

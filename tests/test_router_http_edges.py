@@ -2,8 +2,8 @@
 and a small misbehaving engine on loopback sockets: close-delimited bodies cut by a reset or
 in the middle of an SSE event, SSE bodies with a Content-Length, close-delimited metric
 scrapes, the Connection header's options, Expect from HTTP/1.0 clients, Host and the
-request-target forms, 204 responses and reason phrases, transfer codings other than chunked.
-Each test failed before its fix."""
+request-target forms, 204 responses and reason phrases, transfer codings other than chunked;
+and, on a simulated engine, pipelined requests, HEAD, oversized heads and HTTP/1.0 streams."""
 
 from __future__ import annotations
 
@@ -16,9 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
-from simengine import Fleet
+from helpers import chat_request, read_until
+from simengine import Fleet, LoopThread
 
+from cluster_cli.router.app import Router
+from cluster_cli.router.config import RouterConfig
 from cluster_cli.router.http import fetch, parse_request_head
 
 HANG_GUARD = 10.0  # seconds: only so that a broken router fails a test instead of hanging it
@@ -423,6 +427,12 @@ def test_engine_connection_options_decide_reuse(router, conn_lines: bytes, reuse
     assert (a == b) is reused
 
 
+def test_an_http_1_0_client_asking_for_keep_alive_is_not_kept() -> None:
+    req = parse_request_head(b"GET /health HTTP/1.0\r\nHost: a\r\nConnection: keep-alive")[0]
+    assert req.keep_alive is False
+    assert parse_request_head(b"GET /health HTTP/1.1\r\nHost: a")[0].keep_alive is True
+
+
 # ---------------------------------------------------------------------------- 5. Expect from HTTP/1.0
 def test_http10_expect_continue_is_ignored(router) -> None:
     req, _, _ = parse_request_head(b"POST /v1/chat/completions HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 2")
@@ -548,6 +558,16 @@ def test_bytes_after_a_bodiless_response_keep_the_connection_out_of_the_pool(rou
     assert a != b  # the second request went on a fresh engine connection
 
 
+def test_an_engines_own_reason_phrase_is_relayed_only_when_clean() -> None:
+    from types import SimpleNamespace
+
+    from cluster_cli.router.proxy import _engine_phrase
+
+    assert _engine_phrase(SimpleNamespace(status_line=b"HTTP/1.1 599 Network Timeout")) == b"Network Timeout"
+    for dirty in (b"HTTP/1.1 599 Bad\x1b[31m red", b"HTTP/1.1 599 a\rSet-Cookie: x", b"HTTP/1.1 599 nul\x00"):
+        assert _engine_phrase(SimpleNamespace(status_line=dirty)) == b""
+
+
 # ---------------------------------------------------------------------------- 8. transfer codings
 def test_a_transfer_coding_other_than_chunked_is_refused_as_502(router) -> None:
     def script(s: socket.socket, head: bytes, n: int) -> bool:
@@ -582,6 +602,7 @@ def test_a_close_delimited_sse_stream_that_ends_with_done_is_complete(router) ->
     assert worker_counts(f, eng) == (1, 0)
 
 
+@pytest.mark.slow
 def test_blank_lines_alone_do_not_hold_a_connection_open() -> None:
     """Empty lines before a request are skipped (RFC 9112 2.2), but the request's read deadline
     keeps running: a client sending nothing else is answered 408 and dropped."""
@@ -605,3 +626,119 @@ def test_blank_lines_alone_do_not_hold_a_connection_open() -> None:
         assert got.startswith(b"HTTP/1.1 408 "), got
     finally:
         f.close()
+
+
+# ---------------------------------------------------------------------------- 9. pipelining, HEAD and head limits on a simulated engine
+
+
+@pytest.fixture
+def fleet():
+    f = Fleet(1, capacity=4, token_delay_s=0.01, tokens=20).start()
+    yield f
+    f.close()
+
+
+@pytest.mark.slow
+def test_a_connection_keeps_serving_after_a_large_pipelined_request(fleet) -> None:
+    with socket.create_connection(("127.0.0.1", fleet.port)) as s:
+        s.sendall(chat_request(10))
+        time.sleep(0.05)  # the first request is in flight when a 100 KB one is pipelined behind it
+        s.sendall(chat_request(100_000))
+        assert read_until(s, 2).count(b"HTTP/1.1 200") == 2
+        s.sendall(chat_request(10))  # reading was paused for the big one: it must have been resumed
+        assert read_until(s, 1).count(b"HTTP/1.1 200") == 1
+
+
+def test_a_pipelined_body_larger_than_the_head_limit_still_arrives(fleet) -> None:
+    with socket.create_connection(("127.0.0.1", fleet.port)) as s:
+        s.sendall(chat_request(10))
+        time.sleep(0.05)
+        threading.Thread(target=lambda: s.sendall(chat_request(1_000_000)), daemon=True).start()
+        assert read_until(s, 2).count(b"HTTP/1.1 200") == 2
+
+
+def test_head_on_a_proxied_path_is_a_bare_405(fleet) -> None:
+    with socket.create_connection(("127.0.0.1", fleet.port)) as s:
+        s.sendall(b"HEAD /v1/chat/completions HTTP/1.1\r\nHost: r\r\n\r\n" + chat_request(1))
+        data = read_until(s, 1)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 405") and rest.startswith(b"HTTP/1.1 200")
+
+
+def test_an_oversized_head_is_refused_even_when_it_arrives_whole(fleet) -> None:
+    body = json.dumps({"model": "sim", "messages": []}).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nX-Big: " + b"a" * 100_000
+    head += b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+    with socket.create_connection(("127.0.0.1", fleet.port)) as s:
+        s.sendall(head + body)
+        s.settimeout(5)
+        assert s.recv(200).startswith(b"HTTP/1.1 431")
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_an_http10_client_gets_a_plain_stream_that_ends_with_the_connection(cut: bool) -> None:
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=5).start()
+    try:
+        if cut:
+            f.lt.call(lambda: setattr(f.engines[0], "cut_after", 2))
+        body = json.dumps({"model": "sim", "messages": [], "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", f.port)) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+            s.settimeout(5)
+            data = b""
+            while d := s.recv(65536):  # the router closes the connection at the end of the body
+                data += d
+        head, _, payload = data.partition(b"\r\n\r\n")
+        assert b"transfer-encoding" not in head.lower() and payload.startswith(b"data: ")
+        events = [e for e in payload.split(b"\n\n") if e]
+        assert all(e.startswith(b"data: ") for e in events), events  # no chunk-size lines in between
+        assert (b"upstream_stream_cut" in payload) == cut and (events[-1] == b"data: [DONE]") != cut
+    finally:
+        f.close()
+
+
+# ---------------------------------------------------------------------------- 10. a plain body cut by the engine
+
+
+class _Cutter(asyncio.Protocol):
+    """An engine that sends half of a Content-Length body, then resets the connection."""
+
+    def connection_made(self, tr: asyncio.BaseTransport) -> None:
+        self.tr = tr
+
+    def data_received(self, data: bytes) -> None:
+        if b"\r\n\r\n" in data and b"/v1/" in data:
+            self.tr.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + b"{" * 100
+            )
+            asyncio.get_running_loop().call_later(0.05, self.tr.abort)
+
+
+def test_a_plain_body_cut_by_the_engine_is_the_engines_failure_not_the_clients() -> None:
+    lt = LoopThread()
+
+    async def serve() -> tuple[asyncio.Server, int]:
+        srv = await asyncio.get_running_loop().create_server(_Cutter, "127.0.0.1", 0)
+        return srv, srv.sockets[0].getsockname()[1]
+
+    srv, port = lt.run(serve())
+    url = f"http://127.0.0.1:{port}"
+    cfg = RouterConfig.model_validate({
+        "models": {"m": {"endpoints": [{"url": url, "replica": "cutter"}]}},
+        "router": {"breaker": {"failure_threshold": 3}, "health_interval_s": 1000, "scrape_interval_s": 1000},
+    })  # fmt: skip
+    r = Router(cfg)
+    rport = lt.run(r.start("127.0.0.1", 0))
+    try:
+        w = r.table.workers[url]
+        for _ in range(3):
+            with pytest.raises(httpx.HTTPError):  # the truncated body must not look complete
+                httpx.post(f"http://127.0.0.1:{rport}/v1/chat/completions", json={"model": "m", "messages": []})
+        lt.wait_for(lambda: w.failed >= 3, what="the third failure recorded")
+        assert w.failed == 3 and lt.call(lambda: w.breaker.stats())["state"] == "open"
+        metrics = lt.call(lambda: r.metrics.render()).decode()
+        assert 'status="499"' not in metrics
+    finally:
+        lt.run(r.stop(0.5), 15)
+        srv.close()
+        lt.close()

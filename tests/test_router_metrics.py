@@ -7,6 +7,7 @@ import json
 import socket
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from simengine import Fleet
 
@@ -244,6 +245,7 @@ def test_wrong_methods_get_405_with_allow_and_http10_keep_alive_is_declined():
         f.close()
 
 
+@pytest.mark.slow
 def test_a_stream_its_engine_cut_is_counted_as_cut():
     """A cut stream is counted under the status already sent (200); without a series of its
     own an engine dying mid-stream looked healthy in the metrics."""

@@ -1,16 +1,20 @@
 """/metrics and the access log as an operator's dashboards read them: latency histograms
 measure only requests that reached an engine, bucket bounds are spelt as prometheus-client
 spells them, no stray ``_created`` families, a client that left the queue made no attempt,
-and every access-log line is JSON any parser takes."""
+a client that left mid-stream is labelled with its model and endpoint, and every access-log line
+is JSON any parser takes."""
 
 from __future__ import annotations
 
 import io
 import json
+import socket
 import threading
 import time
 
 import httpx
+import pytest
+from helpers import chat_request, read_until
 from prometheus_client.parser import text_string_to_metric_families
 from simengine import Fleet
 
@@ -68,6 +72,7 @@ def test_refusals_stay_out_of_the_latency_histograms_and_bounds_are_prometheus_s
         f.close()
 
 
+@pytest.mark.slow
 def test_a_client_that_leaves_the_queue_made_no_attempt_and_adds_no_latency() -> None:
     """One slot (max_inflight 1) held by a long stream; a second request waits in the queue and
     its client gives up; a third finds the queue (max 1) full: 429. Neither reached an engine:
@@ -121,3 +126,29 @@ def _gives_up(base: str) -> None:
         time.sleep(0)  # it left, as a client with a deadline does
     else:
         raise AssertionError("the queued request should have timed out on the client")
+
+
+def test_a_client_that_leaves_mid_stream_is_labelled_with_its_model_and_endpoint() -> None:
+    import io
+
+    from cluster_cli.router.accesslog import AccessLog
+
+    log = io.StringIO()
+    f = Fleet(1, capacity=4, token_delay_s=0.02, tokens=200).start(access_log=AccessLog(log, max_buffer=1))
+    try:
+        with socket.create_connection(("127.0.0.1", f.port)) as s:
+            s.sendall(chat_request(1, stream=True))
+            got = read_until(s, 5, needle=b"data: ")  # the stream has started
+            assert got.count(b"data: ") >= 5
+        deadline = time.monotonic() + 5
+        while '"status":499' not in log.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (line,) = [json.loads(x) for x in log.getvalue().splitlines() if '"status":499' in x]
+        assert (line["model"], line["endpoint"], line["attempts"]) == ("sim", "r0", 1)
+        assert line["ttfb_ms"] is not None and line["ttfb_ms"] > 0
+        assert line["note"] == "client closed the connection"
+        metrics = f.lt.call(lambda: f.router.metrics.render()).decode()  # type: ignore[union-attr]
+        assert 'model="sim"' in metrics and 'endpoint="r0"' in metrics
+        assert [x for x in metrics.splitlines() if 'status="499"' in x and 'model="sim"' in x and 'endpoint="r0"' in x]
+    finally:
+        f.close()

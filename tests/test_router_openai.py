@@ -130,6 +130,7 @@ def test_head_answers_with_the_head_alone_on_a_kept_alive_connection(fleet):
     assert b'"id":"sim"' in parts[3] and b'"status":"ok"' in parts[4]
 
 
+@pytest.mark.slow
 def test_api_keys(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# team a\nsk-alpha\nsha256:" + digest("sk-beta").hex() + "\n")
@@ -277,6 +278,7 @@ def test_every_endpoint_down_is_503_with_retry_after():
         f.close()
 
 
+@pytest.mark.slow
 def test_a_request_refused_on_its_head_reaches_the_async_client_as_its_status() -> None:
     """A body over the limit (413) or a wrong key (401) is answered before the body is read;
     the router then reads and drops the rest instead of closing on it, so the client, which
@@ -314,6 +316,7 @@ def test_a_request_refused_on_its_head_reaches_the_async_client_as_its_status() 
         f.close()
 
 
+@pytest.mark.slow
 def test_a_client_that_never_finishes_its_body_is_let_go() -> None:
     """Lingering after a refusal is bounded: a client that keeps the connection open without
     sending is dropped once LINGER_IDLE_S passes without a byte."""

@@ -1,15 +1,22 @@
-"""Live reload: file watch and trigger (SIGHUP), live state carried over, bad configs rejected."""
+"""Live reload: file watch and trigger (SIGHUP), live state carried over, bad configs rejected, a retry
+across a reload, a config file that appears only after the start."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 from simengine import Fleet
 
+from cluster_cli.router.app import Router
 from cluster_cli.router.breaker import State
-from cluster_cli.router.source import FileSource
+from cluster_cli.router.config import RouterConfig
+from cluster_cli.router.source import FileSource, WatchedFile
 
 MSG = [{"role": "user", "content": "hello"}]
 
@@ -19,6 +26,7 @@ def _cfg(f: Fleet, idx: list[int], **extra) -> dict:
     return {"models": {"sim": {"endpoints": eps}}, "router": {"scrape_interval_s": 0.1, "health_interval_s": 0.2}}
 
 
+@pytest.mark.slow
 def test_reload_carries_live_state_and_retires_removed(tmp_path):
     f = Fleet(3, capacity=4, token_delay_s=0.02, tokens=1000)
     path = tmp_path / "router.yaml"
@@ -60,6 +68,7 @@ def test_reload_carries_live_state_and_retires_removed(tmp_path):
         f.close()
 
 
+@pytest.mark.slow
 def test_reload_finishes_inflight_on_removed_endpoint(tmp_path):
     f = Fleet(2, capacity=4, token_delay_s=0.02, tokens=30)
     path = tmp_path / "router.yaml"
@@ -81,6 +90,7 @@ def test_reload_finishes_inflight_on_removed_endpoint(tmp_path):
         f.close()
 
 
+@pytest.mark.slow
 def test_bad_config_is_rejected_and_old_one_keeps_serving(tmp_path):
     f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=2)
     path = tmp_path / "router.yaml"
@@ -135,6 +145,7 @@ def test_model_added_and_removed(tmp_path):
         f.close()
 
 
+@pytest.mark.slow
 def test_a_file_pyyaml_cannot_build_is_rejected_and_watching_goes_on(tmp_path):
     f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=2)
     path = tmp_path / "router.yaml"
@@ -237,6 +248,7 @@ def test_a_write_just_after_the_watcher_read_the_file_is_not_lost(tmp_path, monk
     assert asyncio.run(asyncio.wait_for(go(), 10)) == [b"v2\n", b"v3\n"]
 
 
+@pytest.mark.slow
 def test_a_config_and_keys_from_pipes_serve(tmp_path):
     """`--config <(...)` and `--api-keys-file <(...)` read once; a pipe is not watched."""
     import subprocess
@@ -350,6 +362,7 @@ def test_a_read_that_fails_in_an_unexpected_way_is_reported_and_watching_goes_on
     assert seen[-1] == (b"k2\n", None)
 
 
+@pytest.mark.slow
 def test_the_start_and_the_watching_read_a_file_alike(tmp_path, monkeypatch):
     """A file the watcher would refuse (here: over the size limit) is refused at the start
     too, and an untouched file is never reported, full re-reads included."""
@@ -438,6 +451,7 @@ def test_a_fifo_is_refused_without_opening_it(tmp_path):
     assert wrote == [7]
 
 
+@pytest.mark.slow
 def test_draining_closes_the_endpoints_kept_connections_and_unused_ones_expire(tmp_path, monkeypatch):
     """A drained endpoint's engine may be replaced before it is undrained: its kept-alive
     connections (to the old process, which may still hold them open) are closed when it is
@@ -466,3 +480,55 @@ def test_draining_closes_the_endpoints_kept_connections_and_unused_ones_expire(t
         f.lt.wait_for(lambda: not w1.pool.idle, what="unused connections closed")
     finally:
         f.close()
+
+
+def _retries(r: Router) -> dict[str, float]:
+    """The router's retry counter, by reason."""
+    return {
+        s.labels["reason"]: s.value
+        for m in r.metrics.registry.collect()
+        for s in m.samples
+        if s.name == "clusterctl_router_retries_total"
+    }
+
+
+@pytest.mark.slow
+def test_a_retry_after_a_reload_uses_the_new_endpoints() -> None:
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2)
+    old, new = f.engines
+    cfg = f.config(router={"limits": {"idle_timeout_s": 1.0}})
+    eps = cfg["models"]["sim"]["endpoints"]
+    f.start(cfg={**cfg, "models": {"sim": {"endpoints": [eps[0]]}}})
+    try:
+        f.lt.call(lambda: setattr(old, "hang", True))
+        res: dict[str, httpx.Response] = {}
+        t = threading.Thread(target=lambda: res.setdefault(
+            "r", httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": [], "stream": True},
+                            timeout=10)))  # fmt: skip
+        t.start()
+        # The request hangs on the old endpoint; a reload swaps in the new one.
+        f.lt.wait_for(lambda: old.requests == 1, what="the request to reach the old endpoint")
+        new_cfg = RouterConfig.model_validate({**cfg, "models": {"sim": {"endpoints": [eps[1]]}}})
+        f.lt.call(lambda: f.router.reload(new_cfg))
+        t.join(30)
+        assert not t.is_alive(), "the request never ended"
+        assert res["r"].status_code == 200, res["r"].text
+        # The old endpoint timed out (idle timeout: a stream's head comes at once) without
+        # answering; the retry went to the new one.
+        assert f.lt.call(lambda: (old.requests, old.served, new.requests, new.served)) == (1, 0, 1, 1)
+        assert f.lt.call(lambda: _retries(f.router)) == {"timeout": 1.0}
+    finally:
+        f.close()
+
+
+def test_a_config_file_missing_at_start_is_picked_up_when_it_appears(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+
+    async def scenario() -> bytes | None:
+        wf = WatchedFile(path, interval=0.05, settle=0.01)
+        it = wf.changes().__aiter__()
+        path.write_bytes(b"models: {}\n")
+        content, _why = await asyncio.wait_for(it.__anext__(), 10)
+        return content
+
+    assert asyncio.run(scenario()) == b"models: {}\n"

@@ -438,3 +438,10 @@ def test_a_malformed_status_line_from_an_engine_is_a_value_error_the_scraper_han
                 await asyncio.wait_for(fetch("127.0.0.1", port, "/metrics", 5.0), GUARD_S)
 
     asyncio.run(go())
+
+
+def test_the_primary_metric_name_wins_over_its_fallback() -> None:
+    mapping = MetricMapping.vllm()  # KV cache: current name, then the pre-0.10 one
+    primary, legacy = mapping.kv_cache_usage, mapping.names("kv_cache_usage")[1]
+    assert resolve({primary: [0.2], legacy: [0.7]}, mapping)[2] == 0.2
+    assert resolve({legacy: [0.7]}, mapping)[2] == 0.7

@@ -1,14 +1,16 @@
-"""The SSH connector's known_hosts handling (no network)."""
+"""The SSH connector's known_hosts handling, pin-file trust and identity files (no network)."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import asyncssh
 import pytest
 
 from cluster_cli.config.inventory import SSHTarget
-from cluster_cli.probe.runner import AsyncsshConnector
+from cluster_cli.probe.runner import AsyncsshConnector, _existing, _untrusted
 
 
 def _line(name: str) -> str:
@@ -150,3 +152,20 @@ def test_route_follows_only_a_first_hop_s_own_jump(tmp_path: Path) -> None:
 def test_route_reads_match_final_blocks_and_pins_by_the_resolved_port(tmp_path: Path) -> None:
     route, _, _, _ = _route(tmp_path, "Host b\n  Port 2222\nMatch final originalhost n1\n  ProxyJump b\n")
     assert [(d.alias, d.real) for d in route] == [("jump:[b]:2222", ("b", 2222))]
+
+
+def test_a_pin_file_anyone_can_write_is_not_trusted(tmp_path: Path) -> None:
+    f = tmp_path / "pins"
+    f.write_text("")
+    f.chmod(0o646)
+    assert _untrusted(os.stat(f)) == "is writable by every user"
+    f.chmod(0o600)
+    assert _untrusted(os.stat(f)) is None
+    assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
+
+
+def test_an_identity_file_written_with_a_tilde_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "x").write_text("key")
+    assert _existing(("~/.ssh/x", "~/.ssh/missing")) == ["~/.ssh/x"]

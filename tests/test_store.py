@@ -97,6 +97,7 @@ def _discover_many(path: str, n: int) -> None:
             s.save_discovery([node(f"n{i}") for i in range(20)])
 
 
+@pytest.mark.slow
 def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
     path = str(tmp_path / "s.db")
     Store(path).close()
@@ -417,6 +418,7 @@ def test_a_full_disk_reads_as_a_full_disk_not_a_damaged_state(tmp_path: Path) ->
         subprocess.run(["umount", str(mnt)], check=False)
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_a_command_waiting_for_the_write_lock_at_once(tmp_path: Path) -> None:
     """SQLite's own busy wait sleeps in C for the whole 30-s timeout, out of Ctrl-C's reach.
     (SIGTERM's default action ends the process anyway; nothing is committed either way.)"""
@@ -460,3 +462,34 @@ def test_ctrl_c_ends_a_command_waiting_for_the_write_lock_at_once(tmp_path: Path
     assert took < 5, took
     with Store(path) as s:
         assert s.cordons() == {}
+
+
+def test_noop_cordon_changes_do_not_bump_the_version(tmp_path: Path) -> None:
+    with Store(tmp_path / "s.db") as s:
+        v0 = s.version()
+        assert s.uncordon("h1") is False
+        assert s.uncordon("h1") is False
+        assert s.version() == v0
+        assert s.cordon("h1", "fan") is None
+        v1 = s.version()
+        assert v1 == v0 + 1
+        assert s.cordon("h1", "fan") == {"reason": "fan", "created_at": s.cordons()["h1"]["created_at"]}
+        assert s.version() == v1
+        s.cordon("h1", "psu")  # a new reason is a change
+        assert s.version() == v1 + 1
+        assert s.uncordon("h1") is True
+        assert s.version() == v1 + 2
+
+
+def test_an_unreachable_node_takes_its_new_host_labels_and_fabric_from_the_inventory(tmp_path: Path) -> None:
+    with Store(tmp_path / "s.db") as s:
+        s.save_discovery([NodeFacts(name="n1", host="10.0.0.1", cpus=8, labels={"rack": "r1"}, fabric="ib-a")])
+        s.save_discovery(
+            [
+                NodeFacts(
+                    name="n1", host="10.0.0.9", reachable=False, error="refused", labels={"rack": "r7"}, fabric="ib-b"
+                )
+            ]
+        )
+        (n,) = s.nodes()
+    assert (n.host, n.labels, n.fabric, n.reachable, n.cpus) == ("10.0.0.9", {"rack": "r7"}, "ib-b", False, 8)

@@ -462,6 +462,7 @@ def test_down_leaves_nothing_and_up_cleans_a_crashed_run(testbed_factory: Cluste
         assert not Path(f"/sys/class/net/{tb_cluster.BRIDGE}").exists()
 
 
+@pytest.mark.testbed  # starts its testbed through the CLI, not through a fixture
 def test_cli_up_status_down(tmp_path: Path) -> None:
     if why := unavailable_reason(_mode()):
         pytest.skip(f"SSH testbed unavailable: {why}")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from test_placement_clusters import cpu_node, dgx
+from helpers import cpu_node, dgx
 
+from cluster_cli.facts import NodeFacts
 from cluster_cli.state.view import note_lost_ports, note_vanished_gpus
 
 
@@ -84,3 +85,13 @@ def test_a_rail_down_on_the_first_discover_is_a_problem_but_an_unused_second_por
     # an Ethernet (RoCE) port is no InfiniBand rail
     eth = replace(rails[0], ca="mlx5_8", state="Down", link_layer="Ethernet")
     assert note_lost_ports(replace(first, hcas=(*rails, eth)), None).problems == ()
+
+
+def test_a_vanished_gpu_note_is_said_once_and_lost_gpus_are_not_counted_as_seen() -> None:
+    old = dgx("h-1", problems={7: "lost"})
+    new = NodeFacts(name="h-1", cpus=8, memory_mib=1024, nvlink_domains=None)
+    noted = note_vanished_gpus(new, old)
+    (gone,) = [p for p in noted.problems if p.startswith("gpus-gone")]
+    assert "7 H100" in gone and "8 H100" not in gone
+    again = note_vanished_gpus(noted, old)
+    assert again.problems == noted.problems

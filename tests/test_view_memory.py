@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from test_placement_clusters import cpu_node, dgx
+from helpers import cpu_node, dgx
 
 from cluster_cli.cli.discover import gpu_summary
 from cluster_cli.facts import NodeFacts, problem_key
