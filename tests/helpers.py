@@ -23,6 +23,7 @@ Router:
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Iterable, Mapping
@@ -224,3 +225,19 @@ def read_until(s: socket.socket, count: int, needle: bytes = b"HTTP/1.1 200", ti
             break
         buf += d
     return buf
+
+
+# ---------------------------------------------------------------------------- stand-in engines
+# "(WHO pid=N) standin-env: NAME=VALUE", or "NAME unset"; actors add ", ip=IP" after the pid.
+ENV_LINE = re.compile(
+    r"^\((?P<who>[^ )]+) pid=(?P<pid>\d+)(?:, ip=(?P<ip>[^)]*))?\) standin-env: (?P<name>\w+)(?:=(?P<value>.*)| unset)$",
+    re.M,
+)
+
+
+def standin_env(text: str) -> dict[tuple[str, int], dict[str, str | None]]:
+    """What each process of a stand-in log saw: {(who, pid): {NAME: value or None (unset)}}."""
+    out: dict[tuple[str, int], dict[str, str | None]] = {}
+    for m in ENV_LINE.finditer(text):
+        out.setdefault((m["who"], int(m["pid"])), {})[m["name"]] = m["value"]
+    return out

@@ -1,0 +1,130 @@
+"""``up`` and ``down`` of vLLM replicas through the launch path, on the testbed's simulated GPU
+nodes, with the ``vllm`` and ``ray`` stand-ins (testbed/standin) on their PATH: a single-node
+tensor-parallel replica and a two-node one (Ray head, worker, ``vllm serve`` as one unit), the
+processes and environment they get, and nothing of them left after ``down``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helpers import standin_env
+
+STANDIN = Path(__file__).resolve().parent.parent / "testbed" / "standin"
+NODES = "gpu-01=hgx-h200x8:fabric=ib-a,gpu-02=hgx-h200x8:fabric=ib-a"
+
+
+def ctl(state: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster_cli", "--state", str(state), *args], capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def _json(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert r.stdout.strip().startswith("{"), (r.returncode, r.stdout, r.stderr)
+    return json.loads(r.stdout)
+
+
+def _vllm_procs(cluster: Any, node: str) -> list[str]:
+    """The command lines of the stand-ins' processes on ``node`` (API server, engine core,
+    workers, Ray daemons)."""
+    out = cluster.ssh(
+        node, "for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' <$p/cmdline 2>/dev/null); echo \"$c\"; done"
+    ).stdout.decode()
+    keys = ("VLLM::", "standin/vllm", "standin/ray", "ray::", "RayWorker")
+    return [ln for ln in out.splitlines() if any(k in ln for k in keys)]
+
+
+@pytest.fixture
+def gpu_fleet(testbed_factory, tmp_path: Path) -> Any:
+    cluster = testbed_factory(NODES, path_extra=(str(STANDIN),))
+    cat = tmp_path / "catalog.yaml"
+    cat.write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    {"name": "tp", "profiles": [{"name": "tp2", "engine": "vllm", "gpu_class": "H200", "gpus": 2,
+                                                 "model": "acme/tp-model", "env": {"STANDIN_LOAD_S": "0.3"}}]},
+                    {"name": "pp", "profiles": [{"name": "pp2", "engine": "vllm", "gpu_class": "H200", "gpus": 2,
+                                                 "nodes": 2, "model": "acme/pp-model"}]},
+                ]
+            }
+        )
+    )  # fmt: skip
+    state = tmp_path / "st" / "state.db"
+    yield cluster, cat, state
+    ctl(state, "down", "--all")
+
+
+def test_vllm_single_node_tp_and_two_node_replicas_start_serve_and_stop_whole(gpu_fleet) -> None:
+    cluster, cat, state = gpu_fleet
+    r = ctl(state, "up", "-i", str(cluster.inventory_path), "-c", str(cat), "-o", "json", "--timeout", "90")
+    doc = _json(r)
+    assert r.returncode == 0, doc
+    got = {x["name"]: x for x in doc["replicas"]}
+    assert {n: x["state"] for n, x in got.items()} == {"pp/0": "ready", "tp/0": "ready"}
+    assert sorted(got["pp/0"]["nodes"]) == ["gpu-01", "gpu-02"]
+
+    from openai import OpenAI
+
+    for name in ("tp", "pp"):
+        client = OpenAI(base_url=got[f"{name}/0"]["endpoint"] + "/v1", api_key="x", max_retries=0, timeout=30)
+        out = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert out.choices[0].message.content
+        msgs = [{"role": "user", "content": "hi"}]
+        chunks = list(client.chat.completions.create(model=name, messages=msgs, max_tokens=3, stream=True))
+        assert chunks
+
+    facts = {
+        n["name"]: n for n in _json(ctl(state, "discover", "-i", str(cluster.inventory_path), "-o", "json"))["nodes"]
+    }
+    st = {x["name"]: x for x in _json(ctl(state, "status", "-o", "json"))["replicas"]}
+
+    # The single-node replica: its GPUs pinned by UUID, its engine core and two TP workers.
+    tp = st["tp/0"]
+    (node, gpus), = tp["gpus"].items()  # fmt: skip
+    uuids = {g["index"]: g["uuid"] for g in facts[node]["gpus"]}
+    log = ctl(state, "logs", "tp/0", "-n", "400").stdout
+    seen = next(v for (who, _), v in standin_env(log).items() if who == "APIServer")
+    assert seen["CUDA_VISIBLE_DEVICES"] == ",".join(uuids[i] for i in gpus)
+    assert seen["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert tp["load"]["running"] is not None  # vLLM's metric names, read through SSH
+
+    # The two-node replica: a Ray head and vllm serve on shard 0, a Ray worker on shard 1, each
+    # with exactly its own HCAs on the replica's fabric; the driver itself has none.
+    plan = _json(ctl(state, "place", "--dry-run", "-i", str(cluster.inventory_path), "-c", str(cat), "-o", "json"))
+    shards = next(x for x in plan["replicas"] if x["model"] == "pp")["shards"]
+    head_log = ctl(state, "logs", "pp/0", "-n", "2000").stdout
+    worker_log = ctl(state, "logs", "pp/0", "--shard", "1", "-n", "2000").stdout
+    driver = next(v for (who, _), v in standin_env(head_log).items() if who == "APIServer")
+    assert driver["NCCL_IB_HCA"] is None and driver["RAY_ADDRESS"]
+    raylet = standin_env(worker_log)
+    assert any(v.get("NCCL_IB_HCA") == "=" + ",".join(shards[1]["hcas"]) for v in raylet.values()), raylet
+    assert "Ray" in worker_log or "ray" in worker_log
+
+    before = {n: _vllm_procs(cluster, n) for n in ("gpu-01", "gpu-02")}
+    assert any("VLLM::EngineCore" in p for p in before[node])
+    assert sum("VLLM::Worker" in p for p in before[node]) >= 2
+    assert all(before.values())
+
+    # The API server dies hard: its engine core and workers live on (vllm#55510) and hold the
+    # GPUs; the next up finds the replica dead and restarts it, none of the old ones left.
+    old_core = [p for p in _vllm_procs(cluster, node) if "EngineCore" in p]
+    cluster.ssh(node, "pkill -KILL -f 'standin/vllm serve acme/tp-model'")
+    time.sleep(0.5)
+    assert [p for p in _vllm_procs(cluster, node) if "EngineCore" in p] == old_core  # orphaned, still there
+    r = _json(ctl(state, "up", "-i", str(cluster.inventory_path), "-c", str(cat), "-o", "json", "--timeout", "90"))
+    assert {x["name"]: (x["action"], x["state"]) for x in r["replicas"]}["tp/0"] == ("restart", "ready")
+    assert len([p for p in _vllm_procs(cluster, node) if "EngineCore" in p]) == len(old_core)  # the new one only
+
+    # down --all: every process of every shard gone, Ray daemons included.
+    assert ctl(state, "down", "--all").returncode == 0
+    for n in ("gpu-01", "gpu-02"):
+        assert _vllm_procs(cluster, n) == [], (n, _vllm_procs(cluster, n))
