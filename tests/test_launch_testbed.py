@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -161,6 +162,22 @@ def test_up_serves_three_replicas_through_a_router_started_before_it(fleet) -> N
 
         log = ctl(state, "logs", "tiny/0", "-n", "50")
         assert log.returncode == 0 and "llama" in log.stdout.lower(), log
+        # -f follows the log: a request's lines arrive while it runs, Ctrl-C ends it (exit 0).
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "cluster_cli", "--state", str(state), "logs", "tiny/0", "-f", "-n", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            node0 = doc["replicas"][0]["nodes"][0]
+            _wait(lambda: b"tail" in cluster.ssh(node0, "ps -eo args | grep -v grep | grep 'tail -n 0 -f'").stdout)
+            _chat(doc["replicas"][0]["endpoint"] + "/v1", stream=False)
+            time.sleep(1.0)
+            follow.send_signal(signal.SIGINT)
+            out, ferr = follow.communicate(timeout=15)
+        finally:
+            if follow.poll() is None:
+                follow.kill()
+        assert follow.returncode == 0 and b"slot" in out, (follow.returncode, out[-500:], ferr[-800:])
 
         # A second up changes no process.
         before = {n: _pids(cluster, n) for n in ("cpu-01", "cpu-02", "cpu-03")}

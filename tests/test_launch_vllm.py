@@ -128,3 +128,43 @@ def test_vllm_single_node_tp_and_two_node_replicas_start_serve_and_stop_whole(gp
     assert ctl(state, "down", "--all").returncode == 0
     for n in ("gpu-01", "gpu-02"):
         assert _vllm_procs(cluster, n) == [], (n, _vllm_procs(cluster, n))
+
+
+def test_a_node_killed_while_its_replica_loads_fails_that_replica_alone(gpu_fleet, tmp_path: Path) -> None:
+    cluster, _, state = gpu_fleet
+    cat = tmp_path / "slow.yaml"
+    prof = {"name": "tp1", "engine": "vllm", "gpu_class": "H200", "gpus": 1, "model": "acme/slow"}
+    cat.write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    {"name": "slow", "profiles": [{**prof, "env": {"STANDIN_LOAD_S": "60"}}]},
+                    {"name": "fast", "profiles": [{**prof, "model": "acme/fast", "env": {"STANDIN_LOAD_S": "0.2"}}]},
+                ]
+            }
+        )
+    )
+    cmd = [sys.executable, "-m", "cluster_cli", "--state", str(state), "up", "-i", str(cluster.inventory_path),
+           "-c", str(cat), "-o", "json", "--timeout", "120"]  # fmt: skip
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        node = None
+        while node is None and time.monotonic() < deadline:  # the slow replica is loading: where?
+            for n in ("gpu-01", "gpu-02"):
+                if any("acme/slow" in p for p in _vllm_procs(cluster, n)):
+                    node = n
+            time.sleep(0.2)
+        assert node is not None, "the slow replica never started"
+        cluster.kill(node)
+        out, err = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 3, err
+    got = {x["name"]: x for x in json.loads(out)["replicas"]}
+    assert got["slow/0"]["state"] == "failed" and got["slow/0"]["reason"], got["slow/0"]
+    st = {x["name"]: x for x in _json(ctl(state, "status", "--no-check", "-o", "json"))["replicas"]}
+    assert "slow/0" not in st  # released whole
+    if got["fast/0"]["nodes"] != [node]:  # the other replica was not held back by it
+        assert got["fast/0"]["state"] == "ready"
