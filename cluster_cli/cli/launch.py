@@ -119,10 +119,11 @@ def up(
     progress = _Progress(output is ui.Output.table or ui.err.is_terminal)
 
     async def go() -> Any:
-        if check_version is None:
-            await _probe_and_save(inv, inventory, store, state.state_path, parallel, progress)
-        nodes = _fleet(inv, store)
+        # One SSH connection per node for all of it: the probe's are the launch's.
         async with Sessions(inv, _connector(state.state_path)) as sessions:
+            if check_version is None:
+                await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel, progress)
+            nodes = _fleet(inv, store)
             return await run_up(
                 inv,
                 cat,
@@ -154,12 +155,12 @@ def up(
     raise typer.Exit(ExitCode.OK if result.complete else ExitCode.UNPLACED)
 
 
-async def _probe_and_save(inv: Inventory, path: Path, store: Any, state_path: Path, parallel: int, report: Any) -> None:
+async def _probe_and_save(inv: Inventory, path: Path, store: Any, connector: Any, parallel: int, report: Any) -> None:
     """discover's probe and save: fresh facts for the plan."""
     from cluster_cli.control import discovery
 
     report("nodes", "probing", f"{len(inv.nodes)} node(s)")
-    facts = await discovery.probe(inv, connector=_connector(state_path), parallel=parallel, store=store)
+    facts = await discovery.probe(inv, connector=connector, parallel=parallel, store=store)
     discovery.save(store, facts, path)
     down = [f.name for f in facts if not f.reachable]
     report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))

@@ -59,6 +59,7 @@ async def down(
 
     keys = {t.key for t in targets}
     left = [r for r in store.records() if r.key not in keys]
+    sessions.prefetch(sorted({run.node for t in targets for run in t.shards}))  # connect while the router catches up
     if router_config.exists() or left:
         routerconf.write(router_config, routerconf.render(left, None))
         if any(t.status == READY for t in targets):  # published: let a running router see it go first

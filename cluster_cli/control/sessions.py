@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
 from cluster_cli.errors import SSHError
 
 if TYPE_CHECKING:
-    from cluster_cli.config.inventory import Inventory
+    from cluster_cli.config.inventory import Inventory, SSHTarget
     from cluster_cli.probe.runner import Connector, Session
 
 
@@ -20,35 +21,50 @@ class Sessions:
         self.inv = inv
         self.connector = connector
         self._stack = contextlib.AsyncExitStack()
-        self._open: dict[str, asyncio.Future[Session]] = {}
+        self._open: dict[str, asyncio.Task[Session]] = {}
 
     async def get(self, node: str) -> Session:
-        """The node's session (opened now if need be). Raises SSHError."""
-        fut = self._open.get(node)
-        if fut is None:
-            fut = self._open[node] = asyncio.get_running_loop().create_future()
-            n = self.inv.node(node)
-            try:
-                if n is None:
-                    raise SSHError(f"{node}: not in the inventory")
-                t = self.inv.ssh_target(n)
-                s = await asyncio.wait_for(
-                    self._stack.enter_async_context(self.connector.session(t)), t.connect_timeout_s * 2 + 5
-                )
-            except TimeoutError:
-                fut.set_exception(SSHError(f"{node}: no answer over SSH"))
-            except (SSHError, OSError) as e:
-                fut.set_exception(e if isinstance(e, SSHError) else SSHError(f"{node}: {e}"))
-            else:
-                fut.set_result(s)
-            fut.add_done_callback(lambda f: f.exception())  # retrieved: no "never retrieved" warning
-        return await asyncio.shield(fut)
+        """The node's session (opened now if need be). Raises SSHError. A caller cancelled
+        while it waits leaves the connection to go on for the others."""
+        task = self._open.get(node)
+        if task is None:
+            task = self._open[node] = asyncio.ensure_future(self._connect(node))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        return await asyncio.shield(task)
+
+    def prefetch(self, nodes: Iterable[str]) -> None:
+        """Start connecting to ``nodes`` now, for a later ``get``."""
+        for n in nodes:
+            if n not in self._open:
+                task = self._open[n] = asyncio.ensure_future(self._connect(n))
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _connect(self, node: str) -> Session:
+        n = self.inv.node(node)
+        if n is None:
+            raise SSHError(f"{node}: not in the inventory")
+        t = self.inv.ssh_target(n)
+        try:
+            return await asyncio.wait_for(
+                self._stack.enter_async_context(self.connector.session(t)), t.connect_timeout_s * 2 + 5
+            )
+        except TimeoutError:
+            raise SSHError(f"{node}: no answer over SSH") from None
+        except OSError as e:
+            raise SSHError(f"{node}: {e}") from None
 
     def forget(self, node: str) -> None:
         """Drop a node's session (it failed): the next use opens a new one."""
         self._open.pop(node, None)
 
+    def connector_view(self) -> Connector:
+        """A connector whose sessions are these (kept open for the rest of the command): the
+        probe of ``up`` and its launch share one connection per node."""
+        return _Shared(self)
+
     async def aclose(self) -> None:
+        for task in self._open.values():
+            task.cancel()
         with contextlib.suppress(Exception):
             await self._stack.aclose()
         aclose = getattr(self.connector, "aclose", None)
@@ -61,3 +77,12 @@ class Sessions:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+class _Shared:
+    def __init__(self, sessions: Sessions) -> None:
+        self._sessions = sessions
+
+    @contextlib.asynccontextmanager
+    async def session(self, target: SSHTarget) -> AsyncIterator[Session]:
+        yield await self._sessions.get(target.name)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from cluster_cli.facts import NodeFacts
     from cluster_cli.placement import Plan
 
-POLL_S = 0.5
+POLL_S = (0.05, 0.1, 0.2, 0.5)  # readiness checks: soon after the start, then every 0.5 s
 STOP_GRACE_S = 10.0
 Report = Callable[[str, str, str], None]  # (replica name, phase, detail)
 
@@ -310,6 +310,7 @@ async def _wait_ready(rec: ReplicaRecord, sessions: Sessions, deadline: float, r
     last = ""
     head = rec.shards[0]
     assert rec.port is not None
+    polls = 0
     while True:
         why = await nodeops.ready(await sessions.get(head.node), rec.port, rec.replica.model)
         if why is None:
@@ -323,7 +324,8 @@ async def _wait_ready(rec: ReplicaRecord, sessions: Sessions, deadline: float, r
             last = why
         if time.monotonic() > deadline:
             raise nodeops.LaunchError(f"not ready in time: {why}")
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(POLL_S[min(polls, len(POLL_S) - 1)])
+        polls += 1
 
 
 async def _stop_whole(rec: ReplicaRecord, sessions: Sessions, log: list[str]) -> list[str]:

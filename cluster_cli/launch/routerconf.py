@@ -77,6 +77,8 @@ def write(path: Path, doc: dict[str, Any]) -> None:
     merged = {**{k: v for k, v in old.items() if k not in ("engines", "models")}, **doc}
     body = "# Written by clusterctl up/down: the ready replicas. Other sections are kept.\n"
     body += yaml.safe_dump(merged, sort_keys=False, default_flow_style=False)
+    if body == text:
+        return  # unchanged: no rewrite (a watching router re-reads nothing)
     folder = path.parent if str(path.parent) else Path(".")
     try:
         folder.mkdir(parents=True, exist_ok=True)
