@@ -121,8 +121,9 @@ def up(
     async def go() -> Any:
         # One SSH connection per node for all of it: the probe's are the launch's.
         async with Sessions(inv, _connector(state.state_path)) as sessions:
+            observed = None
             if check_version is None:
-                await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel, progress)
+                observed = await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel, progress)
             nodes = _fleet(inv, store)
             return await run_up(
                 inv,
@@ -134,6 +135,7 @@ def up(
                 expect_version=check_version,
                 timeout_s=timeout,
                 report=progress,
+                observed=observed,
             )
 
     try:
@@ -155,15 +157,19 @@ def up(
     raise typer.Exit(ExitCode.OK if result.complete else ExitCode.UNPLACED)
 
 
-async def _probe_and_save(inv: Inventory, path: Path, store: Any, connector: Any, parallel: int, report: Any) -> None:
-    """discover's probe and save: fresh facts for the plan."""
+async def _probe_and_save(inv: Inventory, path: Path, store: Any, connector: Any, parallel: int, report: Any) -> Any:
+    """discover's probe and save: fresh facts for the plan, and what the same batch saw of the
+    recorded shards and the ports."""
     from cluster_cli.control import discovery
+    from cluster_cli.launch.observe import Observed
 
     report("nodes", "probing", f"{len(inv.nodes)} node(s)")
-    facts = await discovery.probe(inv, connector=connector, parallel=parallel, store=store)
+    observed = Observed()
+    facts = await discovery.probe(inv, connector=connector, parallel=parallel, store=store, observed=observed)
     discovery.save(store, facts, path)
     down = [f.name for f in facts if not f.reachable]
     report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))
+    return observed
 
 
 def _fleet(inv: Inventory, store: Any) -> list[Any]:

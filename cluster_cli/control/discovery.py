@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster_cli.facts import NodeFacts
+from cluster_cli.launch.observe import Observed, node_commands
+from cluster_cli.state.records import ShardRun
 
 if TYPE_CHECKING:
     from cluster_cli.config.inventory import Inventory, Node
@@ -40,11 +42,21 @@ async def probe(
     node_timeout_s: float | None = None,
     store: Store | None = None,
     on_done: Callable[[NodeFacts], None] | None = None,
+    observed: Observed | None = None,
 ) -> list[NodeFacts]:
-    """Probe ``nodes`` (default: all), the state's launched processes known as its own."""
+    """Probe ``nodes`` (default: all), the state's launched processes known as its own.
+    ``observed`` also gets, from the same batch, whether each recorded shard still runs and
+    which ports listen (what ``up`` checks)."""
     from cluster_cli.probe.collect import discover
 
     pids, tokens = launched(store)
+    extra = None
+    if observed is not None:
+        runs: dict[str, list[ShardRun]] = {}
+        for rec in store.records() if store is not None else ():
+            for run in rec.shards:
+                runs.setdefault(run.node, []).append(run)
+        extra = {n.name: node_commands(runs.get(n.name, ())) for n in (nodes if nodes is not None else inv.nodes)}
     return await discover(
         inv,
         nodes,
@@ -54,6 +66,8 @@ async def probe(
         own_pids=pids,
         own_tokens=tokens,
         on_done=on_done,
+        extra=extra,
+        on_outputs=observed.record if observed is not None else None,
     )
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from cluster_cli.errors import ClusterctlError, SSHError
 from cluster_cli.launch import node as nodeops
 from cluster_cli.launch import routerconf
+from cluster_cli.launch.observe import Observed
 from cluster_cli.launch.shards import pick_port, profile_of, shard_starts
 from cluster_cli.state.launches import StaleVersion
 from cluster_cli.state.records import FAILED, READY, STARTING, UNHEALTHY, ReplicaRecord, replica_name
@@ -99,8 +100,10 @@ async def up(
     expect_version: int | None = None,
     timeout_s: float = 600.0,
     report: Report = _quiet,
+    observed: Observed | None = None,
 ) -> UpResult:
-    """Apply the catalog to the cluster (``facts``: the nodes as the state holds them now)."""
+    """Apply the catalog to the cluster (``facts``: the nodes as the state holds them now;
+    ``observed``: what the probe that made them saw of the shards and ports, if it ran)."""
     from cluster_cli.placement import plan
 
     by_node = {f.name: f for f in facts}
@@ -113,7 +116,8 @@ async def up(
 
     # Kept replicas first: which still run and answer.
     current = store.records()
-    dead = await _dead(current, sessions)
+    seen = observed or Observed()
+    dead = await _dead(current, sessions, seen)
 
     for attempt in range(3):
         result: Plan = plan(facts, cat, [r.replica for r in current])
@@ -121,7 +125,7 @@ async def up(
         # nor released (its engine would be left behind, unrecorded), nor replaced by this run.
         away = {p.replica.key: p.note for p in result.stops if p.note.endswith(" unreachable")}
         stops = [_record_of(current, p.replica) for p in result.stops if p.replica.key not in away]
-        new = _new_records(result, away, inv, cat, store, await _taken_ports(result, sessions, store))
+        new = _new_records(result, away, inv, cat, store, await _taken_ports(result, sessions, store, seen))
         try:
             version = store.reserve(new, expect_version=version)
             break
@@ -182,8 +186,9 @@ def _kept(rec: ReplicaRecord) -> Outcome:
     return Outcome(rec.name, rec.replica.model, "keep", rec.status, [s.node for s in rec.replica.shards], rec.endpoint)
 
 
-async def _dead(records: list[ReplicaRecord], sessions: Sessions) -> dict[tuple[str, int, int], str]:
-    """The kept replicas that no longer run or answer, with why."""
+async def _dead(records: list[ReplicaRecord], sessions: Sessions, seen: Observed) -> dict[tuple[str, int, int], str]:
+    """The kept replicas that no longer run or answer, with why (their processes as the probe
+    saw them, else asked for now)."""
     out: dict[tuple[str, int, int], str] = {}
 
     async def check(rec: ReplicaRecord) -> None:
@@ -192,13 +197,14 @@ async def _dead(records: list[ReplicaRecord], sessions: Sessions) -> dict[tuple[
             return
         try:
             for run in rec.shards:
-                s = await sessions.get(run.node)
-                (ok,) = await nodeops.alive(s, [run])
+                ok = seen.alive(run)
+                if ok is None:
+                    (ok,) = await nodeops.alive(await sessions.get(run.node), [run])
                 if not ok:
                     out[rec.key] = f"its engine on {run.node} is not running"
                     return
             s = await sessions.get(rec.shards[0].node)
-            why = await nodeops.ready(s, rec.port, rec.replica.model)
+            why = await nodeops.ready(s, rec.port, rec.replica.model, list_models=False)
             if why is not None:
                 out[rec.key] = f"its engine stopped answering ({why})"
         except (SSHError, OSError) as e:
@@ -208,15 +214,18 @@ async def _dead(records: list[ReplicaRecord], sessions: Sessions) -> dict[tuple[
     return out
 
 
-async def _taken_ports(result: Plan, sessions: Sessions, store: Store) -> dict[str, set[int]]:
+async def _taken_ports(result: Plan, sessions: Sessions, store: Store, seen: Observed) -> dict[str, set[int]]:
     """Per node that gets a new replica: the ports listening there and those the state holds."""
     nodes = {p.replica.shards[0].node for p in result.starts if p.replica.shards}
     out: dict[str, set[int]] = {}
 
     async def one(n: str) -> None:
         taken = set(store.held_ports(n))
-        with contextlib.suppress(SSHError, OSError):  # the start finds the node unreachable and says so
-            taken |= await nodeops.listening(await sessions.get(n))
+        if n in seen.listening:
+            taken |= seen.listening[n]
+        else:
+            with contextlib.suppress(SSHError, OSError):  # the start finds the node unreachable and says so
+                taken |= await nodeops.listening(await sessions.get(n))
         out[n] = taken
 
     await asyncio.gather(*(one(n) for n in sorted(nodes)))

@@ -136,15 +136,19 @@ async def get(session: Session, port: int, path: str, timeout: float = 5.0) -> t
     return await fetch("127.0.0.1", port, path, timeout, max_bytes=1 << 20, connect=opener)
 
 
-async def ready(session: Session, port: int, served_name: str, health_path: str = "/health") -> str | None:
-    """None when the engine answers its health check and lists ``served_name``; else what it is
-    waiting for (loading, not listening yet)."""
+async def ready(
+    session: Session, port: int, served_name: str, health_path: str = "/health", *, list_models: bool = True
+) -> str | None:
+    """None when the engine answers its health check and (``list_models``) lists ``served_name``;
+    else what it is waiting for (loading, not listening yet)."""
     try:
         status, _ = await get(session, port, health_path)
     except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as e:
         return f"not answering yet ({type(e).__name__})"
     if status != 200:
         return f"health check {status} (loading)"
+    if not list_models:
+        return None
     try:
         status, body = await get(session, port, "/v1/models")
         ids = [m.get("id") for m in json.loads(body).get("data", [])]

@@ -229,12 +229,15 @@ async def probe_node(
     own_pids: frozenset[int] = frozenset(),
     own_tokens: frozenset[str] = frozenset(),
     deadline: float | None = None,
+    extra: Mapping[str, str] | None = None,
+    on_outputs: Callable[[str, dict[str, CommandResult]], None] | None = None,
 ) -> NodeFacts:
     """Probe one node; never raises for node-level failures (they become ``error``).
 
     ``deadline`` (``time.monotonic()``): when the whole node must be done. The probes' own
     timeouts are fitted inside it, so that a hung nvidia-smi is killed and reported with the
-    node's other facts, not the node given up on as unreachable."""
+    node's other facts, not the node given up on as unreachable. ``extra`` commands run in the
+    same batch; ``on_outputs`` gets every record of it (theirs included)."""
     target = inv.ssh_target(node)
     started = time.time()
 
@@ -250,7 +253,9 @@ async def probe_node(
             then = {"ibstat": SMINFO_AFTER_IBSTAT}
             if own_tokens:
                 then["apps"] = LAUNCHED_AFTER_APPS
-            outputs = await run_batch(session, dict(PROBES), command_timeout(), then=then)
+            outputs = await run_batch(session, {**PROBES, **(extra or {})}, command_timeout(), then=then)
+            if on_outputs is not None:
+                on_outputs(node.name, outputs)
             await _narrow_gpu_query(session, outputs, command_timeout)
             sm: dict[tuple[str, int], int | None] = {}
             ib = outputs.get("ibstat")
@@ -334,6 +339,8 @@ async def discover(
     node_timeout_s: float | None = None,
     own_pids: Mapping[str, frozenset[int]] | None = None,
     own_tokens: Mapping[str, frozenset[str]] | None = None,
+    extra: Mapping[str, Mapping[str, str]] | None = None,
+    on_outputs: Callable[[str, dict[str, CommandResult]], None] | None = None,
     on_done: OnDone | None = None,
 ) -> list[NodeFacts]:
     """Probe ``nodes`` (default: all) with at most ``parallel`` at once.
@@ -361,6 +368,8 @@ async def discover(
                         own_pids=(own_pids or {}).get(n.name, frozenset()),
                         own_tokens=(own_tokens or {}).get(n.name, frozenset()),
                         deadline=ends,
+                        extra=(extra or {}).get(n.name),
+                        on_outputs=on_outputs,
                     ),
                     timeout=deadline,
                 )

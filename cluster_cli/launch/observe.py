@@ -1,0 +1,72 @@
+"""What ``up`` reads of its nodes inside discover's probe batch, so that a run with nothing
+to do needs no exec of its own: whether each recorded shard process still runs (its
+``/proc/PID/stat`` start time) and which TCP ports listen (``/proc/net/tcp``). Two simple
+commands per node (one ``cat`` each, no shell); the parsing is pure."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from cluster_cli.state.records import ShardRun
+
+STAT, TCP = "cc_stat", "cc_tcp"
+
+
+def node_commands(runs: Iterable[ShardRun]) -> dict[str, str]:
+    """The probe batch's extra records for a node with these shards on it."""
+    pids = sorted({r.pid for r in runs if r.pid is not None})
+    cmds = {TCP: "cat /proc/net/tcp /proc/net/tcp6"}
+    if pids:
+        cmds[STAT] = "cat " + " ".join(f"/proc/{p}/stat" for p in pids)
+    return cmds
+
+
+def parse_stat(text: str) -> dict[int, int]:
+    """PID -> start time (clock ticks since boot, field 22) from ``/proc/PID/stat`` lines."""
+    out: dict[int, int] = {}
+    for line in text.splitlines():
+        pid, sep, _ = line.partition(" (")
+        close = line.rfind(")")
+        if not sep or not pid.isdigit() or close < 0:
+            continue
+        fields = line[close + 1 :].split()
+        if len(fields) >= 20 and fields[19].isdigit():
+            out[int(pid)] = int(fields[19])
+    return out
+
+
+def parse_listening(text: str) -> set[int]:
+    """The ports in LISTEN state (``st`` 0A) of ``/proc/net/tcp`` and ``tcp6`` tables."""
+    ports: set[int] = set()
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) > 3 and f[3] == "0A" and ":" in f[1]:
+            try:
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+            except ValueError:
+                continue
+    return ports
+
+
+@dataclass
+class Observed:
+    """Per node, what its probe batch saw (only nodes whose records came back)."""
+
+    started: dict[str, dict[int, int]] = field(default_factory=dict)  # node -> pid -> start time
+    listening: dict[str, set[int]] = field(default_factory=dict)
+
+    def record(self, node: str, outputs: Mapping[str, object]) -> None:
+        tcp = outputs.get(TCP)
+        if tcp is not None and getattr(tcp, "rc", None) == 0:
+            self.listening[node] = parse_listening(tcp.stdout)  # type: ignore[attr-defined]
+        stat = outputs.get(STAT)
+        if stat is not None and getattr(stat, "rc", None) in (0, 1):  # 1: some PID is gone; not a timeout
+            self.started[node] = parse_stat(stat.stdout)  # type: ignore[attr-defined]
+
+    def alive(self, run: ShardRun) -> bool | None:
+        """Whether ``run``'s process still runs; None when its node's batch did not say."""
+        seen = self.started.get(run.node)
+        if seen is None or run.pid is None:
+            return None
+        return seen.get(run.pid) == run.start_time
