@@ -401,3 +401,26 @@ def test_up_status_logs_through_a_jump_host_with_the_engine_port_unreachable_fro
         assert log.returncode == 0 and "listening" in log.stdout, log
     finally:
         ctl(state, "down", "--all", "-i", str(inv))
+
+
+def test_two_ups_at_once_start_each_replica_once(fleet) -> None:
+    """Two up runs of one catalog at the same moment: the state books every replica, port and
+    GPU once; the run that planned second sees the first's replicas starting and leaves them
+    be. Afterwards exactly the catalog's replicas run, once each."""
+    state, inv, cat, cluster = fleet["state"], fleet["inventory"], fleet["catalog"], fleet["cluster"]
+    assert ctl(state, "discover", "-i", str(inv)).returncode == 0  # one state for both to share
+    cmd = [sys.executable, "-m", "cluster_cli", "--state", str(state), "up", "-i", str(inv), "-c", str(cat),
+           "-o", "json", "--timeout", "60"]  # fmt: skip
+    runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [r.communicate(timeout=180) for r in runs]
+    actions = sorted(tuple(sorted({x["action"] for x in json.loads(o)["replicas"]})) for o, _ in outs)
+    assert actions in ([("keep",), ("start",)], [("start",), ("start",)]), actions  # started once, by one run
+    for r, (out, err) in zip(runs, outs, strict=True):
+        assert r.returncode in (0, 3), err
+        assert {x["state"] for x in json.loads(out)["replicas"]} <= {"ready", "starting"}, out
+    st = _json(ctl(state, "status", "-o", "json"))
+    assert sorted(x["name"] for x in st["replicas"]) == ["tiny/0", "tiny/1", "tiny/2"]
+    assert {x["state"] for x in st["replicas"]} == {"ready"}
+    assert sum(len(_pids(cluster, n)) for n in ("cpu-01", "cpu-02", "cpu-03")) == 3
+    again = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))
+    assert {x["action"] for x in again["replicas"]} == {"keep"}

@@ -54,7 +54,8 @@ class _Progress:
 
     def __init__(self, enabled: bool) -> None:
         self.live: Any = None
-        self.rows: dict[str, tuple[str, str, float]] = {}
+        self.rows: dict[str, tuple[str, str, float]] = {}  # name -> (phase, detail, when it ended or 0)
+        self.started: dict[str, float] = {}
         self.t0 = time.monotonic()
         self.enabled = enabled
         if enabled and ui.err.is_terminal:
@@ -66,16 +67,21 @@ class _Progress:
     def __call__(self, name: str, phase: str, detail: str) -> None:
         if not self.enabled:
             return
-        self.rows[name] = (phase, detail, time.monotonic())
+        now = time.monotonic()
+        self.started.setdefault(name, now)
+        done = phase in ("ready", "failed", "unplaced", "stopped")
+        self.rows[name] = (phase, detail, now if done else 0.0)
         if self.live is None:
             ui.info(f"{name}: {phase}{' ' + detail if detail else ''}")
             return
         from rich.table import Table
 
         t = Table.grid(padding=(0, 2))
-        for n, (ph, d, _) in sorted(self.rows.items()):
+        now = time.monotonic()
+        for n, (ph, d, ended) in sorted(self.rows.items()):
             colour = {"ready": "green", "failed": "red", "unplaced": "red"}.get(ph, "yellow")
-            t.add_row(escape(n), f"[{colour}]{ph}[/]", f"{time.monotonic() - self.t0:5.1f}s", escape(d[:80]))
+            took = (ended or now) - self.started[n]
+            t.add_row(escape(n), f"[{colour}]{ph}[/]", f"{took:5.1f}s", escape(d[:80]))
         self.live.update(t)
 
     def close(self) -> None:
@@ -116,6 +122,7 @@ def up(
 
     rc_path = router_config or default_path(state.state_path)
     store = open_store(state.state_path)
+    lock, others = _up_lock(state.state_path)
     progress = _Progress(output is ui.Output.table or ui.err.is_terminal)
 
     async def go() -> Any:
@@ -136,6 +143,8 @@ def up(
                 timeout_s=timeout,
                 report=progress,
                 observed=observed,
+                refresh=lambda: _fleet(inv, store),
+                others_running=others,
             )
 
     try:
@@ -149,6 +158,8 @@ def up(
         raise typer.Exit(130) from None
     finally:
         store.close()
+        if lock is not None:
+            lock.close()
     progress.close()
     if output is ui.Output.table:
         _render_up(result)
@@ -170,6 +181,25 @@ async def _probe_and_save(inv: Inventory, path: Path, store: Any, connector: Any
     down = [f.name for f in facts if not f.reachable]
     report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))
     return observed
+
+
+def _up_lock(state_path: Path) -> tuple[Any, bool]:
+    """An exclusive lock held by the running ``up`` (``STATE.up.lock``): (the open lock file,
+    or None, and whether another ``up`` holds it now). Runs may overlap, the state keeps them
+    apart; the lock only tells a replica another run is starting from one an interrupted run
+    left behind."""
+    import fcntl
+
+    try:
+        f = open(state_path.with_name(state_path.name + ".up.lock"), "a")  # noqa: SIM115 - held for the run
+    except OSError:
+        return None, False
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None, True
+    return f, False
 
 
 def _fleet(inv: Inventory, store: Any) -> list[Any]:

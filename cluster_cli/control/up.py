@@ -23,7 +23,7 @@ from cluster_cli.launch import routerconf
 from cluster_cli.launch.observe import Observed
 from cluster_cli.launch.shards import pick_port, profile_of, shard_starts
 from cluster_cli.state.launches import StaleVersion
-from cluster_cli.state.records import FAILED, READY, STARTING, UNHEALTHY, ReplicaRecord, replica_name
+from cluster_cli.state.records import FAILED, PLANNED, READY, STARTING, UNHEALTHY, ReplicaRecord, replica_name
 from cluster_cli.state.store import Store
 
 if TYPE_CHECKING:
@@ -101,9 +101,14 @@ async def up(
     timeout_s: float = 600.0,
     report: Report = _quiet,
     observed: Observed | None = None,
+    refresh: Callable[[], list[NodeFacts]] | None = None,
+    others_running: bool = False,
 ) -> UpResult:
     """Apply the catalog to the cluster (``facts``: the nodes as the state holds them now;
-    ``observed``: what the probe that made them saw of the shards and ports, if it ran)."""
+    ``observed``: what the probe that made them saw of the shards and ports, if it ran;
+    ``refresh``: the nodes as the state holds them, read again after another run wrote;
+    ``others_running``: another ``up`` runs on this state now, so a replica it left starting is
+    its own, not a leftover to restart)."""
     from cluster_cli.placement import plan
 
     by_node = {f.name: f for f in facts}
@@ -117,7 +122,9 @@ async def up(
     # Kept replicas first: which still run and answer.
     current = store.records()
     seen = observed or Observed()
-    dead = await _dead(current, sessions, seen)
+    busy: set[tuple[str, int, int]] = set()
+    window = timeout_s + 60 if others_running else 0.0
+    dead = await _dead(current, sessions, seen, busy, window)
 
     for attempt in range(3):
         result: Plan = plan(facts, cat, [r.replica for r in current])
@@ -133,8 +140,10 @@ async def up(
             if attempt == 2 or expect_version is not None:
                 raise
             # Another up (or a cordon) wrote meanwhile: plan again from what is there now.
+            checked = {r.key for r in current}
             current = store.records()
-            facts = store.nodes()
+            dead.update(await _dead([r for r in current if r.key not in checked], sessions, seen, busy, window))
+            facts = refresh() if refresh is not None else store.nodes()
             by_node = {f.name: f for f in facts}
             version = store.version()
 
@@ -157,7 +166,11 @@ async def up(
     keeps = [_record_of(current, p.replica) for p in result.keeps]
     restart = [r for r in keeps if r is not None and r.key in dead]
     for rec in keeps:
-        if rec is not None and rec.key not in dead:
+        if rec is not None and rec.key in busy:
+            why = "being started by another up"
+            outcomes.append(replace(_kept(rec), state=STARTING, reason=why))
+            report(rec.name, "starting", why)
+        elif rec is not None and rec.key not in dead:
             outcomes.append(_kept(rec))
             report(rec.name, "ready", "running")
 
@@ -186,12 +199,23 @@ def _kept(rec: ReplicaRecord) -> Outcome:
     return Outcome(rec.name, rec.replica.model, "keep", rec.status, [s.node for s in rec.replica.shards], rec.endpoint)
 
 
-async def _dead(records: list[ReplicaRecord], sessions: Sessions, seen: Observed) -> dict[tuple[str, int, int], str]:
+async def _dead(
+    records: list[ReplicaRecord],
+    sessions: Sessions,
+    seen: Observed,
+    busy: set[tuple[str, int, int]],
+    window_s: float,
+) -> dict[tuple[str, int, int], str]:
     """The kept replicas that no longer run or answer, with why (their processes as the probe
-    saw them, else asked for now)."""
+    saw them, else asked for now). A replica left starting less than ``window_s`` ago (by
+    another run that is still going) goes to ``busy``: neither dead nor ready."""
     out: dict[tuple[str, int, int], str] = {}
+    now = time.time()
 
     async def check(rec: ReplicaRecord) -> None:
+        if rec.status in (PLANNED, STARTING) and rec.updated_at and now - rec.updated_at < window_s:
+            busy.add(rec.key)
+            return
         if rec.status != READY or not rec.shards or rec.port is None:
             out[rec.key] = f"was left {rec.status} by an earlier run"
             return
