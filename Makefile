@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DEMO_DIR ?= .demo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps venv install test test-fast lint demo demo-down llama-server bench clean
+.PHONY: all deps venv install test test-fast lint demo demo-down llama-server bench dist clean
 
 all: test
 
@@ -74,5 +74,12 @@ bench: install
 	$(PY) bench/discover.py
 	$(PY) bench/placement.py
 
+# dist/clusterctl: one executable file (the interpreter and every dependency; a PyInstaller onedir
+# bundle that unpacks itself once into ~/.cache/clusterctl/bin), and the wheel and sdist beside it
+# (scripts/build-dist.sh). bash scripts/dist-smoke.sh tests the binary alone.
+dist: $(VENV)/.installed
+	@$(PY) -c 'import PyInstaller, build' 2>/dev/null || $(PY) -m pip install -q -e '.[dist]'
+	PY=$(PY) bash scripts/build-dist.sh
+
 clean: demo-down
-	rm -rf $(VENV) .clusterctl build *.egg-info
+	rm -rf $(VENV) .clusterctl build dist *.egg-info

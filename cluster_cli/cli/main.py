@@ -246,6 +246,12 @@ def hoist_global_options(args: list[str]) -> list[str]:
 
 
 def run() -> None:
+    if "_CLUSTERCTL_COMPLETE" in os.environ:
+        # Shell completion (eval "$(_CLUSTERCTL_COMPLETE=source_bash clusterctl)"): Typer's
+        # completion classes answer click's protocol, without --install-completion in every help.
+        from typer._completion_classes import completion_init
+
+        completion_init()
     app(args=hoist_global_options(sys.argv[1:]), prog_name="clusterctl")
 
 
