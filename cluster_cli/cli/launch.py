@@ -109,6 +109,7 @@ def up(
 
     from cluster_cli.config.catalog import load_catalog
     from cluster_cli.control.sessions import Sessions
+    from cluster_cli.control.up import check_health_early
     from cluster_cli.control.up import up as run_up
 
     state: App = ctx.obj
@@ -129,6 +130,7 @@ def up(
         # One SSH connection per node for all of it: the probe's are the launch's.
         async with Sessions(inv, _connector(state.state_path)) as sessions:
             observed = None
+            early = check_health_early(store.records(), sessions)  # beside the probe, on its connections
             if check_version is None:
                 observed = await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel, progress)
             nodes = _fleet(inv, store)
@@ -145,6 +147,7 @@ def up(
                 observed=observed,
                 refresh=lambda: _fleet(inv, store),
                 others_running=others,
+                early=early,
             )
 
     try:

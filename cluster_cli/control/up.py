@@ -103,12 +103,14 @@ async def up(
     observed: Observed | None = None,
     refresh: Callable[[], list[NodeFacts]] | None = None,
     others_running: bool = False,
+    early: dict[tuple[str, int, int], asyncio.Task[str | None]] | None = None,
 ) -> UpResult:
     """Apply the catalog to the cluster (``facts``: the nodes as the state holds them now;
     ``observed``: what the probe that made them saw of the shards and ports, if it ran;
     ``refresh``: the nodes as the state holds them, read again after another run wrote;
     ``others_running``: another ``up`` runs on this state now, so a replica it left starting is
-    its own, not a leftover to restart)."""
+    its own, not a leftover to restart; ``early``: health checks already under way, from
+    ``check_health_early``)."""
     from cluster_cli.placement import plan
 
     by_node = {f.name: f for f in facts}
@@ -124,7 +126,7 @@ async def up(
     seen = observed or Observed()
     busy: set[tuple[str, int, int]] = set()
     window = timeout_s + 60 if others_running else 0.0
-    dead = await _dead(current, sessions, seen, busy, window)
+    dead = await _dead(current, sessions, seen, busy, window, early or {})
 
     for attempt in range(3):
         result: Plan = plan(facts, cat, [r.replica for r in current])
@@ -142,7 +144,8 @@ async def up(
             # Another up (or a cordon) wrote meanwhile: plan again from what is there now.
             checked = {r.key for r in current}
             current = store.records()
-            dead.update(await _dead([r for r in current if r.key not in checked], sessions, seen, busy, window))
+            fresh = [r for r in current if r.key not in checked]
+            dead.update(await _dead(fresh, sessions, seen, busy, window, {}))
             facts = refresh() if refresh is not None else store.nodes()
             by_node = {f.name: f for f in facts}
             version = store.version()
@@ -205,6 +208,7 @@ async def _dead(
     seen: Observed,
     busy: set[tuple[str, int, int]],
     window_s: float,
+    early: dict[tuple[str, int, int], asyncio.Task[str | None]],
 ) -> dict[tuple[str, int, int], str]:
     """The kept replicas that no longer run or answer, with why (their processes as the probe
     saw them, else asked for now). A replica left starting less than ``window_s`` ago (by
@@ -227,14 +231,41 @@ async def _dead(
                 if not ok:
                     out[rec.key] = f"its engine on {run.node} is not running"
                     return
-            s = await sessions.get(rec.shards[0].node)
-            why = await nodeops.ready(s, rec.port, rec.replica.model, list_models=False)
+            task = early.get(rec.key)
+            if task is not None:
+                why = await task
+            else:
+                why = await nodeops.ready(await sessions.get(rec.shards[0].node), rec.port, rec.replica.model,
+                                          list_models=False)  # fmt: skip
             if why is not None:
                 out[rec.key] = f"its engine stopped answering ({why})"
         except (SSHError, OSError) as e:
             out[rec.key] = f"its node cannot be reached ({e})"
 
     await asyncio.gather(*(check(r) for r in records))
+    return out
+
+
+def check_health_early(
+    records: list[ReplicaRecord], sessions: Sessions
+) -> dict[tuple[str, int, int], asyncio.Task[str | None]]:
+    """Start the health check of every ready replica now, each as soon as its node's session
+    is open: run beside the probe, it adds no time to an ``up`` with nothing to do."""
+
+    async def one(rec: ReplicaRecord) -> str | None:
+        assert rec.port is not None
+        try:
+            s = await sessions.get(rec.shards[0].node)
+        except (SSHError, OSError) as e:
+            return f"its node cannot be reached ({e})"
+        return await nodeops.ready(s, rec.port, rec.replica.model, list_models=False)
+
+    out = {}
+    for rec in records:
+        if rec.status == READY and rec.shards and rec.port is not None:
+            task = asyncio.ensure_future(one(rec))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            out[rec.key] = task
     return out
 
 
