@@ -58,7 +58,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -75,6 +74,9 @@ from cluster_cli.probe.commands import PROBES, sminfo_command  # noqa: E402
 from cluster_cli.probe.parsers.ibstat import parse_ibstat  # noqa: E402
 from testbed import Cluster, TestbedError, count_specs, unavailable_reason  # noqa: E402
 from testbed.hardware import NodeSpec  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from benchlib import LoadSampler  # noqa: E402
 
 PRESET = "hgx-h200x8:fabric=ib-a"
 MIXED = (  # share of the mixed set per preset (rounded; the rest are hgx-h200x8)
@@ -173,33 +175,6 @@ def _timed(
     # The server side finishes its bookkeeping (reaping sessions) a moment after the client.
     time.sleep(0.3)
     return p.returncode, wall, ru.ru_utime + ru.ru_stime, _sshd_cpu(cluster) - s0
-
-
-class LoadSampler:
-    """Samples the 1-minute load average once a second while running."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._stop.wait(1.0)
-
-    def __enter__(self) -> LoadSampler:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
-
-    def summary(self) -> str:
-        if not self.samples:
-            return "-"
-        return f"{statistics.mean(self.samples):.1f} (max {max(self.samples):.1f})"
 
 
 # ---------------------------------------------------------------------------

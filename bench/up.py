@@ -56,7 +56,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -74,6 +73,9 @@ from gguf_tiny import make_tiny_gguf  # noqa: E402
 from llama import find_llama_server, llama_server_version  # noqa: E402
 
 from testbed import Cluster, TestbedError, count_specs, unavailable_reason  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from benchlib import LoadSampler  # noqa: E402
 
 PRESET = "cpu-only"
 BIN = Path(sys.executable).parent
@@ -202,33 +204,6 @@ def _timed(
         wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
     return p.returncode, wall, ru.ru_utime + ru.ru_stime, _box_busy() - b0
-
-
-class LoadSampler:
-    """Samples the 1-minute load average once a second while running."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._stop.wait(1.0)
-
-    def __enter__(self) -> LoadSampler:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
-
-    def summary(self) -> str:
-        if not self.samples:
-            return "-"
-        return f"{statistics.mean(self.samples):.1f} (max {max(self.samples):.1f})"
 
 
 def _loadavg() -> str:

@@ -1,0 +1,34 @@
+"""Pieces the benchmarks share (run as scripts: ``bench/`` is on their path)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+
+
+class LoadSampler:
+    """Samples the 1-minute load average once a second while running."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(os.getloadavg()[0])
+            self._stop.wait(1.0)
+
+    def __enter__(self) -> LoadSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def summary(self) -> str:
+        if not self.samples:
+            return "-"
+        return f"{statistics.mean(self.samples):.1f} (max {max(self.samples):.1f})"
