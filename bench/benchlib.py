@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import sys
 import threading
+from pathlib import Path
 
 
 class LoadSampler:
@@ -32,3 +35,14 @@ class LoadSampler:
         if not self.samples:
             return "-"
         return f"{statistics.mean(self.samples):.1f} (max {max(self.samples):.1f})"
+
+
+def tool(name: str, bench: str) -> str:
+    """The real entry point ``name`` next to this interpreter (not a pyenv shim), else PATH."""
+    p = Path(sys.executable).parent / name
+    if p.exists():
+        return str(p)
+    found = shutil.which(name)
+    if found is None:
+        raise SystemExit(f"{bench} bench: {name} not found")
+    return found

@@ -76,7 +76,7 @@ from testbed import Cluster, TestbedError, count_specs, unavailable_reason  # no
 from testbed.hardware import NodeSpec  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from benchlib import LoadSampler  # noqa: E402
+from benchlib import LoadSampler, tool  # noqa: E402
 
 PRESET = "hgx-h200x8:fabric=ib-a"
 MIXED = (  # share of the mixed set per preset (rounded; the rest are hgx-h200x8)
@@ -91,14 +91,7 @@ BIN = Path(sys.executable).parent
 
 
 def _tool(name: str) -> str:
-    """The real entry point next to this interpreter (not a pyenv shim), else PATH."""
-    p = BIN / name
-    if p.exists():
-        return str(p)
-    found = shutil.which(name)
-    if found is None:
-        raise SystemExit(f"discover bench: {name} not found")
-    return found
+    return tool(name, "discover")
 
 
 # ---------------------------------------------------------------------------

@@ -75,7 +75,7 @@ from llama import find_llama_server, llama_server_version  # noqa: E402
 from testbed import Cluster, TestbedError, count_specs, unavailable_reason  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from benchlib import LoadSampler  # noqa: E402
+from benchlib import LoadSampler, tool  # noqa: E402
 
 PRESET = "cpu-only"
 BIN = Path(sys.executable).parent
@@ -120,14 +120,7 @@ ThreadingHTTPServer((args.host, args.port), H).serve_forever()
 
 
 def _tool(name: str) -> str:
-    """The real entry point next to this interpreter (not a pyenv shim), else PATH."""
-    p = BIN / name
-    if p.exists():
-        return str(p)
-    found = shutil.which(name)
-    if found is None:
-        raise SystemExit(f"up bench: {name} not found")
-    return found
+    return tool(name, "up")
 
 
 # ---------------------------------------------------------------------------

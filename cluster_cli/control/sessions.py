@@ -53,10 +53,6 @@ class Sessions:
         except OSError as e:
             raise SSHError(f"{node}: {e}") from None
 
-    def forget(self, node: str) -> None:
-        """Drop a node's session (it failed): the next use opens a new one."""
-        self._open.pop(node, None)
-
     def connector_view(self) -> Connector:
         """A connector whose sessions are these (kept open for the rest of the command): the
         probe of ``up`` and its launch share one connection per node."""

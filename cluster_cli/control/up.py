@@ -393,18 +393,8 @@ async def _wait_ready(rec: ReplicaRecord, sessions: Sessions, deadline: float, r
 
 
 async def _stop_whole(rec: ReplicaRecord, sessions: Sessions, log: list[str]) -> list[str]:
-    """Stop every shard of ``rec`` (what of it started); shard 0's log tail."""
-    tails: list[str] = []
-
-    async def one(i: int, run: Any) -> None:
-        try:
-            res = await nodeops.stop(await sessions.get(run.node), run, grace_s=STOP_GRACE_S)
-        except (SSHError, OSError):
-            return
-        if i == 0:
-            tails.extend(res.log)
-
-    await asyncio.gather(*(one(i, run) for i, run in enumerate(rec.shards)))
+    """Stop every shard of ``rec`` (what of it started); shard 0's log tail, else ``log``."""
+    _, tails = await _stop_shards(rec, sessions, check=False)
     return tails or log
 
 
@@ -444,23 +434,35 @@ async def _stop(rec: ReplicaRecord, store: Store, sessions: Sessions, report: Re
 
 async def stop_replica(rec: ReplicaRecord, sessions: Sessions) -> str:
     """Stop every shard and check that nothing of it is left; what was left, or ""."""
+    problems, _ = await _stop_shards(rec, sessions, check=True)
+    return "; ".join(problems)
+
+
+async def _stop_shards(rec: ReplicaRecord, sessions: Sessions, *, check: bool) -> tuple[list[str], list[str]]:
+    """Stop every shard of ``rec`` at once: (what was left of it, shard 0's log tail). With
+    ``check``, shard 0's port and the shards' GPUs are checked too, and an unreachable node is
+    a problem (without, it is passed over: the node went away with what ran there)."""
     problems: list[str] = []
+    tails: list[str] = []
 
     async def one(i: int, run: Any) -> None:
-        port = rec.port if i == 0 else None
+        port = rec.port if i == 0 and check else None
         try:
             res = await nodeops.stop(
-                await sessions.get(run.node), run, grace_s=STOP_GRACE_S, port=port, gpu_check=bool(run.gpu_uuids)
+                await sessions.get(run.node),
+                run,
+                grace_s=STOP_GRACE_S,
+                port=port,
+                gpu_check=check and bool(run.gpu_uuids),
             )
         except (SSHError, OSError) as e:
-            problems.append(f"{run.node}: {e}")
+            if check:
+                problems.append(f"{run.node}: {e}")
             return
+        if i == 0:
+            tails.extend(res.log)
         if not res.clean:
             problems.append(f"{run.node}: {res.problem()}")
 
     await asyncio.gather(*(one(i, run) for i, run in enumerate(rec.shards)))
-    return "; ".join(problems)
-
-
-def open_state(path: Path) -> Store:
-    return Store(path)
+    return problems, tails

@@ -123,16 +123,11 @@ async def listening(session: Session) -> set[int]:
     return ports
 
 
-async def tail(session: Session, run: ShardRun, lines: int = remote.LOG_TAIL_LINES) -> list[str]:
-    res = await session.run(remote.log_command(run.run_dir, lines=lines, follow=False), timeout=SCRIPT_TIMEOUT_S)
-    return [printable(line) for line in res.stdout.splitlines()]
-
-
 async def get(session: Session, port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
     """GET ``path`` from the engine on the node's port ``port``, through the SSH connection."""
     opener = getattr(session, "open_connection", None)
     if opener is None:
-        raise OSError("this session cannot open connections on the node")
+        raise OSError("this SSH connection cannot carry a TCP connection to the node's engine")
     return await fetch("127.0.0.1", port, path, timeout, max_bytes=1 << 20, connect=opener)
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from cluster_cli.engines import LaunchSpec, get_engine
 from cluster_cli.engines.base import RAY_PORT
-from cluster_cli.launch.remote import StartScript
+from cluster_cli.launch.remote import StartScript, new_token
 from cluster_cli.state.records import ReplicaRecord, ShardRun
 
 if TYPE_CHECKING:
@@ -108,8 +108,6 @@ def shard_starts(rec: ReplicaRecord, cat: Catalog, inv: Inventory, facts: dict[s
 
 
 def _token(rec: ReplicaRecord, rank: int) -> str:
-    from cluster_cli.launch.remote import new_token
-
     r = rec.replica
     return f"{r.model}/{r.replica}.g{rec.generation}.s{rank}.{new_token()}"
 
