@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -17,8 +18,9 @@ from cluster_cli.launch import remote
 from cluster_cli.launch.remote import ShardRef, StartScript
 
 
-def sh(script: str, timeout: float = 60) -> str:
-    return subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True, timeout=timeout).stdout
+def sh(script: str, timeout: float = 60, env: dict[str, str] | None = None) -> str:
+    return subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True, timeout=timeout,
+                          env=env).stdout  # fmt: skip
 
 
 def marked(token: str) -> list[int]:
@@ -36,9 +38,10 @@ def marked(token: str) -> list[int]:
     return out
 
 
-def _start(tmp: Path, argv: list[str], **kw: object) -> tuple[str, int, int]:
+def _start(tmp: Path, argv: list[str], env: dict[str, str] | None = None, **kw: object) -> tuple[str, int, int]:
     token = remote.new_token()
-    out = sh(remote.start_script(StartScript(str(tmp / "run"), argv, {"SECRET": "s3cr3t v"}, token, **kw)))  # type: ignore[arg-type]
+    script = remote.start_script(StartScript(str(tmp / "run"), argv, {"SECRET": "s3cr3t v"}, token, **kw))  # type: ignore[arg-type]
+    out = sh(script, env=env)
     (ok,) = remote.answers(out, "OK") or [None]
     assert ok, out
     pid, st = map(int, ok.split())
@@ -60,6 +63,24 @@ def test_a_shard_runs_detached_in_its_own_session_with_its_files(tmp_path: Path)
         assert os.readlink(f"/proc/{pid}/fd/0") == "/dev/null"
     finally:
         sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=2))
+
+
+@pytest.mark.slow
+def test_start_answers_only_once_the_shard_has_left_the_session(tmp_path: Path) -> None:
+    # A slow setsid (a loaded node) stands between the fork and the new session: the answer
+    # must wait for it, or the SSH session's end could still reach the shard.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    real = shutil.which("setsid")
+    assert real
+    (bin_dir / "setsid").write_text(f'#!/bin/sh\nsleep 0.5\nexec {shlex.quote(real)} "$@"\n')
+    (bin_dir / "setsid").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    token, pid, st = _start(tmp_path, ["sleep", "300"], env=env)
+    try:
+        assert os.getsid(pid) == pid
+    finally:
+        sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=1))
 
 
 @pytest.mark.slow

@@ -403,6 +403,34 @@ def test_up_status_logs_through_a_jump_host_with_the_engine_port_unreachable_fro
         ctl(state, "down", "--all", "-i", str(inv))
 
 
+def test_a_replica_another_live_run_is_starting_is_left_be_until_that_run_ends(fleet) -> None:
+    """A replica left starting names its run: while that run holds its lock, a new up keeps
+    its hands off; once the run is gone (interrupted, killed), the next up restarts it."""
+    from dataclasses import replace
+
+    from cluster_cli.control.runs import Runs
+    from cluster_cli.state.records import STARTING
+    from cluster_cli.state.store import Store
+
+    state, inv, cat, cluster = fleet["state"], fleet["inventory"], fleet["catalog"], fleet["cluster"]
+    cat = _catalog(fleet["tmp"] / "one.yaml", fleet["model"], fleet["binary"], replicas=1)
+    assert ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json").returncode == 0
+    pids = {n: _pids(cluster, n) for n in ("cpu-01", "cpu-02", "cpu-03")}
+    with Runs(state) as other:
+        with Store(state) as s:
+            (rec,) = s.records()
+            s.observe(replace(rec, status=STARTING, owner=other.id))
+        kept = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))
+        (x,) = kept["replicas"]
+        assert (x["action"], x["state"], x["reason"]) == ("keep", "starting", "being started by another up"), x
+        assert {n: _pids(cluster, n) for n in pids} == pids  # nothing stopped, nothing started
+    assert not list(other.dir.glob("*.lock"))  # its lock file went with it
+    again = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))
+    (x,) = again["replicas"]
+    assert (x["action"], x["state"]) == ("restart", "ready"), x
+    assert "left starting by an earlier run" in x["reason"]
+
+
 def test_two_ups_at_once_start_each_replica_once(fleet) -> None:
     """Two up runs of one catalog at the same moment: the state books every replica, port and
     GPU once; the run that planned second sees the first's replicas starting and leaves them

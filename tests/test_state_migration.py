@@ -7,6 +7,7 @@ import contextlib
 import json
 import sqlite3
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from cluster_cli.errors import StateError
 from cluster_cli.facts import NodeFacts, Replica, Shard
 from cluster_cli.state.launches import StaleVersion
-from cluster_cli.state.records import READY, STARTING, ReplicaRecord, ShardRun
+from cluster_cli.state.records import READY, STARTING, UNHEALTHY, ReplicaRecord, ShardRun
 from cluster_cli.state.schema import SCHEMA_VERSION
 from cluster_cli.state.store import Store
 
@@ -107,6 +108,19 @@ def test_reserving_moves_the_version_and_observing_does_not(tmp_path: Path) -> N
         s.release(got, wanted_down=True)
         assert s.records() == [] and s.records(include_down=True)[0].desired == "down"
         assert s.version() == v1 + 1 and s.replicas() == []  # wanted down: holds no GPU
+
+
+def test_of_two_runs_that_take_one_replica_over_one_gets_it(tmp_path: Path) -> None:
+    with Store(tmp_path / "s.db") as s:
+        s.reserve([ReplicaRecord(_rep(), port=8100)])
+        s.observe(ReplicaRecord(_rep(), port=8100, status=READY))
+        (seen,) = s.records()
+        assert s.claim(seen, replace(seen, status=UNHEALTHY, owner="run-a", restarts=1))
+        assert not s.claim(seen, replace(seen, status=UNHEALTHY, owner="run-b", restarts=1))
+        (got,) = s.records()
+        assert (got.status, got.owner, got.restarts) == (UNHEALTHY, "run-a", 1)
+        assert s.claim(got, replace(got, status=STARTING))  # read again, it can be taken on
+        assert s.records()[0].owner == "run-a"
 
 
 def test_a_gpu_or_port_held_by_another_replica_is_refused_and_nothing_is_booked(tmp_path: Path) -> None:

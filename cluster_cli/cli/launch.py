@@ -108,6 +108,7 @@ def up(
     import asyncio
 
     from cluster_cli.config.catalog import load_catalog
+    from cluster_cli.control.runs import Runs
     from cluster_cli.control.sessions import Sessions
     from cluster_cli.control.up import check_health_early
     from cluster_cli.control.up import up as run_up
@@ -123,7 +124,7 @@ def up(
 
     rc_path = router_config or default_path(state.state_path)
     store = open_store(state.state_path)
-    lock, others = _up_lock(state.state_path)
+    runs = Runs(state.state_path)
     progress = _Progress(output is ui.Output.table or ui.err.is_terminal)
 
     async def go() -> Any:
@@ -146,12 +147,13 @@ def up(
                 report=progress,
                 observed=observed,
                 refresh=lambda: _fleet(inv, store),
-                others_running=others,
+                runs=runs,
                 early=early,
             )
 
     try:
-        result = asyncio.run(go())
+        with runs:
+            result = asyncio.run(go())
     except ClusterctlError as e:
         progress.close()
         ui.fail(e)
@@ -161,8 +163,6 @@ def up(
         raise typer.Exit(130) from None
     finally:
         store.close()
-        if lock is not None:
-            lock.close()
     progress.close()
     if output is ui.Output.table:
         _render_up(result)
@@ -184,25 +184,6 @@ async def _probe_and_save(inv: Inventory, path: Path, store: Any, connector: Any
     down = [f.name for f in facts if not f.reachable]
     report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))
     return observed
-
-
-def _up_lock(state_path: Path) -> tuple[Any, bool]:
-    """An exclusive lock held by the running ``up`` (``STATE.up.lock``): (the open lock file,
-    or None, and whether another ``up`` holds it now). Runs may overlap, the state keeps them
-    apart; the lock only tells a replica another run is starting from one an interrupted run
-    left behind."""
-    import fcntl
-
-    try:
-        f = open(state_path.with_name(state_path.name + ".up.lock"), "a")  # noqa: SIM115 - held for the run
-    except OSError:
-        return None, False
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return None, True
-    return f, False
 
 
 def _fleet(inv: Inventory, store: Any) -> list[Any]:

@@ -29,6 +29,7 @@ from cluster_cli.state.store import Store
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
     from cluster_cli.config.inventory import Inventory
+    from cluster_cli.control.runs import Runs
     from cluster_cli.control.sessions import Sessions
     from cluster_cli.facts import NodeFacts
     from cluster_cli.placement import Plan
@@ -102,15 +103,15 @@ async def up(
     report: Report = _quiet,
     observed: Observed | None = None,
     refresh: Callable[[], list[NodeFacts]] | None = None,
-    others_running: bool = False,
+    runs: Runs | None = None,
     early: dict[tuple[str, int, int], asyncio.Task[str | None]] | None = None,
 ) -> UpResult:
     """Apply the catalog to the cluster (``facts``: the nodes as the state holds them now;
     ``observed``: what the probe that made them saw of the shards and ports, if it ran;
     ``refresh``: the nodes as the state holds them, read again after another run wrote;
-    ``others_running``: another ``up`` runs on this state now, so a replica it left starting is
-    its own, not a leftover to restart; ``early``: health checks already under way, from
-    ``check_health_early``)."""
+    ``runs``: this run, and which others are going on this state: a replica another live run
+    left planned or starting is its own, not a leftover to restart; ``early``: health checks
+    already under way, from ``check_health_early``)."""
     from cluster_cli.placement import plan
 
     by_node = {f.name: f for f in facts}
@@ -125,8 +126,12 @@ async def up(
     current = store.records()
     seen = observed or Observed()
     busy: set[tuple[str, int, int]] = set()
-    window = timeout_s + 60 if others_running else 0.0
-    dead = await _dead(current, sessions, seen, busy, window, early or {})
+    me = runs.id if runs is not None else None
+
+    def theirs(rec: ReplicaRecord) -> bool:
+        return runs is not None and rec.owner != me and runs.alive(rec.owner)
+
+    dead = await _dead(current, sessions, seen, busy, theirs, early or {})
 
     for attempt in range(3):
         result: Plan = plan(facts, cat, [r.replica for r in current])
@@ -134,7 +139,7 @@ async def up(
         # nor released (its engine would be left behind, unrecorded), nor replaced by this run.
         away = {p.replica.key: p.note for p in result.stops if p.note.endswith(" unreachable")}
         stops = [_record_of(current, p.replica) for p in result.stops if p.replica.key not in away]
-        new = _new_records(result, away, inv, cat, store, await _taken_ports(result, sessions, store, seen))
+        new = _new_records(result, away, inv, cat, store, await _taken_ports(result, sessions, store, seen), me)
         try:
             version = store.reserve(new, expect_version=version)
             break
@@ -145,7 +150,7 @@ async def up(
             checked = {r.key for r in current}
             current = store.records()
             fresh = [r for r in current if r.key not in checked]
-            dead.update(await _dead(fresh, sessions, seen, busy, window, {}))
+            dead.update(await _dead(fresh, sessions, seen, busy, theirs, {}))
             facts = refresh() if refresh is not None else store.nodes()
             by_node = {f.name: f for f in facts}
             version = store.version()
@@ -180,8 +185,8 @@ async def up(
     deadline = time.monotonic() + timeout_s
     jobs = [_launch(rec, "start", inv, cat, store, sessions, by_node, deadline, report) for rec in new]
     for rec in restart:
-        report(rec.name, "restarting", dead[rec.key])
-        jobs.append(_restart(rec, dead[rec.key], inv, cat, store, sessions, by_node, deadline, report))
+        jobs.append(_restart(replace(rec, owner=me), dead[rec.key], inv, cat, store, sessions, by_node, deadline,
+                             report))  # fmt: skip
     outcomes += await asyncio.gather(*jobs)
 
     for u in result.unplaced:
@@ -207,17 +212,16 @@ async def _dead(
     sessions: Sessions,
     seen: Observed,
     busy: set[tuple[str, int, int]],
-    window_s: float,
+    theirs: Callable[[ReplicaRecord], bool],
     early: dict[tuple[str, int, int], asyncio.Task[str | None]],
 ) -> dict[tuple[str, int, int], str]:
     """The kept replicas that no longer run or answer, with why (their processes as the probe
-    saw them, else asked for now). A replica left starting less than ``window_s`` ago (by
-    another run that is still going) goes to ``busy``: neither dead nor ready."""
+    saw them, else asked for now). A replica another run that is still going set planned,
+    starting or restarting (``theirs``) goes to ``busy``: neither dead nor ready."""
     out: dict[tuple[str, int, int], str] = {}
-    now = time.time()
 
     async def check(rec: ReplicaRecord) -> None:
-        if rec.status in (PLANNED, STARTING) and rec.updated_at and now - rec.updated_at < window_s:
+        if rec.status in (PLANNED, STARTING, UNHEALTHY) and theirs(rec):
             busy.add(rec.key)
             return
         if rec.status != READY or not rec.shards or rec.port is None:
@@ -289,7 +293,7 @@ async def _taken_ports(result: Plan, sessions: Sessions, store: Store, seen: Obs
 
 def _new_records(
     result: Plan, away: dict[tuple[str, int], str], inv: Inventory, cat: Catalog, store: Store,
-    taken: dict[str, set[int]],
+    taken: dict[str, set[int]], owner: str | None,
 ) -> list[ReplicaRecord]:  # fmt: skip
     out = []
     for p in result.starts:
@@ -312,7 +316,7 @@ def _new_records(
                 raise ClusterctlError(f"{head}: no free port left in {lo}-{hi} for a Ray head")
             used.add(ray)
             extra = (ray,)
-        out.append(ReplicaRecord(r, generation=1, status="planned", port=port, extra_ports=extra))
+        out.append(ReplicaRecord(r, generation=1, status=PLANNED, port=port, extra_ports=extra, owner=owner))
     return out
 
 
@@ -409,11 +413,16 @@ async def _restart(
     deadline: float,
     report: Report,
 ) -> Outcome:
-    """A kept replica that died: what is left of it is stopped, then it starts again on its own
-    allocation (GPUs and port), one restart more."""
+    """A kept replica that died: taken over by this run (``rec.owner``), what is left of it is
+    stopped, then it starts again on its own allocation (GPUs and port), one restart more.
+    Another run that took it over first keeps it."""
+    seen, rec = rec, replace(rec, status=UNHEALTHY, detail=why, restarts=rec.restarts + 1)
+    if not store.claim(seen, rec):
+        why = "being restarted by another up"
+        report(rec.name, "starting", why)
+        return replace(_kept(seen), state=STARTING, reason=why)
+    report(rec.name, "restarting", why)
     await _stop_whole(rec, sessions, [])
-    rec = replace(rec, status=UNHEALTHY, detail=why, restarts=rec.restarts + 1)
-    store.observe(rec)
     out = await _launch(rec, "restart", inv, cat, store, sessions, facts, deadline, report)
     if not out.reason:
         out.reason = f"restarted: {why}"

@@ -30,6 +30,12 @@ starttime() {
   set -- $s
   echo "${20}"
 }
+session() {
+  s=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  s=${s##*\)}
+  set -- $s
+  echo "$4"
+}
 listening() {
   for f in /proc/net/tcp /proc/net/tcp6; do
     [ -r "$f" ] || continue
@@ -123,6 +129,13 @@ def start_script(s: StartScript) -> str:
         "pid=$!",
         'st=$(starttime "$pid") || st=""',
         '[ -n "$st" ] || { sleep 0.2; err "the engine exited at once"; }',
+        # Answer only once the child has left this session: until it has called setsid, the
+        # SSH session ending could still take it down.
+        'i=0; while [ "$(session "$pid")" != "$pid" ] && [ $i -lt 100 ]; do',
+        '  [ "$(starttime "$pid")" = "$st" ] || err "the engine exited at once"',
+        "  sleep 0.05; i=$((i + 1))",
+        "done",
+        '[ "$(session "$pid")" = "$pid" ] || err "the engine did not detach from the SSH session"',
         'echo "$pid $st" >pid',
         'echo "@@OK $pid $st"',
     ]

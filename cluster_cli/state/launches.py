@@ -144,6 +144,18 @@ class LaunchTable:
                  time.time(), *rec.key),
             )  # fmt: skip
 
+    def claim(self, seen: ReplicaRecord, rec: ReplicaRecord) -> bool:
+        """Record ``rec`` as :meth:`observe` does, only if the row is still as ``seen`` was read
+        (same status, same last update): of two runs that take one replica over, one gets it."""
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE replicas SET status=?, endpoint=?, runtime=?, started_at=?, restarts=?, detail=?, "
+                "updated_at=? WHERE model=? AND replica=? AND generation=? AND status=? AND updated_at IS ?",
+                (rec.status, rec.endpoint, json.dumps(rec.runtime()), rec.started_at, rec.restarts, rec.detail,
+                 time.time(), *rec.key, seen.status, seen.updated_at),
+            )  # fmt: skip
+            return cur.rowcount == 1
+
     def release(self, rec: ReplicaRecord, *, wanted_down: bool = False, why: str = "released") -> None:
         """Free every GPU and port of a replica at once. ``wanted_down`` keeps its row as
         stopped and wanted down (``down``: nothing brings it back until the next ``up``)."""

@@ -72,6 +72,7 @@ class ReplicaRecord:
     detail: str | None = None
     updated_at: float | None = None
     extra_ports: tuple[int, ...] = field(default=())  # other ports held on shard 0's node (a Ray head's)
+    owner: str | None = None  # the run (control.runs) that last set it planned or starting
 
     @property
     def name(self) -> str:
@@ -82,7 +83,12 @@ class ReplicaRecord:
         return (self.replica.model, self.replica.replica, self.generation)
 
     def runtime(self) -> dict[str, Any]:
-        return {"port": self.port, "extra_ports": list(self.extra_ports), "shards": [s.to_dict() for s in self.shards]}
+        return {
+            "port": self.port,
+            "extra_ports": list(self.extra_ports),
+            "shards": [s.to_dict() for s in self.shards],
+            "owner": self.owner,
+        }
 
     @staticmethod
     def parse_runtime(doc: dict[str, Any] | None) -> dict[str, Any]:
@@ -91,4 +97,5 @@ class ReplicaRecord:
             "port": doc.get("port"),
             "extra_ports": tuple(doc.get("extra_ports") or ()),
             "shards": tuple(ShardRun.from_dict(s) for s in doc.get("shards") or ()),
+            "owner": doc.get("owner"),
         }
