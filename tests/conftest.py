@@ -20,6 +20,7 @@ llama-server) also gets ``e2e``, which ``make test-fast`` leaves out, as it does
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -34,6 +35,11 @@ if str(_ROOT) not in sys.path:  # `pytest` without `python -m`: make the testbed
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 from testbed import Cluster, NodeSpec, unavailable_reason  # noqa: E402
+
+# sshd starts a node's shell with the default signal dispositions; a suite started under
+# nohup would hand its shells an ignored SIGHUP, which no trap of theirs can undo.
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 # Wall-clock deadlines make property tests flaky on a busy 2-core CI box; speed is measured by
 # the benchmarks under bench/, never by tests.
