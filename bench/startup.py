@@ -21,6 +21,7 @@ unpacking included). Prints medians, minima and the ratio binary / virtualenv (t
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import platform
@@ -77,6 +78,8 @@ def main() -> int:
             hint = " (make dist builds it)" if label == "binary" else ""
             raise SystemExit(f"startup: {label}: {path} is not an executable file{hint}")
 
+    # The console script's package with its bytecode, as an installed one has it.
+    compileall.compile_dir(str(ROOT / "cluster_cli"), quiet=1)
     cache = tempfile.mkdtemp(prefix="clusterctl-startup-")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLUSTERCTL_", "_CLUSTERCTL_"))}
     env["CLUSTERCTL_CACHE_DIR"] = cache

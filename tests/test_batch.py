@@ -22,10 +22,11 @@ from hypothesis import strategies as st
 import testbed.hardware as hw
 from cluster_cli.config.inventory import Inventory
 from cluster_cli.probe import collect
-from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
+from cluster_cli.probe.batch import BATCH_SHELL, Inline, build_script, parse_records
 from cluster_cli.probe.collect import probe_node
 from cluster_cli.probe.commands import SMINFO_AFTER_IBSTAT, gid_record, sminfo_record
 from cluster_cli.probe.parsers.ibstat import parse_ibstat
+from cluster_cli.probe.runner import CommandResult
 from testbed.hardware import parse_node
 
 
@@ -413,6 +414,26 @@ def test_a_timed_out_batch_leaves_nothing_of_its_own_running(shell: str) -> None
         assert _left_in_session(p.pid, within=0.8) == []
     finally:
         subprocess.run(["pkill", "-KILL", "-s", str(p.pid)], check=False)
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_an_inline_record_is_made_by_the_batch_shell_itself(shell: str) -> None:
+    _need(shell)
+    cmds = {
+        "ok": "echo ok",
+        "in": Inline('cc_v=; { read -r cc_v </proc/self/stat; } 2>/dev/null; val in "$cc_v"'),
+        "none": Inline('val none ""'),
+    }
+    script, token = build_script(cmds, per_command_timeout_s=10)
+    p = subprocess.Popen([*shell.split(), "-s"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    out, _ = p.communicate(script.encode(), timeout=30)
+    res = parse_records(cmds, out, token)
+    assert res["ok"] == CommandResult(0, "ok\n", "")
+    # /proc/self read by the shell's own read builtin: the batch's shell, not a child of it.
+    assert res["in"].rc == 0 and res["in"].stdout.split()[0] == str(p.pid)
+    assert (res["none"].rc, res["none"].stdout) == (1, "\n")
+    with pytest.raises(ValueError, match="inline"):
+        build_script(cmds, per_command_timeout_s=10, then={"in": "true"})
 
 
 @pytest.mark.parametrize("shell", SHELLS)

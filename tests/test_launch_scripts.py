@@ -104,6 +104,29 @@ def test_stop_ends_a_worker_that_left_the_session_and_was_reparented(tmp_path: P
 
 
 @pytest.mark.slow
+def test_start_refuses_a_folder_whose_earlier_run_left_a_worker_behind(tmp_path: Path) -> None:
+    # An earlier run's API server died, its worker (in a session of its own) still holds the
+    # GPUs: a new start there must not pile a second engine on top of it.
+    token, pid, st = _start(tmp_path, ["sh", "-c", "(setsid sleep 302 &); exec sleep 300"])
+    deadline = time.monotonic() + 5
+    while len(marked(token)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    try:
+        again = remote.new_token()
+        out = sh(remote.start_script(StartScript(str(tmp_path / "run"), ["sleep", "300"], {}, again)))
+        (why,) = remote.answers(out, "ERR")
+        assert why.startswith("processes of an earlier run of this shard still run here"), out
+        assert marked(again) == []
+    finally:
+        sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=1))
+    assert marked(token) == []
+    token2, pid2, st2 = _start(tmp_path, ["sleep", "300"])  # once it is gone, the folder is free again
+    sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token2, pid2, st2), grace_s=1))
+
+
+@pytest.mark.slow
 def test_stop_kills_what_ignores_term_after_the_grace(tmp_path: Path) -> None:
     token, pid, st = _start(tmp_path, ["sh", "-c", "trap '' TERM; while :; do sleep 0.1; done"])
     t0 = time.monotonic()

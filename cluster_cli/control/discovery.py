@@ -43,10 +43,11 @@ async def probe(
     store: Store | None = None,
     on_done: Callable[[NodeFacts], None] | None = None,
     observed: Observed | None = None,
+    ports: bool = True,
 ) -> list[NodeFacts]:
     """Probe ``nodes`` (default: all), the state's launched processes known as its own.
     ``observed`` also gets, from the same batch, whether each recorded shard still runs and
-    which ports listen (what ``up`` checks)."""
+    (``ports``) which ports listen: what ``up`` checks."""
     from cluster_cli.probe.collect import discover
 
     pids, tokens = launched(store)
@@ -56,7 +57,10 @@ async def probe(
         for rec in store.records() if store is not None else ():
             for run in rec.shards:
                 runs.setdefault(run.node, []).append(run)
-        extra = {n.name: node_commands(runs.get(n.name, ())) for n in (nodes if nodes is not None else inv.nodes)}
+        extra = {
+            n.name: node_commands(runs.get(n.name, ()), ports=ports)
+            for n in (nodes if nodes is not None else inv.nodes)
+        }
     return await discover(
         inv,
         nodes,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
 from cluster_cli.errors import SSHError
@@ -20,7 +21,7 @@ class Sessions:
     def __init__(self, inv: Inventory, connector: Connector) -> None:
         self.inv = inv
         self.connector = connector
-        self._stack = contextlib.AsyncExitStack()
+        self._entered: list[AbstractAsyncContextManager[Session]] = []
         self._open: dict[str, asyncio.Task[Session]] = {}
 
     async def get(self, node: str) -> Session:
@@ -44,14 +45,15 @@ class Sessions:
         if n is None:
             raise SSHError(f"{node}: not in the inventory")
         t = self.inv.ssh_target(n)
+        cm = self.connector.session(t)
         try:
-            return await asyncio.wait_for(
-                self._stack.enter_async_context(self.connector.session(t)), t.connect_timeout_s * 2 + 5
-            )
+            session = await asyncio.wait_for(cm.__aenter__(), t.connect_timeout_s * 2 + 5)
         except TimeoutError:
             raise SSHError(f"{node}: no answer over SSH") from None
         except OSError as e:
             raise SSHError(f"{node}: {e}") from None
+        self._entered.append(cm)
+        return session
 
     def connector_view(self) -> Connector:
         """A connector whose sessions are these (kept open for the rest of the command): the
@@ -59,10 +61,11 @@ class Sessions:
         return _Shared(self)
 
     async def aclose(self) -> None:
+        """Close every session at once (each waits a moment for its connection to end)."""
         for task in self._open.values():
             task.cancel()
-        with contextlib.suppress(Exception):
-            await self._stack.aclose()
+        entered, self._entered = self._entered, []
+        await asyncio.gather(*(cm.__aexit__(None, None, None) for cm in entered), return_exceptions=True)
         aclose = getattr(self.connector, "aclose", None)
         if aclose is not None:
             with contextlib.suppress(Exception):

@@ -250,6 +250,14 @@ async def _dead(
     return out
 
 
+def expects_new(cat: Catalog, records: list[ReplicaRecord]) -> bool:
+    """Whether the catalog asks for a replica the state does not hold: then the probe also
+    reads the ports listening on the nodes (a new replica's port must be free); otherwise a
+    replica that turns out to need placing after all asks its node then."""
+    held = {(r.replica.model, r.replica.replica) for r in records}
+    return any((m.name, n) not in held for m in cat.models for n in range(m.replicas))
+
+
 def check_health_early(
     records: list[ReplicaRecord], sessions: Sessions
 ) -> dict[tuple[str, int, int], asyncio.Task[str | None]]:

@@ -1,29 +1,40 @@
 """What ``up`` reads of its nodes inside discover's probe batch, so that a run with nothing
 to do needs no exec of its own: whether each recorded shard process still runs (its
-``/proc/PID/stat`` start time) and which TCP ports listen (``/proc/net/tcp``). Two simple
-commands per node (one ``cat`` each, no shell); the parsing is pure."""
+``/proc/PID/stat`` start time, read by the batch's shell itself: no process) and, when new
+replicas are expected, which TCP ports listen (``/proc/net/tcp``: one ``cat``). The parsing
+is pure."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from cluster_cli.probe.batch import Inline
 from cluster_cli.state.records import ShardRun
 
 STAT, TCP = "cc_stat", "cc_tcp"
 
 
-def node_commands(runs: Iterable[ShardRun]) -> dict[str, str]:
-    """The probe batch's extra records for a node with these shards on it."""
+def node_commands(runs: Iterable[ShardRun], *, ports: bool = True) -> dict[str, str]:
+    """The probe batch's extra records for a node with these shards on it (``ports``: also
+    the listening TCP ports)."""
     pids = sorted({r.pid for r in runs if r.pid is not None})
-    cmds = {TCP: "cat /proc/net/tcp /proc/net/tcp6"}
+    cmds: dict[str, str] = {}
+    if ports:
+        cmds[TCP] = "cat /proc/net/tcp /proc/net/tcp6"
     if pids:
-        cmds[STAT] = "cat " + " ".join(f"/proc/{p}/stat" for p in pids)
+        # PIDs are ints: nothing to quote. A PID that is gone adds no line.
+        cmds[STAT] = Inline(
+            f"cc_st=; for cc_pid in {' '.join(map(str, pids))}; do cc_l=; "
+            '{ read -r cc_l <"/proc/$cc_pid/stat"; } 2>/dev/null && cc_st="$cc_st$cc_l\n"; done; '
+            f'val {STAT} "$cc_st"'
+        )
     return cmds
 
 
 def parse_stat(text: str) -> dict[int, int]:
-    """PID -> start time (clock ticks since boot, field 22) from ``/proc/PID/stat`` lines."""
+    """PID -> start time (clock ticks since boot, field 22) from ``/proc/PID/stat`` lines, for
+    the processes that still run (zombies left out)."""
     out: dict[int, int] = {}
     for line in text.splitlines():
         pid, sep, _ = line.partition(" (")
@@ -31,7 +42,7 @@ def parse_stat(text: str) -> dict[int, int]:
         if not sep or not pid.isdigit() or close < 0:
             continue
         fields = line[close + 1 :].split()
-        if len(fields) >= 20 and fields[19].isdigit():
+        if len(fields) >= 20 and fields[19].isdigit() and fields[0] not in ("Z", "X", "x"):  # a zombie does not run
             out[int(pid)] = int(fields[19])
     return out
 

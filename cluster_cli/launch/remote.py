@@ -24,17 +24,13 @@ LOG_TAIL_LINES = 20
 
 # Shell functions the scripts share.
 _FUNCS = r"""
-starttime() {
-  s=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-  s=${s##*\)}
-  set -- $s
-  echo "${20}"
-}
-session() {
-  s=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-  s=${s##*\)}
-  set -- $s
-  echo "$4"
+procstat() {  # PID: sets ps_sess (its session) and ps_start; fails when none runs (a zombie's
+  # resources are gone with it: it does not run). No process.
+  ps_l=; { read -r ps_l <"/proc/$1/stat"; } 2>/dev/null || return 1
+  ps_l=${ps_l##*\)}
+  set -- $ps_l
+  case $1 in Z|X|x) return 1;; esac
+  ps_sess=$4; ps_start=${20}
 }
 listening() {
   for f in /proc/net/tcp /proc/net/tcp6; do
@@ -102,8 +98,15 @@ def start_script(s: StartScript) -> str:
         'err() { echo "@@ERR $*"; exit 0; }',
         'mkdir -p -- "$d" 2>/dev/null || err "cannot create the run folder $d"',
         'cd -- "$d" || err "cannot enter the run folder $d"',
-        'if [ -f pid ]; then read -r opid ost <pid; [ "$(starttime "$opid")" = "$ost" ] && err "already running here (pid $opid)"; fi',
-        'if [ -n "$(ours)" ]; then err "processes of this shard are still running"; fi',
+        'if [ -f pid ]; then read -r opid ost <pid; procstat "$opid" && [ "$ps_start" = "$ost" ] && err "already running here (pid $opid)"; fi',
+        # A folder left by an earlier run (its stop did not finish): none of its processes,
+        # workers included, may still run. Its marker is in its env file.
+        "if [ -f env ]; then",
+        f'  while read -r l; do case $l in "export {RUN_ENV}="*) token=${{l#*=}};; esac; done <env',
+        "  case $token in \\'*\\') token=${token#\\'}; token=${token%\\'};; esac",
+        f'  [ "$token" = {shlex.quote(s.token)} ] || {{ o=$(ours); [ -z "$o" ] || err "processes of an earlier run of this shard still run here (pids" $o")"; }}',
+        f"  token={shlex.quote(s.token)}",
+        "fi",
     ]
     for b in s.binaries:
         q = shlex.quote(b)
@@ -127,15 +130,15 @@ def start_script(s: StartScript) -> str:
         # makes it a session leader without forking, and $! is the shard's PID.
         f"setsid sh -c '. ./env && exec \"$@\"' clusterctl-shard {shlex.join(s.argv)} </dev/null >>log 2>&1 &",
         "pid=$!",
-        'st=$(starttime "$pid") || st=""',
-        '[ -n "$st" ] || { sleep 0.2; err "the engine exited at once"; }',
+        'procstat "$pid" || { sleep 0.2; err "the engine exited at once"; }',
+        "st=$ps_start",
         # Answer only once the child has left this session: until it has called setsid, the
         # SSH session ending could still take it down.
-        'i=0; while [ "$(session "$pid")" != "$pid" ] && [ $i -lt 100 ]; do',
-        '  [ "$(starttime "$pid")" = "$st" ] || err "the engine exited at once"',
-        "  sleep 0.05; i=$((i + 1))",
+        'i=0; while [ "$ps_sess" != "$pid" ] && [ $i -lt 250 ]; do',
+        "  sleep 0.02; i=$((i + 1))",
+        '  procstat "$pid" && [ "$ps_start" = "$st" ] || err "the engine exited at once"',
         "done",
-        '[ "$(session "$pid")" = "$pid" ] || err "the engine did not detach from the SSH session"',
+        '[ "$ps_sess" = "$pid" ] || err "the engine did not detach from the SSH session"',
         'echo "$pid $st" >pid',
         'echo "@@OK $pid $st"',
     ]
@@ -170,7 +173,7 @@ def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None
     ]
     if ref.pid is not None and ref.start_time is not None:
         # The recorded leader, if it is still the process that was started (not a reused PID).
-        lines.append(f'[ "$(starttime {ref.pid})" = {ref.start_time} ] && pids="$pids {ref.pid}"')
+        lines.append(f'procstat {ref.pid} && [ "$ps_start" = {ref.start_time} ] && pids="$pids {ref.pid}"')
     lines += [
         "all=$pids",
         '[ -n "$pids" ] && kill -TERM $pids 2>/dev/null',
@@ -178,7 +181,7 @@ def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None
         'if [ -n "$pids" ]; then kill -KILL $pids 2>/dev/null; i=0; while [ -n "$pids" ] && [ $i -lt 25 ]; do sleep 0.2; i=$((i + 1)); pids=$(ours); done; fi',
     ]
     if ref.pid is not None and ref.start_time is not None:
-        lines.append(f'[ "$(starttime {ref.pid})" = {ref.start_time} ] && kill -KILL {ref.pid} 2>/dev/null')
+        lines.append(f'procstat {ref.pid} && [ "$ps_start" = {ref.start_time} ] && kill -KILL {ref.pid} 2>/dev/null')
     lines += [
         f'[ -f log ] && tail -n {int(tail)} log | sed "s/^/@@LOG /"',
         "set -- $all; n=$#",
@@ -208,7 +211,7 @@ def inspect_script(refs: Iterable[ShardRef]) -> str:
             lines.append(f"echo '@@DEAD {i}'")
         else:
             lines.append(
-                f'if [ "$(starttime {r.pid})" = {r.start_time} ]; then echo "@@ALIVE {i}"; else echo "@@DEAD {i}"; fi'
+                f'if procstat {r.pid} && [ "$ps_start" = {r.start_time} ]; then echo "@@ALIVE {i}"; else echo "@@DEAD {i}"; fi'
             )
     return "\n".join(lines) + "\n"
 

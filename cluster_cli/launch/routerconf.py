@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
 
 
+# libyaml where PyYAML has it: up and down read and write this file on every run.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
 # How long a serve-router takes to see a new config: its default --watch-interval (1 s) and a
 # margin. An endpoint taken out of the config is stopped only after this, so that the router
 # sends it no new request meanwhile.
@@ -68,7 +72,7 @@ def write(path: Path, doc: dict[str, Any]) -> None:
         raise ConfigError(f"{path}: cannot read the router config: {e.strerror or e}") from None
     if text.strip():
         try:
-            loaded = yaml.safe_load(text)
+            loaded = yaml.load(text, Loader=_LOADER)
         except yaml.YAMLError:
             loaded = None
         if not isinstance(loaded, dict):
@@ -76,7 +80,7 @@ def write(path: Path, doc: dict[str, Any]) -> None:
         old = loaded
     merged = {**{k: v for k, v in old.items() if k not in ("engines", "models")}, **doc}
     body = "# Written by clusterctl up/down: the ready replicas. Other sections are kept.\n"
-    body += yaml.safe_dump(merged, sort_keys=False, default_flow_style=False)
+    body += yaml.dump(merged, Dumper=_DUMPER, sort_keys=False, default_flow_style=False)
     if body == text:
         return  # unchanged: no rewrite (a watching router re-reads nothing)
     folder = path.parent if str(path.parent) else Path(".")

@@ -41,6 +41,9 @@ start ``sminfo`` for every Active InfiniBand port that ``ibstat`` printed, witho
 second round trip. ``val NAME TEXT`` adds a record that needs no process (stdout TEXT,
 rc 0, or 1 when TEXT is empty): discover reads each such port's GID from sysfs with the
 shell's own ``read``. Names are ``[A-Za-z0-9_.:-]+``; ``run`` and ``val`` skip any other.
+A command given as :class:`Inline` is such a snippet itself, run once the commands before
+it have started: a record read with builtins (``up`` reads its shards' ``/proc/PID/stat``
+that way), no process.
 
 Building the script and parsing its output are pure functions; nothing here does I/O.
 """
@@ -309,6 +312,13 @@ _PRELUDE = _without_comment_lines(_PRELUDE)
 _COLLECT = _without_comment_lines(_COLLECT)
 
 
+class Inline(str):
+    """Shell text that runs in the batch's own shell and makes its record with ``val``:
+    builtins only (no process), variables prefixed ``cc_``; every value in it quoted."""
+
+    __slots__ = ()
+
+
 def _is_simple(cmd: str) -> bool:
     """Plain words and single-quoted words (what ``shlex.quote`` makes), no assignment first."""
     if cmd.count("'") % 2:
@@ -349,6 +359,11 @@ def build_script(
         raise ValueError(f"'then' names unknown records: {sorted(unknown)}")
     lines = [_PRELUDE]
     for i, (name, cmd) in enumerate(commands.items()):
+        if isinstance(cmd, Inline):
+            if name in then:
+                raise ValueError(f"batch record {name!r} is inline: nothing can run after it")
+            lines.append(cmd)
+            continue
         # A simple command runs directly as the job; anything with shell syntax gets its own sh.
         argv = cmd if _is_simple(cmd) else f"sh -c {shlex.quote(cmd)}"
         lines.append(f"run {name} {argv}" + (f"; p{i}=$!" if name in then else ""))
