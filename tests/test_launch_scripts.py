@@ -135,6 +135,20 @@ def test_stop_kills_what_ignores_term_after_the_grace(tmp_path: Path) -> None:
     assert time.monotonic() - t0 >= 1.0  # TERM first, KILL only after the grace
 
 
+@pytest.mark.slow
+def test_a_frozen_shard_gets_its_term_and_acts_on_it(tmp_path: Path) -> None:
+    # SIGSTOPped, a process only queues TERM: stop continues it, so it shuts down cleanly
+    # instead of being killed after the grace.
+    got = tmp_path / "got"
+    argv = ["sh", "-c", f"trap 'echo term >{shlex.quote(str(got))}; exit 0' TERM; while :; do sleep 0.1; done"]
+    token, pid, st = _start(tmp_path, argv)
+    time.sleep(0.2)  # its trap is set
+    os.kill(pid, signal.SIGSTOP)
+    out = sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=5))
+    assert remote.answers(out, "STOPPED") and marked(token) == []
+    assert got.read_text() == "term\n"
+
+
 def test_a_recorded_pid_whose_start_time_differs_is_never_signalled(tmp_path: Path) -> None:
     stranger = subprocess.Popen(["sleep", "300"])
     try:

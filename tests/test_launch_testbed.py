@@ -309,6 +309,21 @@ def test_secrets_in_a_profile_env_are_on_no_command_line_and_in_a_private_file(f
     assert "hf_secret_value_123" not in ctl(fleet["state"], "status", "-o", "json").stdout
 
 
+def test_an_engine_that_stops_answering_is_restarted_by_the_next_up(fleet) -> None:
+    # Frozen (SIGSTOP): its process runs, its health check gets no answer.
+    state, inv, cluster = fleet["state"], fleet["inventory"], fleet["cluster"]
+    cat = _catalog(fleet["tmp"] / "one.yaml", fleet["model"], fleet["binary"], replicas=1)
+    (first,) = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))["replicas"]
+    (node,) = first["nodes"]
+    (pid,) = _pids(cluster, node)
+    cluster.ssh(node, f"kill -STOP {pid}")
+    (again,) = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))["replicas"]
+    assert (again["action"], again["state"]) == ("restart", "ready"), again
+    assert "stopped answering" in again["reason"]
+    (new,) = _pids(cluster, node)
+    assert new != pid  # the frozen one is gone, not left holding its port
+
+
 def test_check_version_out_of_date_starts_nothing(fleet) -> None:
     """The plan printed at version N is applied only while the state is at N: a cordon since
     then moves it, and up refuses before starting anything."""

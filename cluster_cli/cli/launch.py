@@ -110,7 +110,7 @@ def up(
     from cluster_cli.config.catalog import load_catalog
     from cluster_cli.control.runs import Runs
     from cluster_cli.control.sessions import Sessions
-    from cluster_cli.control.up import check_health_early, expects_new
+    from cluster_cli.control.up import HealthChecks, expects_new
     from cluster_cli.control.up import up as run_up
 
     state: App = ctx.obj
@@ -131,12 +131,11 @@ def up(
         # One SSH connection per node for all of it: the probe's are the launch's.
         async with Sessions(inv, _connector(state.state_path)) as sessions:
             observed = None
-            records = store.records()
-            early = check_health_early(records, sessions)  # beside the probe, on its connections
+            health = HealthChecks(store.records(), sessions)
             if check_version is None:
-                ports = expects_new(cat, records)
+                ports = expects_new(cat, store.records())
                 observed = await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel, progress,
-                                                 ports)  # fmt: skip
+                                                 ports, health.node_done)  # fmt: skip
             nodes = _fleet(inv, store)
             return await run_up(
                 inv,
@@ -151,7 +150,7 @@ def up(
                 observed=observed,
                 refresh=lambda: _fleet(inv, store),
                 runs=runs,
-                early=early,
+                health=health,
             )
 
     try:
@@ -175,7 +174,7 @@ def up(
 
 
 async def _probe_and_save(
-    inv: Inventory, path: Path, store: Any, connector: Any, parallel: int, report: Any, ports: bool
+    inv: Inventory, path: Path, store: Any, connector: Any, parallel: int, report: Any, ports: bool, on_done: Any
 ) -> Any:
     """discover's probe and save: fresh facts for the plan, and what the same batch saw of the
     recorded shards and the ports."""
@@ -185,7 +184,7 @@ async def _probe_and_save(
     report("nodes", "probing", f"{len(inv.nodes)} node(s)")
     observed = Observed()
     facts = await discovery.probe(inv, connector=connector, parallel=parallel, store=store, observed=observed,
-                                  ports=ports)  # fmt: skip
+                                  ports=ports, on_done=on_done)  # fmt: skip
     discovery.save(store, facts, path)
     down = [f.name for f in facts if not f.reachable]
     report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))

@@ -104,14 +104,14 @@ async def up(
     observed: Observed | None = None,
     refresh: Callable[[], list[NodeFacts]] | None = None,
     runs: Runs | None = None,
-    early: dict[tuple[str, int, int], asyncio.Task[str | None]] | None = None,
+    health: HealthChecks | None = None,
 ) -> UpResult:
     """Apply the catalog to the cluster (``facts``: the nodes as the state holds them now;
     ``observed``: what the probe that made them saw of the shards and ports, if it ran;
     ``refresh``: the nodes as the state holds them, read again after another run wrote;
     ``runs``: this run, and which others are going on this state: a replica another live run
-    left planned or starting is its own, not a leftover to restart; ``early``: health checks
-    already under way, from ``check_health_early``)."""
+    left planned or starting is its own, not a leftover to restart; ``health``: the kept
+    replicas' health checks, started during the probe)."""
     from cluster_cli.placement import plan
 
     by_node = {f.name: f for f in facts}
@@ -131,7 +131,8 @@ async def up(
     def theirs(rec: ReplicaRecord) -> bool:
         return runs is not None and rec.owner != me and runs.alive(rec.owner)
 
-    dead = await _dead(current, sessions, seen, busy, theirs, early or {})
+    checks = health or HealthChecks([], sessions)
+    dead = await _dead(current, sessions, seen, busy, theirs, checks)
 
     for attempt in range(3):
         result: Plan = plan(facts, cat, [r.replica for r in current])
@@ -150,7 +151,7 @@ async def up(
             checked = {r.key for r in current}
             current = store.records()
             fresh = [r for r in current if r.key not in checked]
-            dead.update(await _dead(fresh, sessions, seen, busy, theirs, {}))
+            dead.update(await _dead(fresh, sessions, seen, busy, theirs, checks))
             facts = refresh() if refresh is not None else store.nodes()
             by_node = {f.name: f for f in facts}
             version = store.version()
@@ -213,7 +214,7 @@ async def _dead(
     seen: Observed,
     busy: set[tuple[str, int, int]],
     theirs: Callable[[ReplicaRecord], bool],
-    early: dict[tuple[str, int, int], asyncio.Task[str | None]],
+    health: HealthChecks,
 ) -> dict[tuple[str, int, int], str]:
     """The kept replicas that no longer run or answer, with why (their processes as the probe
     saw them, else asked for now). A replica another run that is still going set planned,
@@ -235,12 +236,7 @@ async def _dead(
                 if not ok:
                     out[rec.key] = f"its engine on {run.node} is not running"
                     return
-            task = early.get(rec.key)
-            if task is not None:
-                why = await task
-            else:
-                why = await nodeops.ready(await sessions.get(rec.shards[0].node), rec.port, rec.replica.model,
-                                          list_models=False)  # fmt: skip
+            why = await health.result(rec)
             if why is not None:
                 out[rec.key] = f"its engine stopped answering ({why})"
         except (SSHError, OSError) as e:
@@ -250,35 +246,45 @@ async def _dead(
     return out
 
 
+class HealthChecks:
+    """The health checks of the state's ready replicas, each started as soon as the probe of
+    its head node is done: on that node's connection, while slower nodes are still probed,
+    and never competing with the node's own probe."""
+
+    def __init__(self, records: list[ReplicaRecord], sessions: Sessions) -> None:
+        self._sessions = sessions
+        self._waiting: dict[str, list[ReplicaRecord]] = {}
+        self._tasks: dict[tuple[str, int, int], asyncio.Task[str | None]] = {}
+        for rec in records:
+            if rec.status == READY and rec.shards and rec.port is not None:
+                self._waiting.setdefault(rec.shards[0].node, []).append(rec)
+
+    def node_done(self, facts: NodeFacts) -> None:
+        """The probe of ``facts``' node is done (the probe's ``on_done``)."""
+        if not facts.reachable:
+            return
+        for rec in self._waiting.pop(facts.name, []):
+            task = asyncio.ensure_future(self._check(rec))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+            self._tasks[rec.key] = task
+
+    async def result(self, rec: ReplicaRecord) -> str | None:
+        """None when ``rec`` answers its health check, else why not. Raises SSHError."""
+        task = self._tasks.get(rec.key)
+        return await (task if task is not None else self._check(rec))
+
+    async def _check(self, rec: ReplicaRecord) -> str | None:
+        assert rec.port is not None
+        session = await self._sessions.get(rec.shards[0].node)
+        return await nodeops.ready(session, rec.port, rec.replica.model, list_models=False)
+
+
 def expects_new(cat: Catalog, records: list[ReplicaRecord]) -> bool:
     """Whether the catalog asks for a replica the state does not hold: then the probe also
     reads the ports listening on the nodes (a new replica's port must be free); otherwise a
     replica that turns out to need placing after all asks its node then."""
     held = {(r.replica.model, r.replica.replica) for r in records}
     return any((m.name, n) not in held for m in cat.models for n in range(m.replicas))
-
-
-def check_health_early(
-    records: list[ReplicaRecord], sessions: Sessions
-) -> dict[tuple[str, int, int], asyncio.Task[str | None]]:
-    """Start the health check of every ready replica now, each as soon as its node's session
-    is open: run beside the probe, it adds no time to an ``up`` with nothing to do."""
-
-    async def one(rec: ReplicaRecord) -> str | None:
-        assert rec.port is not None
-        try:
-            s = await sessions.get(rec.shards[0].node)
-        except (SSHError, OSError) as e:
-            return f"its node cannot be reached ({e})"
-        return await nodeops.ready(s, rec.port, rec.replica.model, list_models=False)
-
-    out = {}
-    for rec in records:
-        if rec.status == READY and rec.shards and rec.port is not None:
-            task = asyncio.ensure_future(one(rec))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            out[rec.key] = task
-    return out
 
 
 async def _taken_ports(result: Plan, sessions: Sessions, store: Store, seen: Observed) -> dict[str, set[int]]:

@@ -176,7 +176,8 @@ def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None
         lines.append(f'procstat {ref.pid} && [ "$ps_start" = {ref.start_time} ] && pids="$pids {ref.pid}"')
     lines += [
         "all=$pids",
-        '[ -n "$pids" ] && kill -TERM $pids 2>/dev/null',
+        # CONT after TERM (as systemd does): a stopped (frozen) process acts on its TERM at once.
+        '[ -n "$pids" ] && { kill -TERM $pids; kill -CONT $pids; } 2>/dev/null',
         f'i=0; while [ -n "$pids" ] && [ $i -lt {steps} ]; do sleep 0.2; i=$((i + 1)); pids=$(ours); done',
         'if [ -n "$pids" ]; then kill -KILL $pids 2>/dev/null; i=0; while [ -n "$pids" ] && [ $i -lt 25 ]; do sleep 0.2; i=$((i + 1)); pids=$(ours); done; fi',
     ]
