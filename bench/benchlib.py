@@ -9,6 +9,31 @@ import statistics
 import sys
 import threading
 from pathlib import Path
+from typing import Any
+
+
+class Series:
+    """The runs of one command; a run has ``ok`` and ``wall_s`` (and what else it measured).
+    Its medians and minimum are None once any run failed: a failure is never timed."""
+
+    def __init__(self) -> None:
+        self.runs: list[Any] = []
+
+    @property
+    def good(self) -> list[Any]:
+        return [r for r in self.runs if r.ok]
+
+    @property
+    def failed(self) -> list[Any]:
+        return [r for r in self.runs if not r.ok]
+
+    def median(self, attr: str = "wall_s") -> float | None:
+        g = self.good
+        return statistics.median(getattr(r, attr) for r in g) if g and not self.failed else None
+
+    def min(self) -> float | None:
+        g = self.good
+        return min(r.wall_s for r in g) if g and not self.failed else None
 
 
 class LoadSampler:

@@ -61,7 +61,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,7 @@ from testbed import Cluster, TestbedError, count_specs, unavailable_reason  # no
 from testbed.hardware import NodeSpec  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from benchlib import LoadSampler, tool  # noqa: E402
+from benchlib import LoadSampler, Series, tool  # noqa: E402
 
 PRESET = "hgx-h200x8:fabric=ib-a"
 MIXED = (  # share of the mixed set per preset (rounded; the rest are hgx-h200x8)
@@ -105,27 +105,6 @@ class Run:
     cpu_s: float  # client: user + sys of the process and its reaped children
     server_cpu_s: float  # every node's sshd and its reaped children
     error: str = ""
-
-
-@dataclass
-class Series:
-    runs: list[Run] = field(default_factory=list)
-
-    @property
-    def good(self) -> list[Run]:
-        return [r for r in self.runs if r.ok]
-
-    @property
-    def failed(self) -> list[Run]:
-        return [r for r in self.runs if not r.ok]
-
-    def median(self, attr: str = "wall_s") -> float | None:
-        g = self.good
-        return statistics.median(getattr(r, attr) for r in g) if g and not self.failed else None
-
-    def min(self) -> float | None:
-        g = self.good
-        return min(r.wall_s for r in g) if g and not self.failed else None
 
 
 def _sshd_cpu(cluster: Cluster) -> float:

@@ -59,7 +59,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,7 @@ from llama import find_llama_server, llama_server_version  # noqa: E402
 from testbed import Cluster, TestbedError, count_specs, unavailable_reason  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from benchlib import LoadSampler, tool  # noqa: E402
+from benchlib import LoadSampler, Series, tool  # noqa: E402
 
 PRESET = "cpu-only"
 BIN = Path(sys.executable).parent
@@ -134,27 +134,6 @@ class Run:
     cpu_s: float  # client: user + sys of the process and its reaped children
     error: str = ""
     box_cpu_s: float = 0.0  # the whole machine's busy CPU time meanwhile (nodes and engines too)
-
-
-@dataclass
-class Series:
-    runs: list[Run] = field(default_factory=list)
-
-    @property
-    def good(self) -> list[Run]:
-        return [r for r in self.runs if r.ok]
-
-    @property
-    def failed(self) -> list[Run]:
-        return [r for r in self.runs if not r.ok]
-
-    def median(self, attr: str = "wall_s") -> float | None:
-        g = self.good
-        return statistics.median(getattr(r, attr) for r in g) if g and not self.failed else None
-
-    def min(self) -> float | None:
-        g = self.good
-        return min(r.wall_s for r in g) if g and not self.failed else None
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
