@@ -402,6 +402,8 @@ def test_up_status_logs_through_a_jump_host_with_the_engine_port_unreachable_fro
         doc = _json(r)
         assert r.returncode == 0, doc
         assert {x["state"] for x in doc["replicas"]} == {"ready"}
+        for x in doc["replicas"]:  # where the node is (ssh_config's HostName), not the alias
+            assert x["endpoint"].removeprefix("http://").rsplit(":", 1)[0] == c.nodes[x["nodes"][0]].host, x
         if c.mode == "netns":  # the engine's port answers on the node only
             for x in doc["replicas"]:
                 name = x["nodes"][0]

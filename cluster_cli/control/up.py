@@ -334,9 +334,11 @@ def _new_records(
     return out
 
 
-def _endpoint(inv: Inventory, rec: ReplicaRecord) -> str:
+def _endpoint(inv: Inventory, rec: ReplicaRecord, reached: str | None = None) -> str:
+    """Where the router finds ``rec``: the address SSH reached its head node at (``reached``:
+    ssh_config's HostName when the inventory names an alias), else the inventory's host."""
     n = inv.node(rec.replica.shards[0].node)
-    host = n.host if n is not None else rec.replica.shards[0].node
+    host = reached or (n.host if n is not None else rec.replica.shards[0].node)
     host = f"[{host}]" if ":" in host else host
     return f"http://{host}:{rec.port}"
 
@@ -361,9 +363,11 @@ async def _launch(
     report(rec.name, "starting", ", ".join(nodes))
     try:
         starts = shard_starts(rec, cat, inv, facts)
-        rec = replace(rec, shards=tuple(s.run for s in starts), status=STARTING, endpoint=_endpoint(inv, rec))
+        first = await sessions.get(starts[0].node)
+        endpoint = _endpoint(inv, rec, getattr(first, "host", None))
+        rec = replace(rec, shards=tuple(s.run for s in starts), status=STARTING, endpoint=endpoint)
         # Shard 0 first (a multi-node replica's Ray head), then the others together.
-        head = await nodeops.start(await sessions.get(starts[0].node), starts[0])
+        head = await nodeops.start(first, starts[0])
         runs.append(head)
 
         async def other(s: Any) -> Any:

@@ -77,9 +77,11 @@ def decoded(rc: int | None, out: bytes, err: bytes) -> CommandResult:
 
 
 class AsyncsshSession:
-    def __init__(self, conn: asyncssh.SSHClientConnection, name: str) -> None:
+    def __init__(self, conn: asyncssh.SSHClientConnection, name: str, host: str | None = None) -> None:
         self._conn = conn
         self._name = name
+        # The node's address as SSH reached it: ssh_config's HostName for an alias.
+        self.host = host or name
         self.max_output = MAX_OUTPUT_BYTES
 
     async def run(self, command: str, *, timeout: float) -> CommandResult:
@@ -242,7 +244,7 @@ class AsyncsshConnector:
                      own_algs=own_algs)  # fmt: skip
         conn = await self._connect(target, node, paths, via, route[-1].label if route else "")
         try:
-            yield AsyncsshSession(conn, target.name)
+            yield AsyncsshSession(conn, target.name, host=real[0])
         finally:
             conn.close()
             with suppress(TimeoutError, asyncio.TimeoutError, OSError, asyncssh.Error):
