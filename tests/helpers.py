@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -241,3 +243,17 @@ def standin_env(text: str) -> dict[tuple[str, int], dict[str, str | None]]:
     for m in ENV_LINE.finditer(text):
         out.setdefault((m["who"], int(m["pid"])), {})[m["name"]] = m["value"]
     return out
+
+
+def ctl(state: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """The CLI in a child process (a hang fails the test instead of stalling the suite)."""
+    return subprocess.run(
+        [sys.executable, "-m", "cluster_cli", "--state", str(state), *args], capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def json_out(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """A command's ``-o json`` output (its exit code and stderr in the failure when it printed none)."""
+    assert r.stdout.strip().startswith("{"), (r.returncode, r.stdout, r.stderr)
+    return json.loads(r.stdout)

@@ -17,19 +17,12 @@ from typing import Any
 import pytest
 import yaml
 from gguf_tiny import make_tiny_gguf
+from helpers import ctl, json_out
 from llama import find_llama_server
 
 pytestmark = pytest.mark.llama
 
 CPU_NODES = "cpu-01=cpu-only,cpu-02=cpu-only,cpu-03=cpu-only"
-
-
-def ctl(state: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """The CLI in a child process (a hang fails the test instead of stalling the suite)."""
-    return subprocess.run(
-        [sys.executable, "-m", "cluster_cli", "--state", str(state), *args], capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
 
 
 def free_port() -> int:
@@ -78,11 +71,6 @@ def fleet(testbed_factory, tmp_path: Path) -> Iterator[dict[str, Any]]:
     }
     yield env
     ctl(env["state"], "down", "--all")
-
-
-def _json(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    assert r.stdout.strip().startswith("{"), (r.returncode, r.stdout, r.stderr)
-    return json.loads(r.stdout)
 
 
 def _pids(cluster: Any, node: str) -> set[int]:
@@ -137,7 +125,7 @@ def test_up_serves_three_replicas_through_a_router_started_before_it(fleet) -> N
     router, port = _router(config, fleet["tmp"])
     try:
         r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60")
-        doc = _json(r)
+        doc = json_out(r)
         assert r.returncode == 0, doc
         assert sorted(x["name"] for x in doc["replicas"]) == ["tiny/0", "tiny/1", "tiny/2"]
         assert {x["state"] for x in doc["replicas"]} == {"ready"}
@@ -154,7 +142,7 @@ def test_up_serves_three_replicas_through_a_router_started_before_it(fleet) -> N
         assert isinstance(_chat(base, stream=False), str)
         assert isinstance(_chat(base, stream=True), str)
 
-        st = _json(ctl(state, "status", "-o", "json"))
+        st = json_out(ctl(state, "status", "-o", "json"))
         assert [(x["name"], x["state"], x["engine"]) for x in st["replicas"]] == [
             (f"tiny/{i}", "ready", "llamacpp") for i in range(3)
         ]
@@ -183,7 +171,7 @@ def test_up_serves_three_replicas_through_a_router_started_before_it(fleet) -> N
         before = {n: _pids(cluster, n) for n in ("cpu-01", "cpu-02", "cpu-03")}
         r2 = ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json")
         assert r2.returncode == 0
-        assert {x["action"] for x in _json(r2)["replicas"]} == {"keep"}
+        assert {x["action"] for x in json_out(r2)["replicas"]} == {"keep"}
         assert {n: _pids(cluster, n) for n in before} == before
 
         # A killed engine is restarted by the next up, on its own node and port.
@@ -191,10 +179,10 @@ def test_up_serves_three_replicas_through_a_router_started_before_it(fleet) -> N
         node = victim["nodes"][0]
         cluster.ssh(node, "pkill -KILL -x llama-server")
         _wait(lambda: not _pids(cluster, node))
-        r3 = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60"))
+        r3 = json_out(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60"))
         again = next(x for x in r3["replicas"] if x["name"] == "tiny/1")
         assert (again["action"], again["state"], again["endpoint"]) == ("restart", "ready", victim["endpoint"])
-        st2 = {x["name"]: x for x in _json(ctl(state, "status", "-o", "json"))["replicas"]}
+        st2 = {x["name"]: x for x in json_out(ctl(state, "status", "-o", "json"))["replicas"]}
         assert st2["tiny/1"]["restarts"] == 1 and st2["tiny/0"]["restarts"] == 0
 
         # down of one replica: out of the router first, then stopped; the router keeps serving.
@@ -218,7 +206,7 @@ def test_up_serves_three_replicas_through_a_router_started_before_it(fleet) -> N
             with socket.socket() as s:
                 s.settimeout(2)
                 assert s.connect_ex((host, int(p))) != 0
-        assert {x["state"] for x in _json(ctl(state, "status", "-o", "json"))["replicas"]} == {"stopped"}
+        assert {x["state"] for x in json_out(ctl(state, "status", "-o", "json"))["replicas"]} == {"stopped"}
     finally:
         router.terminate()
         router.wait(10)
@@ -238,11 +226,11 @@ def _one(fleet: dict[str, Any], **profile: Any) -> tuple[subprocess.CompletedPro
     cat = _catalog(fleet["tmp"] / "bad.yaml", profile.pop("model", fleet["model"]), profile.pop("binary", fleet["binary"]),
                    replicas=1, **profile)  # fmt: skip
     r = ctl(fleet["state"], "up", "-i", str(fleet["inventory"]), "-c", str(cat), "-o", "json", "--timeout", "20")
-    return r, _json(r)
+    return r, json_out(r)
 
 
 def _nothing_left(fleet: dict[str, Any]) -> None:
-    st = _json(ctl(fleet["state"], "status", "-o", "json"))
+    st = json_out(ctl(fleet["state"], "status", "-o", "json"))
     assert st["replicas"] == []  # released whole
     for n in ("cpu-01", "cpu-02", "cpu-03"):
         assert not _pids(fleet["cluster"], n)
@@ -313,11 +301,11 @@ def test_an_engine_that_stops_answering_is_restarted_by_the_next_up(fleet) -> No
     # Frozen (SIGSTOP): its process runs, its health check gets no answer.
     state, inv, cluster = fleet["state"], fleet["inventory"], fleet["cluster"]
     cat = _catalog(fleet["tmp"] / "one.yaml", fleet["model"], fleet["binary"], replicas=1)
-    (first,) = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))["replicas"]
+    (first,) = json_out(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))["replicas"]
     (node,) = first["nodes"]
     (pid,) = _pids(cluster, node)
     cluster.ssh(node, f"kill -STOP {pid}")
-    (again,) = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))["replicas"]
+    (again,) = json_out(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))["replicas"]
     assert (again["action"], again["state"]) == ("restart", "ready"), again
     assert "stopped answering" in again["reason"]
     (new,) = _pids(cluster, node)
@@ -329,7 +317,7 @@ def test_check_version_out_of_date_starts_nothing(fleet) -> None:
     then moves it, and up refuses before starting anything."""
     state, inv, cat = fleet["state"], fleet["inventory"], fleet["catalog"]
     assert ctl(state, "discover", "-i", str(inv)).returncode == 0
-    plan = _json(ctl(state, "place", "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json"))
+    plan = json_out(ctl(state, "place", "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json"))
     version = plan["state_version"]
     assert ctl(state, "cordon", "cpu-03", "-i", str(inv), "--reason", "fan").returncode == 0
     r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "--check-version", str(version))
@@ -337,10 +325,10 @@ def test_check_version_out_of_date_starts_nothing(fleet) -> None:
     for n in ("cpu-01", "cpu-02", "cpu-03"):
         assert not _pids(fleet["cluster"], n)
     # At the state's current version, the same command applies the plan.
-    now = _json(ctl(state, "place", "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json"))["state_version"]
+    now = json_out(ctl(state, "place", "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json"))["state_version"]
     r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "--check-version", str(now), "-o", "json")
     assert r.returncode == 0, r.stdout
-    got = _json(r)["replicas"]
+    got = json_out(r)["replicas"]
     assert {x["state"] for x in got} == {"ready"}
     assert "cpu-03" not in {n for x in got for n in x["nodes"]}  # the cordon holds
     assert len({x["endpoint"] for x in got}) == 3  # two on one node: two ports
@@ -351,21 +339,21 @@ def test_a_replica_on_a_node_that_went_away_is_left_recorded_and_restarted_once_
     nor releases nor replaces its replica; once the node is back and the engine gone, the next
     up restarts it there."""
     state, inv, cat, cluster = fleet["state"], fleet["inventory"], fleet["catalog"], fleet["cluster"]
-    first = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60"))
+    first = json_out(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60"))
     victim = next(x for x in first["replicas"] if x["name"] == "tiny/1")
     node = victim["nodes"][0]
     cluster.kill(node)
     r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "30")
     assert r.returncode == 3
-    got = {x["name"]: x for x in _json(r)["replicas"]}
+    got = {x["name"]: x for x in json_out(r)["replicas"]}
     assert got["tiny/1"]["state"] == "unhealthy" and "unreachable" in got["tiny/1"]["reason"], got["tiny/1"]
     assert {got["tiny/0"]["action"], got["tiny/2"]["action"]} == {"keep"}
-    st = {x["name"]: x for x in _json(ctl(state, "status", "--no-check", "-o", "json"))["replicas"]}
+    st = {x["name"]: x for x in json_out(ctl(state, "status", "--no-check", "-o", "json"))["replicas"]}
     assert st["tiny/1"]["nodes"] == [node]  # still recorded, its GPUs and port still held
     published = yaml.safe_load((state.parent / "router.yaml").read_text())
     assert "tiny/1" not in [e["replica"] for e in published["models"]["tiny"]["endpoints"]]
     cluster.revive(node)
-    r = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60"))
+    r = json_out(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60"))
     back = {x["name"]: x for x in r["replicas"]}["tiny/1"]
     assert (back["action"], back["state"], back["nodes"]) == ("restart", "ready", [node])
 
@@ -399,7 +387,7 @@ def test_up_status_logs_through_a_jump_host_with_the_engine_port_unreachable_fro
     state = tmp_path / "st" / "state.db"
     try:
         r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60")
-        doc = _json(r)
+        doc = json_out(r)
         assert r.returncode == 0, doc
         assert {x["state"] for x in doc["replicas"]} == {"ready"}
         for x in doc["replicas"]:  # where the node is (ssh_config's HostName), not the alias
@@ -411,7 +399,7 @@ def test_up_status_logs_through_a_jump_host_with_the_engine_port_unreachable_fro
                 with socket.socket() as s:
                     s.settimeout(2)
                     assert s.connect_ex((c.nodes[name].host, port)) != 0
-        st = _json(ctl(state, "status", "-i", str(inv), "-o", "json"))
+        st = json_out(ctl(state, "status", "-i", str(inv), "-o", "json"))
         assert [x["state"] for x in st["replicas"]] == ["ready", "ready"]
         assert all(x["load"]["running"] is not None for x in st["replicas"])  # /metrics read through SSH
         log = ctl(state, "logs", "tiny/0", "-i", str(inv), "-n", "20")
@@ -437,12 +425,12 @@ def test_a_replica_another_live_run_is_starting_is_left_be_until_that_run_ends(f
         with Store(state) as s:
             (rec,) = s.records()
             s.observe(replace(rec, status=STARTING, owner=other.id))
-        kept = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))
+        kept = json_out(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))
         (x,) = kept["replicas"]
         assert (x["action"], x["state"], x["reason"]) == ("keep", "starting", "being started by another up"), x
         assert {n: _pids(cluster, n) for n in pids} == pids  # nothing stopped, nothing started
     assert not list(other.dir.glob("*.lock"))  # its lock file went with it
-    again = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))
+    again = json_out(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))
     (x,) = again["replicas"]
     assert (x["action"], x["state"]) == ("restart", "ready"), x
     assert "left starting by an earlier run" in x["reason"]
@@ -463,9 +451,9 @@ def test_two_ups_at_once_start_each_replica_once(fleet) -> None:
     for r, (out, err) in zip(runs, outs, strict=True):
         assert r.returncode in (0, 3), err
         assert {x["state"] for x in json.loads(out)["replicas"]} <= {"ready", "starting"}, out
-    st = _json(ctl(state, "status", "-o", "json"))
+    st = json_out(ctl(state, "status", "-o", "json"))
     assert sorted(x["name"] for x in st["replicas"]) == ["tiny/0", "tiny/1", "tiny/2"]
     assert {x["state"] for x in st["replicas"]} == {"ready"}
     assert sum(len(_pids(cluster, n)) for n in ("cpu-01", "cpu-02", "cpu-03")) == 3
-    again = _json(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))
+    again = json_out(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))
     assert {x["action"] for x in again["replicas"]} == {"keep"}

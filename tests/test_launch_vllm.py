@@ -14,22 +14,10 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import standin_env
+from helpers import ctl, json_out, standin_env
 
 STANDIN = Path(__file__).resolve().parent.parent / "testbed" / "standin"
 NODES = "gpu-01=hgx-h200x8:fabric=ib-a,gpu-02=hgx-h200x8:fabric=ib-a"
-
-
-def ctl(state: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cluster_cli", "--state", str(state), *args], capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
-
-
-def _json(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    assert r.stdout.strip().startswith("{"), (r.returncode, r.stdout, r.stderr)
-    return json.loads(r.stdout)
 
 
 def _vllm_procs(cluster: Any, node: str) -> list[str]:
@@ -66,7 +54,7 @@ def gpu_fleet(testbed_factory, tmp_path: Path) -> Any:
 def test_vllm_single_node_tp_and_two_node_replicas_start_serve_and_stop_whole(gpu_fleet) -> None:
     cluster, cat, state = gpu_fleet
     r = ctl(state, "up", "-i", str(cluster.inventory_path), "-c", str(cat), "-o", "json", "--timeout", "90")
-    doc = _json(r)
+    doc = json_out(r)
     assert r.returncode == 0, doc
     got = {x["name"]: x for x in doc["replicas"]}
     assert {n: x["state"] for n, x in got.items()} == {"pp/0": "ready", "tp/0": "ready"}
@@ -83,9 +71,9 @@ def test_vllm_single_node_tp_and_two_node_replicas_start_serve_and_stop_whole(gp
         assert chunks
 
     facts = {
-        n["name"]: n for n in _json(ctl(state, "discover", "-i", str(cluster.inventory_path), "-o", "json"))["nodes"]
+        n["name"]: n for n in json_out(ctl(state, "discover", "-i", str(cluster.inventory_path), "-o", "json"))["nodes"]
     }
-    st = {x["name"]: x for x in _json(ctl(state, "status", "-o", "json"))["replicas"]}
+    st = {x["name"]: x for x in json_out(ctl(state, "status", "-o", "json"))["replicas"]}
 
     # The single-node replica: its GPUs pinned by UUID, its engine core and two TP workers.
     tp = st["tp/0"]
@@ -99,7 +87,7 @@ def test_vllm_single_node_tp_and_two_node_replicas_start_serve_and_stop_whole(gp
 
     # The two-node replica: a Ray head and vllm serve on shard 0, a Ray worker on shard 1, each
     # with exactly its own HCAs on the replica's fabric; the driver itself has none.
-    plan = _json(ctl(state, "place", "--dry-run", "-i", str(cluster.inventory_path), "-c", str(cat), "-o", "json"))
+    plan = json_out(ctl(state, "place", "--dry-run", "-i", str(cluster.inventory_path), "-c", str(cat), "-o", "json"))
     shards = next(x for x in plan["replicas"] if x["model"] == "pp")["shards"]
     head_log = ctl(state, "logs", "pp/0", "-n", "2000").stdout
     worker_log = ctl(state, "logs", "pp/0", "--shard", "1", "-n", "2000").stdout
@@ -120,7 +108,7 @@ def test_vllm_single_node_tp_and_two_node_replicas_start_serve_and_stop_whole(gp
     cluster.ssh(node, "pkill -KILL -f 'standin/vllm serve acme/tp-model'")
     time.sleep(0.5)
     assert [p for p in _vllm_procs(cluster, node) if "EngineCore" in p] == old_core  # orphaned, still there
-    r = _json(ctl(state, "up", "-i", str(cluster.inventory_path), "-c", str(cat), "-o", "json", "--timeout", "90"))
+    r = json_out(ctl(state, "up", "-i", str(cluster.inventory_path), "-c", str(cat), "-o", "json", "--timeout", "90"))
     assert {x["name"]: (x["action"], x["state"]) for x in r["replicas"]}["tp/0"] == ("restart", "ready")
     assert len([p for p in _vllm_procs(cluster, node) if "EngineCore" in p]) == len(old_core)  # the new one only
 
@@ -164,7 +152,7 @@ def test_a_node_killed_while_its_replica_loads_fails_that_replica_alone(gpu_flee
     assert up.returncode == 3, err
     got = {x["name"]: x for x in json.loads(out)["replicas"]}
     assert got["slow/0"]["state"] == "failed" and got["slow/0"]["reason"], got["slow/0"]
-    st = {x["name"]: x for x in _json(ctl(state, "status", "--no-check", "-o", "json"))["replicas"]}
+    st = {x["name"]: x for x in json_out(ctl(state, "status", "--no-check", "-o", "json"))["replicas"]}
     assert "slow/0" not in st  # released whole
     if got["fast/0"]["nodes"] != [node]:  # the other replica was not held back by it
         assert got["fast/0"]["state"] == "ready"

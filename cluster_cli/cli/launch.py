@@ -131,9 +131,10 @@ def up(
         # One SSH connection per node for all of it: the probe's are the launch's.
         async with Sessions(inv, _connector(state.state_path)) as sessions:
             observed = None
-            health = HealthChecks(store.records(), sessions)
+            records = store.records()
+            health = HealthChecks(records, sessions)
             if check_version is None:
-                ports = expects_new(cat, store.records())
+                ports = expects_new(cat, records)
                 observed = await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel, progress,
                                                  ports, health.node_done)  # fmt: skip
             nodes = _fleet(inv, store)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from cluster_cli.facts import NodeFacts
 from cluster_cli.launch.observe import Observed, node_commands
-from cluster_cli.state.records import ShardRun
+from cluster_cli.state.records import ReplicaRecord, ShardRun
 
 if TYPE_CHECKING:
     from cluster_cli.config.inventory import Inventory, Node
@@ -18,18 +18,17 @@ if TYPE_CHECKING:
     from cluster_cli.state.store import Store
 
 
-def launched(store: Store | None) -> tuple[dict[str, frozenset[int]], dict[str, frozenset[str]]]:
+def launched(records: Sequence[ReplicaRecord]) -> tuple[dict[str, frozenset[int]], dict[str, frozenset[str]]]:
     """Per node, the PIDs and the launch markers of the shards the state launched there: their
     GPU processes (workers included, which carry the marker) are the replicas' own, not
     foreign ones."""
     pids: dict[str, set[int]] = {}
     tokens: dict[str, set[str]] = {}
-    if store is not None:
-        for rec in store.records():
-            for run in rec.shards:
-                tokens.setdefault(run.node, set()).add(run.token)
-                if run.pid is not None:
-                    pids.setdefault(run.node, set()).add(run.pid)
+    for rec in records:
+        for run in rec.shards:
+            tokens.setdefault(run.node, set()).add(run.token)
+            if run.pid is not None:
+                pids.setdefault(run.node, set()).add(run.pid)
     return {k: frozenset(v) for k, v in pids.items()}, {k: frozenset(v) for k, v in tokens.items()}
 
 
@@ -50,11 +49,12 @@ async def probe(
     (``ports``) which ports listen: what ``up`` checks."""
     from cluster_cli.probe.collect import discover
 
-    pids, tokens = launched(store)
+    records = store.records() if store is not None else []
+    pids, tokens = launched(records)
     extra = None
     if observed is not None:
         runs: dict[str, list[ShardRun]] = {}
-        for rec in store.records() if store is not None else ():
+        for rec in records:
             for run in rec.shards:
                 runs.setdefault(run.node, []).append(run)
         extra = {

@@ -132,8 +132,8 @@ def start_script(s: StartScript) -> str:
         "pid=$!",
         'procstat "$pid" || { sleep 0.2; err "the engine exited at once"; }',
         "st=$ps_start",
-        # Answer only once the child has left this session: until it has called setsid, the
-        # SSH session ending could still take it down.
+        # Answer only once the child leads a process group of its own (setsid has run): before
+        # that, the SSH connection closing could still take it down.
         'i=0; while [ "$ps_sess" != "$pid" ] && [ $i -lt 250 ]; do',
         "  sleep 0.02; i=$((i + 1))",
         '  procstat "$pid" && [ "$ps_start" = "$st" ] || err "the engine exited at once"',
