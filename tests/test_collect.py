@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cluster_cli.config.inventory import Inventory, Node
 from cluster_cli.probe.collect import facts_from_outputs
@@ -432,3 +434,57 @@ def test_a_lost_gpu_is_counted_once_when_its_row_has_no_bus_id() -> None:
     )
     assert len(f.gpus) == 4 and [g.index for g in f.gpus if g.lost] == [1]
     assert "gpu: 1 GPU(s) lost" in f.problems
+
+
+# ---- probes left out, their facts taken from the node's earlier ones -------------------
+
+LEFT_OUT = ("cpus", "meminfo", "topo", "ibstat")
+
+
+def _without(out: dict[str, CommandResult], names: set[str]) -> dict[str, CommandResult]:
+    return {k: v for k, v in out.items() if k not in names}
+
+
+@given(
+    left=st.sets(st.sampled_from(LEFT_OUT)),
+    cpu_node=st.booleans(),
+    gpus_cut=st.booleans(),
+)
+def test_a_probe_left_out_gives_the_facts_that_running_it_gives(left: set[str], cpu_node: bool, gpus_cut: bool) -> None:
+    """Left out, a probe's facts are the earlier ones: the same node, probed in full, and
+    probed again without it, gives the same facts, whatever else it found."""
+    missing = CommandResult(127, "", "sh: 1: nvidia-smi: not found\n")
+    over: dict[str, CommandResult] = {}
+    if cpu_node:
+        over = {"gpus": missing, "apps": missing, "topo": missing}
+    elif gpus_cut:
+        over = {"gpus": CommandResult(124, GPUS.splitlines(keepends=True)[0], "")}
+    full_out = outputs(**over)
+    sm = {("mlx5_0", 1): 0xABC}
+    full = facts_from_outputs(INV, NODE, full_out, sm_guids=sm)
+    again = facts_from_outputs(INV, NODE, _without(full_out, left), sm_guids=sm, earlier=full)
+    assert again == full
+
+
+def test_without_earlier_facts_a_probe_left_out_is_unknown() -> None:
+    f = facts_from_outputs(INV, NODE, _without(outputs(), {"cpus", "meminfo", "topo"}))
+    assert f.cpus is None and f.memory_mib is None and f.nvlink_domains is None
+    assert {p.split(":")[0] for p in f.problems} == {"cpu", "memory"}
+
+
+def test_an_earlier_topology_of_other_gpus_is_not_taken() -> None:
+    full = facts_from_outputs(INV, NODE, outputs())
+    swapped = GPUS.replace("0000-000000000001", "0000-0000000000ff")  # GPU 1 replaced
+    f = facts_from_outputs(INV, NODE, _without(outputs(gpus=ok(swapped)), {"topo"}), earlier=full)
+    assert full.nvlink_domains == ((0, 1), (2, 3)) and f.nvlink_domains is None
+    same = facts_from_outputs(INV, NODE, _without(outputs(), {"topo"}), earlier=full)
+    assert same.nvlink_domains == full.nvlink_domains
+
+
+def test_earlier_ports_are_put_on_the_fabrics_the_inventory_declares_now() -> None:
+    full = facts_from_outputs(INV, NODE, outputs())
+    moved = Node(name="gpu-01", host="198.18.0.10", fabric="ib-b", hca_fabrics={"mlx5_1": "ib-a"})
+    inv = Inventory(gpu_classes=INV.gpu_classes, fabrics=INV.fabrics, nodes=[moved])
+    f = facts_from_outputs(inv, moved, _without(outputs(), {"ibstat"}), earlier=full)
+    assert {h.ca: h.fabric for h in f.hcas} == {"mlx5_0": "ib-b", "mlx5_1": "ib-a", "mlx5_2": None}
+    assert f.fabrics == {"ib-a", "ib-b"} and f.problems == ()

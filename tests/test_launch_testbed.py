@@ -457,3 +457,34 @@ def test_two_ups_at_once_start_each_replica_once(fleet) -> None:
     assert sum(len(_pids(cluster, n)) for n in ("cpu-01", "cpu-02", "cpu-03")) == 3
     again = json_out(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))
     assert {x["action"] for x in again["replicas"]} == {"keep"}
+
+
+def test_a_second_up_reads_no_hardware_again_until_it_has_something_to_place(fleet) -> None:
+    """With every replica held, up checks them without reading the nodes' hardware again: the
+    state's CPU counts and memory stand, even wrong ones. Once a replica has to be placed (its
+    profile now reserves more), every node is read again before it is."""
+    from dataclasses import replace
+
+    from cluster_cli.state.store import Store
+
+    state, inv, cluster = fleet["state"], fleet["inventory"], fleet["cluster"]
+    cat = _catalog(fleet["tmp"] / "one.yaml", fleet["model"], fleet["binary"], replicas=1)
+    (first,) = json_out(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))["replicas"]
+    (node,) = first["nodes"]
+    (pid,) = _pids(cluster, node)
+    with Store(state) as s:
+        real = {f.name: (f.cpus, f.memory_mib) for f in s.nodes()}
+        s.save_discovery([replace(f, cpus=f.cpus + 1000, memory_mib=f.memory_mib + 7) for f in s.nodes()],
+                         inventory=inv)  # fmt: skip
+    (again,) = json_out(ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json"))["replicas"]
+    assert (again["action"], again["state"]) == ("keep", "ready") and _pids(cluster, node) == {pid}
+    with Store(state) as s:
+        assert {f.name: (f.cpus, f.memory_mib) for f in s.nodes()} == {
+            n: (c + 1000, m + 7) for n, (c, m) in real.items()
+        }
+    bigger = _catalog(fleet["tmp"] / "two-cpus.yaml", fleet["model"], fleet["binary"], replicas=1, cpus=2)
+    r = ctl(state, "up", "-i", str(inv), "-c", str(bigger), "-o", "json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [x["state"] for x in json_out(r)["replicas"] if x["action"] == "start"] == ["ready"]
+    with Store(state) as s:
+        assert {f.name: (f.cpus, f.memory_mib) for f in s.nodes()} == real

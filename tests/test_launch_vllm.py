@@ -156,3 +156,44 @@ def test_a_node_killed_while_its_replica_loads_fails_that_replica_alone(gpu_flee
     assert "slow/0" not in st  # released whole
     if got["fast/0"]["nodes"] != [node]:  # the other replica was not held back by it
         assert got["fast/0"]["state"] == "ready"
+
+
+def _tp_catalog(path: Path, gpus: int) -> Path:
+    prof = {"name": f"tp{gpus}", "engine": "vllm", "gpu_class": "H200", "gpus": gpus, "model": "acme/tp-model"}
+    path.write_text(yaml.safe_dump({"models": [{"name": "tp", "profiles": [prof]}]}))
+    return path
+
+
+def test_a_replica_placed_anew_stops_first_and_takes_over_its_gpus(gpu_fleet, tmp_path: Path) -> None:
+    """A second up on GPU nodes keeps the replica (its GPUs read again, healthy); a profile
+    that now asks for 4 GPUs places it anew: the old engine is stopped first, the new one is
+    generation 2 on GPUs that include the old ones, and nothing of the old one is left."""
+    cluster, _, state = gpu_fleet
+    inv = str(cluster.inventory_path)
+    two = _tp_catalog(tmp_path / "tp2.yaml", 2)
+    (first,) = json_out(ctl(state, "up", "-i", inv, "-c", str(two), "-o", "json", "--timeout", "90"))["replicas"]
+    assert first["state"] == "ready", first
+    (node,) = first["nodes"]
+    old = [p for p in _vllm_procs(cluster, node) if "EngineCore" in p]
+    (kept,) = json_out(ctl(state, "up", "-i", inv, "-c", str(two), "-o", "json"))["replicas"]
+    assert (kept["action"], kept["state"]) == ("keep", "ready")
+    assert [p for p in _vllm_procs(cluster, node) if "EngineCore" in p] == old
+    was = set(json_out(ctl(state, "status", "--no-check", "-o", "json"))["replicas"][0]["gpus"][node])
+
+    four = _tp_catalog(tmp_path / "tp4.yaml", 4)
+    r = ctl(state, "up", "-i", inv, "-c", str(four), "-o", "json", "--timeout", "90")
+    doc = json_out(r)
+    assert r.returncode == 0, doc
+    acts = {(x["action"], x["state"]) for x in doc["replicas"]}
+    assert acts == {("stop", "stopped"), ("start", "ready")}, doc
+    stop = next(x for x in doc["replicas"] if x["action"] == "stop")
+    assert "tp2" in stop["reason"]  # the plan's reason: the profile is gone
+    (now,) = json_out(ctl(state, "status", "-o", "json"))["replicas"]
+    assert now["state"] == "ready" and list(now["gpus"]) == [node] and len(now["gpus"][node]) == 4
+    assert was & set(now["gpus"][node])  # best fit: the same node, the freed GPUs reused
+    from cluster_cli.state.store import Store
+
+    with Store(state) as s:
+        assert [r.key for r in s.records()] == [("tp", 0, 2)]
+    cores = [p for n in ("gpu-01", "gpu-02") for p in _vllm_procs(cluster, n) if "EngineCore" in p]
+    assert len(cores) == 1  # the new engine's only

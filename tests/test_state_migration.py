@@ -135,6 +135,31 @@ def test_a_gpu_or_port_held_by_another_replica_is_refused_and_nothing_is_booked(
         assert s.held_ports("gpu-01") == {8100}
 
 
+def test_a_replica_placed_anew_is_its_next_generation_and_takes_over_what_it_reuses(tmp_path: Path) -> None:
+    """Placed anew (its profile changed) while its earlier allocation is stopped: a second
+    generation, which takes over the GPUs it reuses from the first; the rest stays the first's
+    until it is released. Held by any other replica, a GPU is still refused."""
+    with Store(tmp_path / "s.db") as s:
+        old = ReplicaRecord(_rep(gpus=(0, 1)), port=8100)
+        other = ReplicaRecord(_rep("o", gpus=(4,)), port=8200)
+        s.reserve([old, other])
+        new = ReplicaRecord(_rep(gpus=(1, 2)), generation=2, port=8101)
+        with pytest.raises(StateError, match="GPU 1 is already held by m/0"):
+            s.reserve([new])
+        with pytest.raises(StateError, match="GPU 4 is already held by o/0"):
+            s.reserve([ReplicaRecord(_rep(gpus=(1, 4)), generation=2, port=8101)], replacing=[old])
+        assert [r.key for r in s.records()] == [("m", 0, 1), ("o", 0, 1)]
+        s.reserve([new], replacing=[old])
+        assert [r.key for r in s.records()] == [("m", 0, 1), ("m", 0, 2), ("o", 0, 1)]
+        assert s.held_ports("gpu-01") == {8100, 8101, 8200}
+        with pytest.raises(StateError, match="GPU 0 is already held by m/0"):  # still the first's
+            s.reserve([ReplicaRecord(_rep("z", gpus=(0,)), port=8300)])
+        s.release(old)
+        assert [r.key for r in s.records()] == [("m", 0, 2), ("o", 0, 1)]
+        assert s.held_ports("gpu-01") == {8101, 8200}
+        s.reserve([ReplicaRecord(_rep("z", gpus=(0,)), port=8300)])  # released with the first
+
+
 def test_two_processes_reserving_the_same_gpu_at_once_book_it_once(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
     Store(path).close()

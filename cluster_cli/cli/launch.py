@@ -133,10 +133,20 @@ def up(
             observed = None
             records = store.records()
             health = HealthChecks(records, sessions)
+            reprobe = None
             if check_version is None:
-                ports = expects_new(cat, records)
+                # Every replica the catalog asks for is held: check them, without reading the
+                # hardware again unless something has to be placed after all.
+                steady = not expects_new(cat, records)
                 observed = await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel, progress,
-                                                 ports, health.node_done)  # fmt: skip
+                                                 health.node_done, steady=steady)  # fmt: skip
+                if steady:
+
+                    async def reprobe() -> Any:
+                        seen = await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel,
+                                                     progress, None, steady=False)  # fmt: skip
+                        return _fleet(inv, store), seen
+
             nodes = _fleet(inv, store)
             return await run_up(
                 inv,
@@ -152,6 +162,7 @@ def up(
                 refresh=lambda: _fleet(inv, store),
                 runs=runs,
                 health=health,
+                reprobe=reprobe,
             )
 
     try:
@@ -175,17 +186,18 @@ def up(
 
 
 async def _probe_and_save(
-    inv: Inventory, path: Path, store: Any, connector: Any, parallel: int, report: Any, ports: bool, on_done: Any
+    inv: Inventory, path: Path, store: Any, connector: Any, parallel: int, report: Any, on_done: Any, *, steady: bool
 ) -> Any:
     """discover's probe and save: fresh facts for the plan, and what the same batch saw of the
-    recorded shards and the ports."""
+    recorded shards and (unless ``steady``) the ports. ``steady``: only the running replicas
+    are checked; the hardware is as the state last saw it."""
     from cluster_cli.control import discovery
     from cluster_cli.launch.observe import Observed
 
     report("nodes", "probing", f"{len(inv.nodes)} node(s)")
     observed = Observed()
     facts = await discovery.probe(inv, connector=connector, parallel=parallel, store=store, observed=observed,
-                                  ports=ports, on_done=on_done)  # fmt: skip
+                                  ports=not steady, hardware=not steady, on_done=on_done)  # fmt: skip
     discovery.save(store, facts, path)
     down = [f.name for f in facts if not f.reachable]
     report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))
@@ -216,7 +228,7 @@ def _render_up(result: Any) -> None:
         [("REPLICA", 12), ("ACTION", 0), ("STATE", 0), ("NODES", None), ("ENDPOINT", None), ("TOOK", 0)], rows
     )
     for o in result.outcomes:
-        if o.reason and o.state != "ready":
+        if o.reason and o.state not in ("ready", "stopped"):
             ui.out.print(f"[red]{escape(o.name)}[/]: {escape(o.reason)}", highlight=False)
             for line in o.log[-10:]:
                 ui.out.print(f"    {escape(line)}", highlight=False)

@@ -43,14 +43,18 @@ async def probe(
     on_done: Callable[[NodeFacts], None] | None = None,
     observed: Observed | None = None,
     ports: bool = True,
+    hardware: bool = True,
 ) -> list[NodeFacts]:
     """Probe ``nodes`` (default: all), the state's launched processes known as its own.
     ``observed`` also gets, from the same batch, whether each recorded shard still runs and
-    (``ports``) which ports listen: what ``up`` checks."""
+    (``ports``) which ports listen: what ``up`` checks. Without ``hardware``, what does not
+    change while engines run is taken from the state's earlier facts where they hold it
+    (``carried``): a check of running replicas, which places nothing new."""
     from cluster_cli.probe.collect import discover
 
     records = store.records() if store is not None else []
     pids, tokens = launched(records)
+    carry = carried(store, records) if store is not None and not hardware else None
     extra = None
     if observed is not None:
         runs: dict[str, list[ShardRun]] = {}
@@ -72,7 +76,32 @@ async def probe(
         on_done=on_done,
         extra=extra,
         on_outputs=observed.record if observed is not None else None,
+        carry=carry,
     )
+
+
+def carried(store: Store, records: Sequence[ReplicaRecord]) -> dict[str, tuple[NodeFacts, frozenset[str]]]:
+    """Per node the state knows, its earlier facts and the probes that may be left out, their
+    facts taken from those: the hardware ones whose value the facts hold; ``ibstat`` where no
+    multi-node replica runs (only those read the ports' state while they run); and on a node
+    where nvidia-smi found no GPU (a CPU node), nvidia-smi. A GPU node's GPUs are read
+    again: their health decides whether its replicas are kept."""
+    from cluster_cli.probe.commands import HARDWARE_PROBES
+
+    fabric_nodes = {run.node for rec in records if len(rec.shards) > 1 for run in rec.shards}
+    out: dict[str, tuple[NodeFacts, frozenset[str]]] = {}
+    for f in store.nodes(unreadable=[]):
+        if not f.reachable:
+            continue
+        known = {"cpus": f.cpus is not None, "meminfo": f.memory_mib is not None,
+                 "topo": f.nvlink_domains is not None}  # fmt: skip
+        skip = {p for p in HARDWARE_PROBES if known.get(p)}
+        if f.name not in fabric_nodes and not any(p.startswith("ibstat:") for p in f.problems):
+            skip.add("ibstat")
+        if not f.gpus and not any(p.startswith("nvidia-smi:") for p in f.problems):
+            skip |= {"gpus", "apps", "topo"}
+        out[f.name] = (f, frozenset(skip))
+    return out
 
 
 def save(store: Store, facts: list[NodeFacts], inventory: Path) -> list[NodeFacts]:

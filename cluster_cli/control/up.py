@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -105,13 +105,16 @@ async def up(
     refresh: Callable[[], list[NodeFacts]] | None = None,
     runs: Runs | None = None,
     health: HealthChecks | None = None,
+    reprobe: Callable[[], Awaitable[tuple[list[NodeFacts], Observed]]] | None = None,
 ) -> UpResult:
     """Apply the catalog to the cluster (``facts``: the nodes as the state holds them now;
     ``observed``: what the probe that made them saw of the shards and ports, if it ran;
     ``refresh``: the nodes as the state holds them, read again after another run wrote;
     ``runs``: this run, and which others are going on this state: a replica another live run
     left planned or starting is its own, not a leftover to restart; ``health``: the kept
-    replicas' health checks, started during the probe)."""
+    replicas' health checks, started during the probe; ``reprobe``: probe every node in full
+    and read the nodes back, when ``facts`` came from a probe that only checked the running
+    replicas: it is called before anything new is placed)."""
     from cluster_cli.placement import plan
 
     by_node = {f.name: f for f in facts}
@@ -139,10 +142,23 @@ async def up(
         # A replica on a node that did not answer may still run there: it is neither stopped
         # nor released (its engine would be left behind, unrecorded), nor replaced by this run.
         away = {p.replica.key: p.note for p in result.stops if p.note.endswith(" unreachable")}
+        if reprobe is not None and any(p.replica.key not in away for p in result.starts):
+            # Something new is placed after all: on facts of every kind, read now.
+            facts, seen = await reprobe()
+            reprobe = None
+            by_node = {f.name: f for f in facts}
+            if expect_version is None:
+                version = store.version()
+            result = plan(facts, cat, [r.replica for r in current])
+            away = {p.replica.key: p.note for p in result.stops if p.note.endswith(" unreachable")}
         stops = [_record_of(current, p.replica) for p in result.stops if p.replica.key not in away]
-        new = _new_records(result, away, inv, cat, store, await _taken_ports(result, sessions, store, seen), me)
+        why_stop = {p.replica: p.note for p in result.stops}
+        new = _new_records(result, away, inv, cat, store, await _taken_ports(result, sessions, store, seen), me,
+                           current)  # fmt: skip
         try:
-            version = store.reserve(new, expect_version=version)
+            # A replica placed anew (its GPUs gone bad, its profile changed) may take what its
+            # stopped allocation held: that is stopped first.
+            version = store.reserve(new, expect_version=version, replacing=[r for r in stops if r is not None])
             break
         except StaleVersion:
             if attempt == 2 or expect_version is not None:
@@ -164,7 +180,9 @@ async def up(
         await asyncio.sleep(routerconf.PICKUP_S)
     for rec in stopping:
         report(rec.name, "stopping", "")
-    outcomes += await asyncio.gather(*(_stop(rec, store, sessions, report) for rec in stopping))
+    outcomes += await asyncio.gather(
+        *(_stop(rec, why_stop.get(rec.replica, ""), store, sessions, report) for rec in stopping)
+    )
 
     for rec in current:
         if rec.replica.key in away:
@@ -201,7 +219,9 @@ async def up(
 
 
 def _record_of(records: list[ReplicaRecord], replica: Any) -> ReplicaRecord | None:
-    return next((r for r in records if r.replica.key == replica.key), None)
+    """The record of ``replica`` (of two generations of it, the one with that allocation)."""
+    exact = next((r for r in records if r.replica == replica), None)
+    return exact or next((r for r in records if r.replica.key == replica.key), None)
 
 
 def _kept(rec: ReplicaRecord) -> Outcome:
@@ -307,8 +327,13 @@ async def _taken_ports(result: Plan, sessions: Sessions, store: Store, seen: Obs
 
 def _new_records(
     result: Plan, away: dict[tuple[str, int], str], inv: Inventory, cat: Catalog, store: Store,
-    taken: dict[str, set[int]], owner: str | None,
+    taken: dict[str, set[int]], owner: str | None, current: list[ReplicaRecord],
 ) -> list[ReplicaRecord]:  # fmt: skip
+    """The records of the plan's new replicas, each with its port(s); a replica placed anew
+    while its earlier allocation is being stopped is that one's next generation."""
+    gens: dict[tuple[str, int], int] = {}
+    for rec in current:
+        gens[rec.replica.key] = max(gens.get(rec.replica.key, 0), rec.generation)
     out = []
     for p in result.starts:
         r = p.replica
@@ -330,7 +355,8 @@ def _new_records(
                 raise ClusterctlError(f"{head}: no free port left in {lo}-{hi} for a Ray head")
             used.add(ray)
             extra = (ray,)
-        out.append(ReplicaRecord(r, generation=1, status=PLANNED, port=port, extra_ports=extra, owner=owner))
+        gen = gens.get(r.key, 0) + 1
+        out.append(ReplicaRecord(r, generation=gen, status=PLANNED, port=port, extra_ports=extra, owner=owner))
     return out
 
 
@@ -447,13 +473,14 @@ async def _restart(
     return out
 
 
-async def _stop(rec: ReplicaRecord, store: Store, sessions: Sessions, report: Report) -> Outcome:
+async def _stop(rec: ReplicaRecord, why: str, store: Store, sessions: Sessions, report: Report) -> Outcome:
+    """Stop a replica the plan does not keep (``why``: the plan's reason) and release it."""
     t0 = time.monotonic()
-    out = Outcome(rec.name, rec.replica.model, "stop", "stopped", [s.node for s in rec.replica.shards])
+    out = Outcome(rec.name, rec.replica.model, "stop", "stopped", [s.node for s in rec.replica.shards], reason=why)
     problems = await stop_replica(rec, sessions)
     if problems:
         out.state, out.reason = FAILED, problems
-    store.release(rec, why="stopped (no longer in the catalog)")
+    store.release(rec, why=f"stopped ({why or 'no longer in the catalog'})")
     report(rec.name, out.state, out.reason)
     out.seconds = time.monotonic() - t0
     return out

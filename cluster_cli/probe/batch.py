@@ -367,7 +367,8 @@ def build_script(
         # A simple command runs directly as the job; anything with shell syntax gets its own sh.
         argv = cmd if _is_simple(cmd) else f"sh -c {shlex.quote(cmd)}"
         lines.append(f"run {name} {argv}" + (f"; p{i}=$!" if name in then else ""))
-    lines.append(_WATCHDOG.format(t=t, c=max(1, min(t, int(check_s)))))
+    if any(not isinstance(cmd, Inline) for cmd in commands.values()):  # no job, nothing to watch
+        lines.append(_WATCHDOG.format(t=t, c=max(1, min(t, int(check_s)))))
     for i, name in enumerate(names):
         if name in then:
             lines.append(f'wait "$p{i}"; x{i}=$?')

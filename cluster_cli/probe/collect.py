@@ -67,16 +67,26 @@ def facts_from_outputs(
     sm_guids: Mapping[tuple[str, int], int | None] | None = None,
     probed_at: float | None = None,
     ib_ports: Sequence[HcaPort] | None = None,
+    earlier: NodeFacts | None = None,
 ) -> NodeFacts:
     """Pure: the raw outputs of the probe commands of one node -> its facts.
 
     ``ib_ports`` is ``parse_ibstat`` of ``outputs["ibstat"]`` where the caller already has it.
+    ``earlier``: the node's earlier facts, which give what a probe left out of ``outputs``
+    (``cpus``, ``meminfo``, ``topo``, ``ibstat``: see ``HARDWARE_PROBES``) instead of
+    unknown. A topology is taken only for the same GPUs.
     """
     problems: list[str] = []
 
     # CPU and memory
-    cpus = parse_nproc(outputs["cpus"].stdout) if "cpus" in outputs and outputs["cpus"].rc == 0 else None
-    mem = parse_meminfo(outputs["meminfo"].stdout) if "meminfo" in outputs and outputs["meminfo"].rc == 0 else None
+    if "cpus" not in outputs and earlier is not None:
+        cpus = earlier.cpus
+    else:
+        cpus = parse_nproc(outputs["cpus"].stdout) if "cpus" in outputs and outputs["cpus"].rc == 0 else None
+    if "meminfo" not in outputs and earlier is not None:
+        mem = earlier.memory_mib
+    else:
+        mem = parse_meminfo(outputs["meminfo"].stdout) if "meminfo" in outputs and outputs["meminfo"].rc == 0 else None
     if cpus is None:
         problems.append("cpu: could not read the CPU count")
     if mem is None:
@@ -143,6 +153,8 @@ def facts_from_outputs(
                 nvlink = ()
             elif topo is not None and topo.rc == 0:
                 nvlink = parse_topo(topo.stdout, gpus={g.index for g in gpus})
+            elif topo is None and earlier is not None and _same_gpus(gpus, earlier.gpus):
+                nvlink = earlier.nvlink_domains
             # A list that may be cut short frees nothing until a discover reads it whole: rows,
             # but nvidia-smi failed or timed out; or rc 0 with rows cut short or repeated.
             incomplete = None
@@ -164,7 +176,9 @@ def facts_from_outputs(
     # InfiniBand
     hcas: list[HcaPort] = []
     ib = outputs.get("ibstat")
-    if ib is not None and ib.rc == 0:
+    if ib is None and earlier is not None:  # left out: the ports as seen last, on today's fabrics
+        hcas = [replace(p, fabric=inv.fabric_for(node, p.ca) if p.is_ib_attachment else None) for p in earlier.hcas]
+    elif ib is not None and ib.rc == 0:
         for p in parse_ibstat(ib.stdout) if ib_ports is None else ib_ports:
             fab = inv.fabric_for(node, p.ca) if p.is_ib_attachment else None
             guid = (sm_guids or {}).get((p.ca, p.port))
@@ -231,13 +245,16 @@ async def probe_node(
     deadline: float | None = None,
     extra: Mapping[str, str] | None = None,
     on_outputs: Callable[[str, dict[str, CommandResult]], None] | None = None,
+    earlier: NodeFacts | None = None,
+    leave_out: frozenset[str] = frozenset(),
 ) -> NodeFacts:
     """Probe one node; never raises for node-level failures (they become ``error``).
 
     ``deadline`` (``time.monotonic()``): when the whole node must be done. The probes' own
     timeouts are fitted inside it, so that a hung nvidia-smi is killed and reported with the
     node's other facts, not the node given up on as unreachable. ``extra`` commands run in the
-    same batch; ``on_outputs`` gets every record of it (theirs included)."""
+    same batch; ``on_outputs`` gets every record of it (theirs included). The probes named in
+    ``leave_out`` are not run: their facts are taken from ``earlier``."""
     target = inv.ssh_target(node)
     started = time.time()
 
@@ -250,10 +267,11 @@ async def probe_node(
     try:
         async with connector.session(target) as session:
             # sminfo for the Active IB ports starts inside the same exec once ibstat is done.
-            then = {"ibstat": SMINFO_AFTER_IBSTAT}
-            if own_tokens:
+            probes = {k: v for k, v in PROBES.items() if k not in leave_out} if earlier is not None else PROBES
+            then = {"ibstat": SMINFO_AFTER_IBSTAT} if "ibstat" in probes else {}
+            if own_tokens and "apps" in probes:
                 then["apps"] = LAUNCHED_AFTER_APPS
-            outputs = await run_batch(session, {**PROBES, **(extra or {})}, command_timeout(), then=then)
+            outputs = await run_batch(session, {**probes, **(extra or {})}, command_timeout(), then=then)
             if on_outputs is not None:
                 on_outputs(node.name, outputs)
             await _narrow_gpu_query(session, outputs, command_timeout)
@@ -285,6 +303,7 @@ async def probe_node(
             sm_guids=sm,
             probed_at=started,
             ib_ports=every_port,
+            earlier=earlier if probes is not PROBES else None,
         )
     except SSHError as e:
         return unreachable(node, e.message.removeprefix(f"{node.name}: "), started)
@@ -311,6 +330,11 @@ async def _narrow_gpu_query(
 
 _DEADLINE_MARGIN_S = 1.5  # after the probes' timeout: the batch's kill and its answer's way back
 _MIN_COMMAND_TIMEOUT_S = 2.0
+
+
+def _same_gpus(now: Sequence[Gpu], before: Sequence[Gpu]) -> bool:
+    """The same GPUs at the same indices (by UUID where both know it)."""
+    return sorted((g.index, g.uuid) for g in now) == sorted((g.index, g.uuid) for g in before)
 
 
 def _with_problem(gpus: tuple[Gpu, ...], problem: str, which: Callable[[Gpu], bool] | None = None) -> tuple[Gpu, ...]:
@@ -342,8 +366,10 @@ async def discover(
     extra: Mapping[str, Mapping[str, str]] | None = None,
     on_outputs: Callable[[str, dict[str, CommandResult]], None] | None = None,
     on_done: OnDone | None = None,
+    carry: Mapping[str, tuple[NodeFacts, frozenset[str]]] | None = None,
 ) -> list[NodeFacts]:
-    """Probe ``nodes`` (default: all) with at most ``parallel`` at once.
+    """Probe ``nodes`` (default: all) with at most ``parallel`` at once. ``carry``: per node,
+    its earlier facts and the probes to leave out, whose facts are taken from them.
 
     Each node gets a hard deadline (connect + command timeouts unless given), so a
     frozen or black-holed node is reported, never waited on forever. Results come
@@ -370,6 +396,8 @@ async def discover(
                         deadline=ends,
                         extra=(extra or {}).get(n.name),
                         on_outputs=on_outputs,
+                        earlier=kept[0] if (kept := (carry or {}).get(n.name)) else None,
+                        leave_out=kept[1] if kept else frozenset(),
                     ),
                     timeout=deadline,
                 )

@@ -52,6 +52,12 @@ PROBES: dict[str, str] = {
 }
 
 
+# The probes of what does not change while engines run: CPU count, memory size, the GPUs'
+# NVLink topology. A probe that only checks running replicas may leave them out (and
+# ``ibstat`` on a node without a multi-node replica) and take them from the node's earlier
+# facts (``facts_from_outputs``' ``earlier``).
+HARDWARE_PROBES: frozenset[str] = frozenset({"topo", "cpus", "meminfo"})
+
 # Run inside the probe batch once ``ibstat`` succeeded (see batch.py's ``then``): start
 # ``sminfo`` for every Active InfiniBand port it printed, while nvidia-smi still runs, so
 # fabric identity needs no second round trip, and read the port's GID 0 from sysfs (its

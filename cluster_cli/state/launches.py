@@ -75,11 +75,20 @@ class LaunchTable:
         return {r[0] for r in rows}
 
     # ---- writes -----------------------------------------------------------
-    def reserve(self, records: Iterable[ReplicaRecord], *, expect_version: int | None = None) -> int:
+    def reserve(
+        self,
+        records: Iterable[ReplicaRecord],
+        *,
+        expect_version: int | None = None,
+        replacing: Iterable[ReplicaRecord] = (),
+    ) -> int:
         """Book ``records`` (new replicas: their rows, GPUs and ports) in one transaction;
-        returns the new state version. Raises StaleVersion when the state is no longer at
-        ``expect_version``, StateError when a GPU or port is already held (nothing booked)."""
+        returns the new state version. A GPU or port held by one of ``replacing`` (replicas
+        the caller stops before it starts ``records``) is handed over. Raises StaleVersion when
+        the state is no longer at ``expect_version``, StateError when a GPU or port is already
+        held otherwise (nothing booked)."""
         records = list(records)
+        handed = {rec.key for rec in replacing}
         if not records:  # nothing to book: no write, no new version (but the check still holds)
             if expect_version is not None and self.version() != expect_version:
                 raise StaleVersion(
@@ -106,6 +115,12 @@ class LaunchTable:
                         f"{self.path}: {rec.name} generation {rec.generation} is already recorded"
                     ) from None
                 for kind, node, item in _holds(rec):
+                    owner = db.execute(
+                        "SELECT model, replica, generation FROM holds WHERE node=? AND kind=? AND item=?",
+                        (node, kind, item),
+                    ).fetchone()
+                    if owner is not None and tuple(owner) in handed:
+                        db.execute("DELETE FROM holds WHERE node=? AND kind=? AND item=?", (node, kind, item))
                     try:
                         db.execute("INSERT INTO holds VALUES (?,?,?,?,?,?)", (node, kind, item, *rec.key))
                     except sqlite3.IntegrityError:
