@@ -426,7 +426,7 @@ def wrap(obj, name, label):
 for obj, name, label in (
     (common, "inventory_or_abort", "inventory"), (common, "open_store", "state open"),
     (collect, "discover", "probe (discover's)"), (Store, "save_discovery", "save facts"),
-    (launch, "_fleet", "fleet from state"), (up, "_dead", "check kept replicas"),
+    (launch, "_fleet", "fleet from state"), (up, "find_dead", "check kept replicas"),
     (placement, "plan", "placement"), (up, "_taken_ports", "ports in use (new nodes)"),
     (Store, "reserve", "reserve"), (up, "_launch", "start + wait ready (per replica)"),
     (up, "_wait_ready", "wait ready (per replica)"), (routerconf, "write", "router config"),

@@ -108,9 +108,9 @@ def up(
     import asyncio
 
     from cluster_cli.config.catalog import load_catalog
+    from cluster_cli.control.checks import HealthChecks, expects_new
     from cluster_cli.control.runs import Runs
     from cluster_cli.control.sessions import Sessions
-    from cluster_cli.control.up import HealthChecks, expects_new
     from cluster_cli.control.up import up as run_up
 
     state: App = ctx.obj

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cluster_cli.control.checks import HealthChecks, find_dead
 from cluster_cli.errors import ClusterctlError, SSHError
 from cluster_cli.launch import node as nodeops
 from cluster_cli.launch import routerconf
@@ -135,7 +136,7 @@ async def up(
         return runs is not None and rec.owner != me and runs.alive(rec.owner)
 
     checks = health or HealthChecks([], sessions)
-    dead = await _dead(current, sessions, seen, busy, theirs, checks)
+    dead = await find_dead(current, sessions, seen, busy, theirs, checks)
 
     for attempt in range(3):
         result: Plan = plan(facts, cat, [r.replica for r in current])
@@ -167,7 +168,7 @@ async def up(
             checked = {r.key for r in current}
             current = store.records()
             fresh = [r for r in current if r.key not in checked]
-            dead.update(await _dead(fresh, sessions, seen, busy, theirs, checks))
+            dead.update(await find_dead(fresh, sessions, seen, busy, theirs, checks))
             facts = refresh() if refresh is not None else store.nodes()
             by_node = {f.name: f for f in facts}
             version = store.version()
@@ -226,85 +227,6 @@ def _record_of(records: list[ReplicaRecord], replica: Any) -> ReplicaRecord | No
 
 def _kept(rec: ReplicaRecord) -> Outcome:
     return Outcome(rec.name, rec.replica.model, "keep", rec.status, [s.node for s in rec.replica.shards], rec.endpoint)
-
-
-async def _dead(
-    records: list[ReplicaRecord],
-    sessions: Sessions,
-    seen: Observed,
-    busy: set[tuple[str, int, int]],
-    theirs: Callable[[ReplicaRecord], bool],
-    health: HealthChecks,
-) -> dict[tuple[str, int, int], str]:
-    """The kept replicas that no longer run or answer, with why (their processes as the probe
-    saw them, else asked for now). A replica another run that is still going set planned,
-    starting or restarting (``theirs``) goes to ``busy``: neither dead nor ready."""
-    out: dict[tuple[str, int, int], str] = {}
-
-    async def check(rec: ReplicaRecord) -> None:
-        if rec.status in (PLANNED, STARTING, UNHEALTHY) and theirs(rec):
-            busy.add(rec.key)
-            return
-        if rec.status != READY or not rec.shards or rec.port is None:
-            out[rec.key] = f"was left {rec.status} by an earlier run"
-            return
-        try:
-            for run in rec.shards:
-                ok = seen.alive(run)
-                if ok is None:
-                    (ok,) = await nodeops.alive(await sessions.get(run.node), [run])
-                if not ok:
-                    out[rec.key] = f"its engine on {run.node} is not running"
-                    return
-            why = await health.result(rec)
-            if why is not None:
-                out[rec.key] = f"its engine stopped answering ({why})"
-        except (SSHError, OSError) as e:
-            out[rec.key] = f"its node cannot be reached ({e})"
-
-    await asyncio.gather(*(check(r) for r in records))
-    return out
-
-
-class HealthChecks:
-    """The health checks of the state's ready replicas, each started as soon as the probe of
-    its head node is done: on that node's connection, while slower nodes are still probed,
-    and never competing with the node's own probe."""
-
-    def __init__(self, records: list[ReplicaRecord], sessions: Sessions) -> None:
-        self._sessions = sessions
-        self._waiting: dict[str, list[ReplicaRecord]] = {}
-        self._tasks: dict[tuple[str, int, int], asyncio.Task[str | None]] = {}
-        for rec in records:
-            if rec.status == READY and rec.shards and rec.port is not None:
-                self._waiting.setdefault(rec.shards[0].node, []).append(rec)
-
-    def node_done(self, facts: NodeFacts) -> None:
-        """The probe of ``facts``' node is done (the probe's ``on_done``)."""
-        if not facts.reachable:
-            return
-        for rec in self._waiting.pop(facts.name, []):
-            task = asyncio.ensure_future(self._check(rec))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
-            self._tasks[rec.key] = task
-
-    async def result(self, rec: ReplicaRecord) -> str | None:
-        """None when ``rec`` answers its health check, else why not. Raises SSHError."""
-        task = self._tasks.get(rec.key)
-        return await (task if task is not None else self._check(rec))
-
-    async def _check(self, rec: ReplicaRecord) -> str | None:
-        assert rec.port is not None
-        session = await self._sessions.get(rec.shards[0].node)
-        return await nodeops.ready(session, rec.port, rec.replica.model, list_models=False)
-
-
-def expects_new(cat: Catalog, records: list[ReplicaRecord]) -> bool:
-    """Whether the catalog asks for a replica the state does not hold: then the probe also
-    reads the ports listening on the nodes (a new replica's port must be free); otherwise a
-    replica that turns out to need placing after all asks its node then."""
-    held = {(r.replica.model, r.replica.replica) for r in records}
-    return any((m.name, n) not in held for m in cat.models for n in range(m.replicas))
 
 
 async def _taken_ports(result: Plan, sessions: Sessions, store: Store, seen: Observed) -> dict[str, set[int]]:
