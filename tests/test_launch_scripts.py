@@ -127,6 +127,19 @@ def test_start_refuses_a_folder_whose_earlier_run_left_a_worker_behind(tmp_path:
 
 
 @pytest.mark.slow
+def test_stop_sends_each_process_one_term(tmp_path: Path) -> None:
+    """The leader is found both by its marker and as the recorded PID: it still gets one TERM
+    (a second one, if it lands after the first was handled, cuts an engine's clean shutdown
+    short: llama-server then hangs in its exit until the KILL)."""
+    token, pid, st = _start(tmp_path, ["sh", "-c", "sleep 300 & wait"])
+    sent = tmp_path / "kills"
+    spy = f'kill() {{ echo "$*" >>{shlex.quote(str(sent))}; command kill "$@"; }}\n'  # the builtin, noted
+    out = sh(spy + remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=2))
+    assert remote.answers(out, "STOPPED") and marked(token) == []
+    (term,) = [ln.split()[1:] for ln in sent.read_text().splitlines() if ln.startswith("-TERM")]
+    assert str(pid) in term and len(term) == len(set(term)) == 2, term  # the leader and its sleep
+
+
 def test_stop_kills_what_ignores_term_after_the_grace(tmp_path: Path) -> None:
     token, pid, st = _start(tmp_path, ["sh", "-c", "trap '' TERM; while :; do sleep 0.1; done"])
     t0 = time.monotonic()

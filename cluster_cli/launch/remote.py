@@ -169,11 +169,16 @@ def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None
         _FUNCS,
         f"d={dir_expr(ref.run_dir)}",
         'if [ -d "$d" ]; then cd -- "$d" || exit 0; else echo "@@GONE"; cd /; fi',
-        "pids=$(ours)",
+        "pids=$(ours); set -- $pids; pids=$*",
     ]
     if ref.pid is not None and ref.start_time is not None:
-        # The recorded leader, if it is still the process that was started (not a reused PID).
-        lines.append(f'procstat {ref.pid} && [ "$ps_start" = {ref.start_time} ] && pids="$pids {ref.pid}"')
+        # The recorded leader, if it is still the process that was started (not a reused PID),
+        # and not already found by its marker: each process gets one TERM (a second one makes
+        # llama-server and vLLM's API server skip their clean shutdown).
+        lines.append(
+            f'procstat {ref.pid} && [ "$ps_start" = {ref.start_time} ] && '
+            f'case " $pids " in *" {ref.pid} "*) ;; *) pids="$pids {ref.pid}";; esac'
+        )
     lines += [
         "all=$pids",
         # CONT after TERM (as systemd does): a stopped (frozen) process acts on its TERM at once.
