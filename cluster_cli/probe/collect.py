@@ -74,7 +74,8 @@ def facts_from_outputs(
     ``ib_ports`` is ``parse_ibstat`` of ``outputs["ibstat"]`` where the caller already has it.
     ``earlier``: the node's earlier facts, which give what a probe left out of ``outputs``
     (``cpus``, ``meminfo``, ``topo``, ``ibstat``: see ``HARDWARE_PROBES``) instead of
-    unknown. A topology is taken only for the same GPUs.
+    unknown. A topology is taken only for the same GPUs. Without ``gpus``, the node has no
+    GPU, as one without nvidia-smi.
     """
     problems: list[str] = []
 
