@@ -437,6 +437,20 @@ def test_an_inline_record_is_made_by_the_batch_shell_itself(shell: str) -> None:
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_a_batch_of_inline_records_only_starts_no_watchdog_and_ends_clean(shell: str) -> None:
+    # What a check of running replicas sends a CPU node: no job, so nothing to watch.
+    _need(shell)
+    for cmds in ({"in": Inline('val in "x"'), "none": Inline('val none ""')}, {}):
+        script, token = build_script(cmds, per_command_timeout_s=10)
+        assert "& w=$!" not in script
+        p = subprocess.run([*shell.split(), "-s"], input=script.encode(), capture_output=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        res = parse_records(cmds, p.stdout, token)
+        assert {k: (r.rc, r.stdout) for k, r in res.items()} == ({"in": (0, "x\n"), "none": (1, "\n")} if cmds else {})
+        assert b"@@CC " + token.encode() + b" END" in p.stdout
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 @pytest.mark.parametrize("how", ["eof", "term"])
 def test_a_batch_cut_short_while_starting_its_jobs_leaves_nothing_running(shell: str, how: str) -> None:
     # The client went away while the script was still arriving (its stdin ends before the
