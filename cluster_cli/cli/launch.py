@@ -134,19 +134,21 @@ def up(
             records = store.records()
             health = HealthChecks(records, sessions)
             reprobe = None
+
+            async def probe(steady: bool, on_done: Any = None) -> Any:
+                return await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel, progress,
+                                             on_done, steady=steady)  # fmt: skip
+
+            async def full() -> Any:
+                seen = await probe(False)
+                return _fleet(inv, store), seen
+
             if check_version is None:
                 # Every replica the catalog asks for is held: check them, without reading the
                 # hardware again unless something has to be placed after all.
                 steady = not expects_new(cat, records)
-                observed = await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel, progress,
-                                                 health.node_done, steady=steady)  # fmt: skip
-                if steady:
-
-                    async def reprobe() -> Any:
-                        seen = await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel,
-                                                     progress, None, steady=False)  # fmt: skip
-                        return _fleet(inv, store), seen
-
+                observed = await probe(steady, health.node_done)
+                reprobe = full if steady else None
             nodes = _fleet(inv, store)
             return await run_up(
                 inv,

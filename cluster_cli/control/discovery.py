@@ -93,9 +93,8 @@ def carried(store: Store, records: Sequence[ReplicaRecord]) -> dict[str, tuple[N
     for f in store.nodes(unreadable=[]):
         if not f.reachable:
             continue
-        known = {"cpus": f.cpus is not None, "meminfo": f.memory_mib is not None,
-                 "topo": f.nvlink_domains is not None}  # fmt: skip
-        skip = {p for p in HARDWARE_PROBES if known.get(p)}
+        held = {"cpus": f.cpus, "meminfo": f.memory_mib, "topo": f.nvlink_domains}  # what each would read
+        skip = {p for p in HARDWARE_PROBES if held[p] is not None}
         if f.name not in fabric_nodes and not any(p.startswith("ibstat:") for p in f.problems):
             skip.add("ibstat")
         if not f.gpus and not any(p.startswith("nvidia-smi:") for p in f.problems):

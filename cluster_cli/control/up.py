@@ -140,9 +140,7 @@ async def up(
 
     for attempt in range(3):
         result: Plan = plan(facts, cat, [r.replica for r in current])
-        # A replica on a node that did not answer may still run there: it is neither stopped
-        # nor released (its engine would be left behind, unrecorded), nor replaced by this run.
-        away = {p.replica.key: p.note for p in result.stops if p.note.endswith(" unreachable")}
+        away = _away(result)
         if reprobe is not None and any(p.replica.key not in away for p in result.starts):
             # Something new is placed after all: on facts of every kind, read now.
             facts, seen = await reprobe()
@@ -151,15 +149,16 @@ async def up(
             if expect_version is None:
                 version = store.version()
             result = plan(facts, cat, [r.replica for r in current])
-            away = {p.replica.key: p.note for p in result.stops if p.note.endswith(" unreachable")}
-        stops = [_record_of(current, p.replica) for p in result.stops if p.replica.key not in away]
-        why_stop = {p.replica: p.note for p in result.stops}
+            away = _away(result)
+        # Each with the plan's reason.
+        stopping = [(rec, p.note) for p in result.stops
+                    if p.replica.key not in away and (rec := _record_of(current, p.replica)) is not None]  # fmt: skip
         new = _new_records(result, away, inv, cat, store, await _taken_ports(result, sessions, store, seen), me,
                            current)  # fmt: skip
         try:
             # A replica placed anew (its GPUs gone bad, its profile changed) may take what its
             # stopped allocation held: that is stopped first.
-            version = store.reserve(new, expect_version=version, replacing=[r for r in stops if r is not None])
+            version = store.reserve(new, expect_version=version, replacing=[rec for rec, _ in stopping])
             break
         except StaleVersion:
             if attempt == 2 or expect_version is not None:
@@ -174,16 +173,13 @@ async def up(
             version = store.version()
 
     # Out of the router first, then stopped: no new request reaches a replica being stopped.
-    stopping = [r for r in stops if r is not None]
     if stopping:
-        left = [r for r in store.records() if r.key not in {s.key for s in stopping}]
-        routerconf.write(router_config, routerconf.render(left, cat))
+        gone = {rec.key for rec, _ in stopping}
+        routerconf.write(router_config, routerconf.render([r for r in store.records() if r.key not in gone], cat))
         await asyncio.sleep(routerconf.PICKUP_S)
-    for rec in stopping:
+    for rec, _ in stopping:
         report(rec.name, "stopping", "")
-    outcomes += await asyncio.gather(
-        *(_stop(rec, why_stop.get(rec.replica, ""), store, sessions, report) for rec in stopping)
-    )
+    outcomes += await asyncio.gather(*(_stop(rec, why, store, sessions, report) for rec, why in stopping))
 
     for rec in current:
         if rec.replica.key in away:
@@ -221,8 +217,14 @@ async def up(
 
 def _record_of(records: list[ReplicaRecord], replica: Any) -> ReplicaRecord | None:
     """The record of ``replica`` (of two generations of it, the one with that allocation)."""
-    exact = next((r for r in records if r.replica == replica), None)
-    return exact or next((r for r in records if r.replica.key == replica.key), None)
+    return next((r for r in records if r.replica == replica), None)
+
+
+def _away(result: Plan) -> dict[tuple[str, int], str]:
+    """The replicas the plan stops because a node of theirs did not answer, with why: one may
+    still run there, so it is neither stopped nor released (its engine would be left behind,
+    unrecorded), nor replaced by this run."""
+    return {p.replica.key: p.note for p in result.stops if p.note.endswith(" unreachable")}
 
 
 def _kept(rec: ReplicaRecord) -> Outcome:

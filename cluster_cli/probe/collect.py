@@ -255,7 +255,7 @@ async def probe_node(
     timeouts are fitted inside it, so that a hung nvidia-smi is killed and reported with the
     node's other facts, not the node given up on as unreachable. ``extra`` commands run in the
     same batch; ``on_outputs`` gets every record of it (theirs included). The probes named in
-    ``leave_out`` are not run: their facts are taken from ``earlier``."""
+    ``leave_out`` are not run: their facts are taken from ``earlier`` (given with them)."""
     target = inv.ssh_target(node)
     started = time.time()
 
@@ -268,7 +268,7 @@ async def probe_node(
     try:
         async with connector.session(target) as session:
             # sminfo for the Active IB ports starts inside the same exec once ibstat is done.
-            probes = {k: v for k, v in PROBES.items() if k not in leave_out} if earlier is not None else PROBES
+            probes = {k: v for k, v in PROBES.items() if k not in leave_out}
             then = {"ibstat": SMINFO_AFTER_IBSTAT} if "ibstat" in probes else {}
             if own_tokens and "apps" in probes:
                 then["apps"] = LAUNCHED_AFTER_APPS
@@ -304,7 +304,7 @@ async def probe_node(
             sm_guids=sm,
             probed_at=started,
             ib_ports=every_port,
-            earlier=earlier if probes is not PROBES else None,
+            earlier=earlier,
         )
     except SSHError as e:
         return unreachable(node, e.message.removeprefix(f"{node.name}: "), started)
@@ -384,6 +384,7 @@ async def discover(
         t = inv.ssh_target(n)
         # First contact (accept-new) + connect, then the probe batch and the sminfo batch.
         deadline = node_timeout_s or (2 * t.connect_timeout_s + 2 * t.command_timeout_s + 2)
+        earlier, leave_out = (carry or {}).get(n.name, (None, frozenset()))
         async with sem:
             try:
                 ends = time.monotonic() + deadline
@@ -397,8 +398,8 @@ async def discover(
                         deadline=ends,
                         extra=(extra or {}).get(n.name),
                         on_outputs=on_outputs,
-                        earlier=kept[0] if (kept := (carry or {}).get(n.name)) else None,
-                        leave_out=kept[1] if kept else frozenset(),
+                        earlier=earlier,
+                        leave_out=leave_out,
                     ),
                     timeout=deadline,
                 )
