@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from cluster_cli.cli.main import app
 from cluster_cli.facts import NodeFacts, Replica, Shard
+from cluster_cli.state.records import ReplicaRecord
 from cluster_cli.state.store import Store
 
 runner = CliRunner()
@@ -129,10 +130,10 @@ def test_state_store_facts_allocations_and_version(tmp_path: Path) -> None:
     with Store(db) as s:
         s.save_discovery([dgx("gpu-01"), dgx("gpu-02"), dgx("gpu-03")])
         s.cordon("gpu-01", "bad fan")
-        s.put_replica(
-            Replica("llama-70b", 0, "h100-tp8", "vllm", (Shard("gpu-01", tuple(range(8))),), gpu_class="H100")
-        )
-        s.put_replica(Replica("old", 0, "x", "vllm", (Shard("gpu-02", (0,)),), gpu_class="H100"))
+        s.reserve([
+            ReplicaRecord(Replica("llama-70b", 0, "h100-tp8", "vllm", (Shard("gpu-01", tuple(range(8))),), gpu_class="H100")),
+            ReplicaRecord(Replica("old", 0, "x", "vllm", (Shard("gpu-02", (0,)),), gpu_class="H100")),
+        ])  # fmt: skip
         version = s.version()
     r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json")
     assert r.exit_code == 0, r.output

@@ -285,7 +285,7 @@ def test_a_hostile_node_cannot_put_terminal_escapes_on_the_operators_screen(tmp_
     raw = f.to_dict() | {"error": "ssh: \x1b]0;pwned\x07", "problems": ["\x1bc reset"]}
     with Store(tmp_path / "s.db") as s:
         s.save_discovery([f])
-        s._db.execute("UPDATE nodes SET facts=?", (json.dumps(raw),))
+        s._b._db.execute("UPDATE nodes SET facts=?", (json.dumps(raw),))
         (back,) = s.nodes()
     assert all(t.isprintable() for t in _texts(back))
     assert back.error == "ssh: \\x1b]0;pwned\\x07"

@@ -39,7 +39,7 @@ def test_what_each_node_leaves_out(tmp_path: Path) -> None:
     with Store(tmp_path / "s.db") as s:
         s.save_discovery([cpu, gpu, fabric, broken, no_ib, unknown, away])
         records = [_record("big", ["gpu-b", "gpu-d"])]
-        got = {name: left for name, (_, left) in carried(s, records).items()}
+        got = {name: left for name, (_, left) in carried(s.nodes(unreadable=[]), records).items()}
     assert got["cpu"] == HARDWARE | {"ibstat", "gpus", "apps"}  # a CPU node: nvidia-smi found nothing
     assert got["gpu-a"] == HARDWARE | {"ibstat"}  # its GPUs read again: their health keeps replicas
     assert got["gpu-b"] == HARDWARE  # a multi-node replica's shard: its ports are read again

@@ -8,12 +8,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cluster_cli.launch.observe import STAT, Observed, node_commands, parse_listening, parse_stat
+from cluster_cli.launch.observe import BOOT, STAT, Observed, node_commands, parse_listening, parse_stat
 from cluster_cli.probe.batch import build_script, parse_records
 from cluster_cli.probe.runner import CommandResult
 from cluster_cli.state.records import ShardRun
@@ -112,6 +113,17 @@ def test_every_recorded_shard_gone_is_news_of_death_not_silence() -> None:
     assert seen.alive(gone) is False
 
 
+def test_a_shard_that_started_on_another_boot_is_not_alive() -> None:
+    me = os.getpid()
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    now = ShardRun("n1", "~/r", "t", pid=me, start_time=_start_time(me), boot_id=boot)
+    before = replace(now, boot_id="0d6b0a1e-reboot")
+    seen = Observed()
+    seen.record("n1", _batch(node_commands([now, before], ports=False)))
+    assert seen.boot_ids == {"n1": boot}
+    assert (seen.alive(now), seen.alive(before), seen.alive(replace(now, boot_id=None))) == (True, False, True)
+
+
 def test_ports_are_read_only_when_asked_for() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -119,7 +131,7 @@ def test_ports_are_read_only_when_asked_for() -> None:
         seen = Observed()
         seen.record("n1", _batch(node_commands([], ports=True)))
         assert s.getsockname()[1] in seen.listening["n1"]
-    assert node_commands([], ports=False) == {}
+    assert set(node_commands([], ports=False)) == {BOOT}  # the boot id only: read by the shell, no process
     quiet = Observed()
     quiet.record("n1", _batch(node_commands([ShardRun("n1", "~/r", "t", pid=1, start_time=1)], ports=False)))
     assert "n1" not in quiet.listening  # not read: a new replica's up asks the node then

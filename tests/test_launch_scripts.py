@@ -44,8 +44,9 @@ def _start(tmp: Path, argv: list[str], env: dict[str, str] | None = None, **kw: 
     out = sh(script, env=env)
     (ok,) = remote.answers(out, "OK") or [None]
     assert ok, out
-    pid, st = map(int, ok.split())
-    return token, pid, st
+    pid, st, boot = ok.split()
+    assert boot == Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # the node's boot, recorded
+    return token, int(pid), int(st)
 
 
 @pytest.mark.slow
@@ -215,3 +216,13 @@ def test_hostile_arguments_reach_the_process_verbatim(tmp_path: Path) -> None:
         assert shlex.split((tmp_path / "run" / "cmd").read_text())[-len(weird) :] == weird
     finally:
         sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=1))
+
+
+def test_a_recorded_process_is_alive_only_on_the_boot_it_started_on() -> None:
+    """After a reboot PIDs are handed out again: a PID with the recorded start time may be
+    another process. The node's boot id, recorded at start, tells them apart."""
+    me, boot = os.getpid(), Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    st = int(Path(f"/proc/{me}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    refs = [ShardRef("/x", "t", me, st, boot), ShardRef("/x", "t", me, st, "another-boot"), ShardRef("/x", "t", me, st)]
+    out = sh(remote.inspect_script(refs))
+    assert remote.answers(out, "ALIVE") == ["0", "2"] and remote.answers(out, "DEAD") == ["1"]

@@ -54,8 +54,11 @@ def _v1_state(path: Path) -> None:
 def test_a_version_1_state_is_upgraded_in_place_with_its_cordons_and_facts(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     _v1_state(path)
-    with Store(path, readonly=True) as ro:  # read as it is, not upgraded by a reader
-        assert ro.schema == 1 and ro.replicas() == [_rep()]
+    with Store(path, readonly=True) as ro:  # read through an upgraded copy; the file is not written
+        assert ro.schema == SCHEMA_VERSION and ro.replicas() == [_rep()]
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("1",)
+    db.close()
     with Store(path) as s:
         assert s.schema == SCHEMA_VERSION
         assert s.cordons()["gpu-01"]["reason"] == "fan failing"
@@ -63,7 +66,7 @@ def test_a_version_1_state_is_upgraded_in_place_with_its_cordons_and_facts(tmp_p
         assert s.version() == 7  # an upgrade is no change of what the state says
         (rec,) = s.records()
         assert (rec.replica, rec.generation, rec.desired) == (_rep(), 1, "up")
-        assert s.events(1)[0]["kind"] == "migrate"
+        assert s.events(1)[-1].kind == "migrate"
     db = sqlite3.connect(path)
     assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (str(SCHEMA_VERSION),)
     db.close()
@@ -93,33 +96,35 @@ def test_a_failed_migration_leaves_the_version_1_state_as_it_was(tmp_path: Path,
 def test_reserving_moves_the_version_and_observing_does_not(tmp_path: Path) -> None:
     with Store(tmp_path / "s.db") as s:
         v0 = s.version()
-        rec = ReplicaRecord(_rep(), port=8100)
-        v1 = s.reserve([rec], expect_version=v0)
-        assert v1 == v0 + 1
+        booked = s.reserve([ReplicaRecord(_rep(), port=8100)], expect_version=v0)
+        assert booked.version == v0 + 1 == s.version()
+        (rec,) = booked.records
+        assert (rec.generation, rec.revision) == (1, 1)
         run = ShardRun("gpu-01", "~/.clusterctl/run/m-0.g1", "tok", pid=42, start_time=1234)
-        s.observe(ReplicaRecord(_rep(), port=8100, status=STARTING, shards=(run,)))
-        s.observe(ReplicaRecord(_rep(), port=8100, status=READY, shards=(run,), endpoint="http://h:8100"))
-        assert s.version() == v1
+        rec = s.observe(replace(rec, status=STARTING, shards=(run,)))
+        rec = s.observe(replace(rec, status=READY, endpoint="http://h:8100"))
+        assert s.version() == v0 + 1 and rec.revision == 3
         (got,) = s.records()
-        assert (got.status, got.shards, got.endpoint) == (READY, (run,), "http://h:8100")
+        assert (got.status, got.shards, got.endpoint, got.revision) == (READY, (run,), "http://h:8100", 3)
         with pytest.raises(StaleVersion):
             s.reserve([ReplicaRecord(_rep("other", 0, "gpu-02"), port=8100)], expect_version=v0)
         assert len(s.records()) == 1
         s.release(got, wanted_down=True)
         assert s.records() == [] and s.records(include_down=True)[0].desired == "down"
-        assert s.version() == v1 + 1 and s.replicas() == []  # wanted down: holds no GPU
+        assert s.version() == v0 + 2 and s.replicas() == []  # wanted down: holds no GPU
 
 
 def test_of_two_runs_that_take_one_replica_over_one_gets_it(tmp_path: Path) -> None:
     with Store(tmp_path / "s.db") as s:
-        s.reserve([ReplicaRecord(_rep(), port=8100)])
-        s.observe(ReplicaRecord(_rep(), port=8100, status=READY))
+        (rec,) = s.reserve([ReplicaRecord(_rep(), port=8100)]).records
+        s.observe(replace(rec, status=READY))
         (seen,) = s.records()
-        assert s.claim(seen, replace(seen, status=UNHEALTHY, owner="run-a", restarts=1))
-        assert not s.claim(seen, replace(seen, status=UNHEALTHY, owner="run-b", restarts=1))
+        mine = s.claim(seen, replace(seen, status=UNHEALTHY, owner="run-a", restarts=1))
+        assert mine is not None and mine.revision == seen.revision + 1
+        assert s.claim(seen, replace(seen, status=UNHEALTHY, owner="run-b", restarts=1)) is None
         (got,) = s.records()
         assert (got.status, got.owner, got.restarts) == (UNHEALTHY, "run-a", 1)
-        assert s.claim(got, replace(got, status=STARTING))  # read again, it can be taken on
+        assert s.claim(got, replace(got, status=STARTING)) is not None  # read again, it can be taken on
         assert s.records()[0].owner == "run-a"
 
 
@@ -140,14 +145,14 @@ def test_a_replica_placed_anew_is_its_next_generation_and_takes_over_what_it_reu
     generation, which takes over the GPUs it reuses from the first; the rest stays the first's
     until it is released. Held by any other replica, a GPU is still refused."""
     with Store(tmp_path / "s.db") as s:
-        old = ReplicaRecord(_rep(gpus=(0, 1)), port=8100)
-        other = ReplicaRecord(_rep("o", gpus=(4,)), port=8200)
-        s.reserve([old, other])
-        new = ReplicaRecord(_rep(gpus=(1, 2)), generation=2, port=8101)
+        old, _ = s.reserve(
+            [ReplicaRecord(_rep(gpus=(0, 1)), port=8100), ReplicaRecord(_rep("o", gpus=(4,)), port=8200)]
+        ).records
+        new = ReplicaRecord(_rep(gpus=(1, 2)), port=8101)
         with pytest.raises(StateError, match="GPU 1 is already held by m/0"):
             s.reserve([new])
         with pytest.raises(StateError, match="GPU 4 is already held by o/0"):
-            s.reserve([ReplicaRecord(_rep(gpus=(1, 4)), generation=2, port=8101)], replacing=[old])
+            s.reserve([ReplicaRecord(_rep(gpus=(1, 4)), port=8101)], replacing=[old])
         assert [r.key for r in s.records()] == [("m", 0, 1), ("o", 0, 1)]
         s.reserve([new], replacing=[old])
         assert [r.key for r in s.records()] == [("m", 0, 1), ("m", 0, 2), ("o", 0, 1)]
@@ -205,7 +210,7 @@ def test_holds_never_give_one_gpu_to_two_replicas(tmp_path_factory, ops) -> None
                     s.reserve([ReplicaRecord(rep)])
             elif op in ("release", "down") and model in recs:
                 s.release(recs[model], wanted_down=op == "down")
-        held = s._db.execute("SELECT item, model FROM holds WHERE kind='gpu'").fetchall()
+        held = s._b._db.execute("SELECT item, model FROM holds WHERE kind='gpu'").fetchall()  # one node: index = GPU
         assert len(held) == len({g for g, _ in held})
         want = {(g, r.replica.model) for r in s.records() for sh in r.replica.shards for g in sh.gpus}
         assert set(held) == want

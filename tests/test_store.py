@@ -6,12 +6,15 @@ import multiprocessing as mp
 import os
 import signal
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from cluster_cli.errors import StateError
 from cluster_cli.facts import Gpu, NodeFacts, Replica, Shard
+from cluster_cli.state.launches import StaleRecord
+from cluster_cli.state.records import ReplicaRecord
 from cluster_cli.state.store import Store
 
 
@@ -54,35 +57,25 @@ def test_versions_and_replicas_released_whole(tmp_path: Path) -> None:
         v0 = s.version()
         a = Replica("m", 0, "p", "vllm", (Shard("a", (0, 1), ("mlx5_0",)), Shard("b", (0, 1), ("mlx5_0",))), "ib-a")
         b = Replica("m", 1, "p", "vllm", (Shard("c", (0, 1, 2, 3), ("mlx5_0", "mlx5_1")), Shard("d", (4, 5))), "ib-a")
-        s.put_replica(a, status="starting", endpoint="http://a:1", detail="pulling")
-        s.put_replica(b)  # the defaults: planned, no endpoint yet
+        ra, rb = s.reserve([ReplicaRecord(a, port=8100), ReplicaRecord(b, port=8100)]).records
         v1 = s.version()
         assert v1 > v0
-        assert s.replicas() == [a, b]
-        # The same (model, replica) again updates that row in place: spec, status, endpoint, detail.
-        a2 = Replica("m", 0, "p2", "vllm", (Shard("a", (2, 3), ("mlx5_1",)), Shard("e", (0, 1), ("mlx5_0",))), "ib-a")
-        s.put_replica(a2, status="running", endpoint="http://a:2")
-        assert s.version() > v1
-        rows = s.replica_rows()
-        assert [(r["replica"], r["status"], r["endpoint"], r["detail"]) for r in rows] == [
-            (a2, "running", "http://a:2", None),
+        assert s.replicas() == [a, b]  # shards, GPUs and HCAs as placed, read back from their own rows
+        s.observe(replace(ra, status="starting", endpoint="http://a:1", detail="pulling"))
+        assert s.version() == v1  # observed, not desired: no new version
+        assert [(r.replica, r.status, r.endpoint, r.detail) for r in s.records()] == [
+            (a, "starting", "http://a:1", "pulling"),
             (b, "planned", None, None),
         ]
-        assert all(isinstance(r["updated_at"], float) for r in rows)
-        v2 = s.version()
-        assert s.release_replica("m", 0) is True
-        assert s.version() > v2
-        # Released whole: every shard of m/0 went at once, and m/1 is untouched.
-        assert s.replicas() == [b]
-        assert [(r["replica"], r["status"], r["endpoint"]) for r in s.replica_rows()] == [(b, "planned", None)]
-        assert s.events(1)[0]["kind"] == "release" and s.events(1)[0]["message"] == "m/0 released"
-        v3 = s.version()
-        assert s.release_replica("m", 0) is False  # nothing left to release
-        assert s.release_replica("m", 7) is False
-        assert s.replicas() == [b] and s.events(1)[0]["message"] == "m/0 released"
-        assert s.version() == v3  # nothing changed: no new version for a plan to be stale against
+        assert s.release(s.records()[0]) is None  # whole: its row, shards and holds at once
+        assert s.version() > v1
+        assert s.replicas() == [b] and [r.key for r in s.records()] == [rb.key]
+        ev = s.events(1)[-1]
+        assert (ev.kind, ev.name, ev.generation, ev.message) == ("released", "m/0", 1, "m/0 released")
+        with pytest.raises(StaleRecord):  # nothing left to release: refused, not a silent no-op
+            s.release(ra)
     with Store(tmp_path / "s.db") as s:  # and it is all on disk
-        assert s.replicas() == [b] and s.version() == v3
+        assert s.replicas() == [b]
 
 
 def _cordon_many(path: str, prefix: str, n: int) -> None:
@@ -226,7 +219,7 @@ def test_cordon_returns_the_cordon_it_replaced(tmp_path: Path) -> None:
         first = s.cordons()["a"]
         assert s.cordon("a", "psu") == first == {"reason": "fan", "created_at": first["created_at"]}
         assert s.cordons()["a"] == {"reason": "psu", "created_at": first["created_at"]}
-        assert s.events(1)[0]["message"] == "psu (was: fan)"
+        assert s.events(1)[-1].message == "psu (was: fan)"
 
 
 def _exclusive_writer(path: Path) -> sqlite3.Connection:
@@ -299,9 +292,9 @@ def test_a_full_disk_is_a_one_line_state_error_and_loses_nothing(tmp_path: Path)
         s.cordon("a", "first")
         version = s.version()
         # A database that may not grow (what a full disk does to it); WAL pages count too.
-        s._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        pages = s._db.execute("PRAGMA page_count").fetchone()[0]
-        s._db.execute(f"PRAGMA max_page_count={pages}")
+        s._b._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        pages = s._b._db.execute("PRAGMA page_count").fetchone()[0]
+        s._b._db.execute(f"PRAGMA max_page_count={pages}")
         with pytest.raises(StateError, match=r"s\.db: cannot write the state: database or disk is full"):
             s.cordon("b", "x" * 200_000)
         assert s.version() == version  # nothing half-written
@@ -402,7 +395,7 @@ def test_a_full_disk_reads_as_a_full_disk_not_a_damaged_state(tmp_path: Path) ->
 
     mnt = tmp_path / "full"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
         path = mnt / "s.db"

@@ -286,13 +286,14 @@ def pinned_hosts_path(state_path: Path) -> Path:
     return pinned if pinned != state_path else state_path.with_name(state_path.name + ".pins")
 
 
-def open_store(path: Path, *, create: bool = True, say_new: bool = False) -> Store:
+def open_store(path: Path, *, actor: str, create: bool = True, say_new: bool = False) -> Store:
     """Open the state database; ``create`` makes a missing one (and its folders).
     ``say_new``: a command that only changes the state (cordon) says so on stderr when the
-    state did not exist, so that a typo in --state / CLUSTERCTL_STATE shows at once."""
+    state did not exist, so that a typo in --state / CLUSTERCTL_STATE shows at once.
+    ``actor`` (the command's name) is who the events it writes name."""
     new = create and not path.exists()
     try:
-        store = Store(path, create=create)
+        store = Store(path, create=create, actor=actor)
     except ClusterctlError as e:
         ui.fail(e)
     if new and say_new:

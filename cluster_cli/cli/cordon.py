@@ -80,7 +80,7 @@ def cordon(
     # without -i would otherwise keep failing on it until the next discover).
     recorded = stored_inventory(state.state_path) if inventory is not None else None
     gone = recorded is not None and not recorded.is_file()
-    with open_store(state.state_path, say_new=True) as store:
+    with open_store(state.state_path, actor="cordon", say_new=True) as store:
         try:
             was = store.cordon(node, reason, inventory=inv.resolve(), replace_inventory=gone)
         except ClusterctlError as e:
@@ -136,7 +136,7 @@ def uncordon(
     # be there), when there is one: a state with none recorded has nothing to check against.
     if not _cordoned_in_state(state.state_path, node) and (inventory is not None or stored_inventory(state.state_path)):
         _check_node(recorded_inventory(inventory, state.state_path), node)
-    with open_store(state.state_path, create=False) as store:
+    with open_store(state.state_path, actor="uncordon", create=False) as store:
         try:
             was = store.uncordon(node)
         except ClusterctlError as e:

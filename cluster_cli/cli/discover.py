@@ -20,6 +20,7 @@ from cluster_cli.cli.common import INVENTORY_ENV, INVENTORY_HELP, inventory_or_a
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError, ExitCode, SSHError
 from cluster_cli.facts import NodeFacts, lost_gpus_problem, printable, problem_key
+from cluster_cli.state.aio import using
 from cluster_cli.state.store import Store
 
 if TYPE_CHECKING:  # asyncssh and asyncio load only when discover runs
@@ -140,7 +141,7 @@ def discover(
         nodes = [n for n in inv.nodes if n.name in set(node)]
     # A state that cannot be written is found now, before probing. A new one is made only to
     # save the facts: until then another command (a cordon) may make it, and keep what it wrote.
-    store = open_store(state.state_path) if state.state_path.exists() else None
+    store = open_store(state.state_path, actor="discover") if state.state_path.exists() else None
     if store is None:
         try:
             Store.check_creatable(state.state_path)
@@ -167,10 +168,10 @@ def discover(
                     if trace is not None:
                         trace.done(f)
 
-                facts = asyncio.run(_cancelled_by_sigterm(discovery.probe(
-                    inv, nodes, connector=trace or connector, parallel=parallel, node_timeout_s=timeout, store=store,
+                facts = asyncio.run(_cancelled_by_sigterm(using(store, lambda astore: discovery.probe(
+                    inv, nodes, connector=trace or connector, parallel=parallel, node_timeout_s=timeout, store=astore,
                     on_done=done,
-                )))  # fmt: skip
+                ))))  # fmt: skip
             if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the loop's own handler went with it
                 with contextlib.suppress(ValueError):  # (not the main thread)
                     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -185,14 +186,15 @@ def discover(
         saved = False
         try:
             if store is None:
-                store = open_store(state.state_path)
-            facts = discovery.save(store, facts, inventory)
+                store = open_store(state.state_path, actor="discover")
+            probed = facts
+            facts = asyncio.run(using(store, lambda astore: discovery.save(astore, probed, inventory)))
             saved = True
             # Every node of the inventory, as it declares them now (fabrics, classes, labels): the
             # fabric cross-check also covers nodes probed by an earlier run (``--node``). The facts
             # are saved by now: a node not probed this time whose row cannot be read is warned of.
             bad: list[str] = []
-            fleet = discovery.fleet(inv, store, bad)
+            fleet = asyncio.run(using(store, lambda astore: discovery.fleet(inv, astore, bad))).nodes
             for name in bad:
                 ui.warn(
                     f"{store.path}: node {name}: its stored facts cannot be read; 'clusterctl discover --node {name}' replaces them"

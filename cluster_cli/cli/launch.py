@@ -21,6 +21,7 @@ from cluster_cli.cli.common import (
 )
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError, ExitCode
+from cluster_cli.state.aio import AsyncStore
 
 if TYPE_CHECKING:
     from cluster_cli.config.inventory import Inventory
@@ -108,6 +109,7 @@ def up(
     import asyncio
 
     from cluster_cli.config.catalog import load_catalog
+    from cluster_cli.control import discovery
     from cluster_cli.control.checks import HealthChecks, expects_new
     from cluster_cli.control.runs import Runs
     from cluster_cli.control.sessions import Sessions
@@ -123,25 +125,28 @@ def up(
     from cluster_cli.launch.routerconf import default_path
 
     rc_path = router_config or default_path(state.state_path)
-    store = open_store(state.state_path)
+    store = open_store(state.state_path, actor="up")
     runs = Runs(state.state_path)
     progress = _Progress(output is ui.Output.table or ui.err.is_terminal)
 
     async def go() -> Any:
         # One SSH connection per node for all of it: the probe's are the launch's.
-        async with Sessions(inv, _connector(state.state_path)) as sessions:
+        async with Sessions(inv, _connector(state.state_path)) as sessions, AsyncStore(store) as astore:
             observed = None
-            records = store.records()
+            records = await astore.records()
             health = HealthChecks(records, sessions)
             reprobe = None
 
             async def probe(steady: bool, on_done: Any = None) -> Any:
-                return await _probe_and_save(inv, inventory, store, sessions.connector_view(), parallel, progress,
+                return await _probe_and_save(inv, inventory, astore, sessions.connector_view(), parallel, progress,
                                              on_done, steady=steady)  # fmt: skip
+
+            async def fleet() -> Any:
+                return await discovery.fleet(inv, astore, placeable=True)
 
             async def full() -> Any:
                 seen = await probe(False)
-                return _fleet(inv, store), seen
+                return await fleet(), seen
 
             if check_version is None:
                 # Every replica the catalog asks for is held: check them, without reading the
@@ -149,22 +154,22 @@ def up(
                 steady = not expects_new(cat, records)
                 observed = await probe(steady, health.node_done)
                 reprobe = full if steady else None
-            nodes = _fleet(inv, store)
             return await run_up(
                 inv,
                 cat,
-                store,
+                astore,
                 sessions,
-                nodes,
+                fleet,
                 router_config=rc_path,
                 expect_version=check_version,
                 timeout_s=timeout,
                 report=progress,
                 observed=observed,
-                refresh=lambda: _fleet(inv, store),
                 runs=runs,
                 health=health,
                 reprobe=reprobe,
+                catalog_doc=cat.model_dump(mode="json"),
+                catalog_source=str(catalog.resolve()),
             )
 
     try:
@@ -200,16 +205,10 @@ async def _probe_and_save(
     observed = Observed()
     facts = await discovery.probe(inv, connector=connector, parallel=parallel, store=store, observed=observed,
                                   ports=not steady, hardware=not steady, on_done=on_done)  # fmt: skip
-    discovery.save(store, facts, path)
+    await discovery.save(store, facts, path, observed)
     down = [f.name for f in facts if not f.reachable]
     report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))
     return observed
-
-
-def _fleet(inv: Inventory, store: Any) -> list[Any]:
-    from cluster_cli.control import discovery
-
-    return discovery.placeable(inv, discovery.fleet(inv, store))
 
 
 def _render_up(result: Any) -> None:
@@ -276,10 +275,12 @@ def down(
     if names and all_:
         ui.abort("give replica names or --all, not both")
     state: App = ctx.obj
-    store = open_store(state.state_path, create=False)
+    store = open_store(state.state_path, actor="down", create=False)
     inv = inventory_or_abort(recorded_inventory(inventory, state.state_path), state_path=state.state_path)
     try:
-        records = store.records()
+        # Those wanted up, and the fenced ones (their stop was not confirmed: it is tried again).
+        records = [r for r in store.records(include_down=True, include_fenced=True)
+                   if r.desired == "up" or r.status == "fenced"]  # fmt: skip
         targets = records if all_ else select(records, names)
     except ClusterctlError as e:
         store.close()
@@ -288,8 +289,8 @@ def down(
     say = ui.info if output is ui.Output.table else (lambda _: None)
 
     async def go() -> Any:
-        async with Sessions(inv, _connector(state.state_path)) as sessions:
-            return await run_down(store, sessions, targets, router_config=rc_path, report=say)
+        async with Sessions(inv, _connector(state.state_path)) as sessions, AsyncStore(store) as astore:
+            return await run_down(astore, sessions, targets, router_config=rc_path, report=say)
 
     try:
         done = asyncio.run(go())
@@ -331,14 +332,15 @@ def status(
     from cluster_cli.control.sessions import Sessions
 
     state: App = ctx.obj
-    store = open_store(state.state_path, create=False)
+    store = open_store(state.state_path, actor="status", create=False)
 
     async def go() -> Any:
-        if not check:
-            return await run_status(store, None)
-        inv = inventory_or_abort(recorded_inventory(inventory, state.state_path), state_path=state.state_path)
-        async with Sessions(inv, _connector(state.state_path)) as sessions:
-            return await run_status(store, sessions)
+        async with AsyncStore(store) as astore:
+            if not check:
+                return await run_status(astore, None)
+            inv = inventory_or_abort(recorded_inventory(inventory, state.state_path), state_path=state.state_path)
+            async with Sessions(inv, _connector(state.state_path)) as sessions:
+                return await run_status(astore, sessions)
 
     try:
         rows = asyncio.run(go())
@@ -424,7 +426,7 @@ def logs(
     from cluster_cli.control.sessions import Sessions
 
     state: App = ctx.obj
-    store = open_store(state.state_path, create=False)
+    store = open_store(state.state_path, actor="logs", create=False)
     try:
         rec = find(store, replica, shard)
     except ClusterctlError as e:

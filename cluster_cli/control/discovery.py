@@ -5,6 +5,7 @@ sees it (inventory declarations, cordons, fabric cross-checks)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ from cluster_cli.state.records import ReplicaRecord, ShardRun
 if TYPE_CHECKING:
     from cluster_cli.config.inventory import Inventory, Node
     from cluster_cli.probe.runner import Connector
-    from cluster_cli.state.store import Store
+    from cluster_cli.state.aio import AsyncStore
 
 
 def launched(records: Sequence[ReplicaRecord]) -> tuple[dict[str, frozenset[int]], dict[str, frozenset[str]]]:
@@ -39,7 +40,7 @@ async def probe(
     connector: Connector,
     parallel: int = 64,
     node_timeout_s: float | None = None,
-    store: Store | None = None,
+    store: AsyncStore | None = None,
     on_done: Callable[[NodeFacts], None] | None = None,
     observed: Observed | None = None,
     ports: bool = True,
@@ -52,9 +53,9 @@ async def probe(
     (``carried``): a check of running replicas, which places nothing new."""
     from cluster_cli.probe.collect import discover
 
-    records = store.records() if store is not None else []
+    records = await store.records(include_fenced=True) if store is not None else []
     pids, tokens = launched(records)
-    carry = carried(store, records) if store is not None and not hardware else None
+    carry = carried(await store.nodes(unreadable=[]), records) if store is not None and not hardware else None
     extra = None
     if observed is not None:
         runs: dict[str, list[ShardRun]] = {}
@@ -80,7 +81,7 @@ async def probe(
     )
 
 
-def carried(store: Store, records: Sequence[ReplicaRecord]) -> dict[str, tuple[NodeFacts, frozenset[str]]]:
+def carried(stored: list[NodeFacts], records: Sequence[ReplicaRecord]) -> dict[str, tuple[NodeFacts, frozenset[str]]]:
     """Per node the state knows, its earlier facts and the probes that may be left out, their
     facts taken from those: the hardware ones whose value the facts hold; ``ibstat`` where no
     multi-node replica runs (only those read the ports' state while they run); and on a node
@@ -90,7 +91,7 @@ def carried(store: Store, records: Sequence[ReplicaRecord]) -> dict[str, tuple[N
 
     fabric_nodes = {run.node for rec in records if len(rec.shards) > 1 for run in rec.shards}
     out: dict[str, tuple[NodeFacts, frozenset[str]]] = {}
-    for f in store.nodes(unreadable=[]):
+    for f in stored:
         if not f.reachable:
             continue
         held = {"cpus": f.cpus, "meminfo": f.memory_mib, "topo": f.nvlink_domains}  # what each would read
@@ -103,28 +104,47 @@ def carried(store: Store, records: Sequence[ReplicaRecord]) -> dict[str, tuple[N
     return out
 
 
-def save(store: Store, facts: list[NodeFacts], inventory: Path) -> list[NodeFacts]:
-    """Save one probe run's facts (one transaction), each with what changed since the last;
-    returns them as saved. A stored row that cannot be read is no earlier knowledge: replaced."""
+async def save(
+    store: AsyncStore, facts: list[NodeFacts], inventory: Path, observed: Observed | None = None
+) -> list[NodeFacts]:
+    """Save one probe run's facts (one transaction), each with what changed since the last,
+    and (``observed``) the nodes' boot ids; returns them as saved. A stored row that cannot
+    be read is no earlier knowledge: replaced."""
     from cluster_cli.state.view import note_changes
 
-    before = {f.name: f for f in store.nodes([f.name for f in facts], unreadable=[])}
+    before = {f.name: f for f in await store.nodes([f.name for f in facts], unreadable=[])}
     facts = [note_changes(f, before.get(f.name)) for f in facts]
-    store.save_discovery(facts, inventory=inventory.resolve())
+    boots = observed.boot_ids if observed is not None else None
+    await store.save_discovery(facts, inventory=inventory.resolve(), boot_ids=boots)
     return facts
 
 
-def fleet(inv: Inventory, store: Store, unreadable: list[str] | None = None) -> list[NodeFacts]:
+@dataclass(frozen=True)
+class Fleet:
+    """What a plan is made from, from one snapshot of the state: the inventory's nodes as
+    placement sees them, the replicas held, and the state version."""
+
+    nodes: list[NodeFacts]
+    records: list[ReplicaRecord]
+    version: int
+
+
+async def fleet(
+    inv: Inventory, store: AsyncStore, unreadable: list[str] | None = None, *, placeable: bool = False
+) -> Fleet:
     """Every node of the inventory as the state holds it, with what the inventory declares
-    (fabrics, classes, labels) and the cordons; nodes whose row cannot be read go to
-    ``unreadable``."""
-    from cluster_cli.state.view import for_inventory
+    (fabrics, classes, labels), the cordons, and the GPUs fenced replicas hold; with the
+    replicas and the state version of the same snapshot. Nodes whose row cannot be read go
+    to ``unreadable``. ``placeable``: as placement takes them (see :func:`_placeable`)."""
+    from cluster_cli.state.view import for_inventory, with_fenced
 
     bad = unreadable if unreadable is not None else []
-    return for_inventory(inv, store.nodes([n.name for n in inv.nodes], unreadable=bad), from_state=True)
+    view = await store.plan_view([n.name for n in inv.nodes], unreadable=bad)
+    nodes = with_fenced(for_inventory(inv, view.nodes, from_state=True), view.fenced)
+    return Fleet(_placeable(inv, nodes) if placeable else nodes, view.records, view.version)
 
 
-def placeable(inv: Inventory, nodes: list[NodeFacts]) -> list[NodeFacts]:
+def _placeable(inv: Inventory, nodes: list[NodeFacts]) -> list[NodeFacts]:
     """``nodes`` with the ports whose subnet contradicts their declared fabric taken off."""
     from cluster_cli.probe.fabric import distrust_conflicting_ports
 

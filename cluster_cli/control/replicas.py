@@ -13,10 +13,11 @@ from cluster_cli.engines import get_engine
 from cluster_cli.errors import ClusterctlError, ConfigError, SSHError
 from cluster_cli.launch import node as nodeops
 from cluster_cli.launch import remote, routerconf
-from cluster_cli.state.records import READY, STOPPED, UNHEALTHY, UP, ReplicaRecord
+from cluster_cli.state.records import FENCED, READY, STOPPED, UNHEALTHY, UP, ReplicaRecord
 
 if TYPE_CHECKING:
     from cluster_cli.control.sessions import Sessions
+    from cluster_cli.state.aio import AsyncStore
     from cluster_cli.state.store import Store
 
 
@@ -46,19 +47,30 @@ class Downed:
 
 
 async def down(
-    store: Store,
+    store: AsyncStore,
     sessions: Sessions,
     targets: list[ReplicaRecord],
     *,
     router_config: Path,
     report: Callable[[str], None],
 ) -> list[Downed]:
-    """Take ``targets`` out of the router config, then stop each whole and release it, wanted
-    down (nothing brings it back until the next ``up``)."""
-    from cluster_cli.control.up import stop_replica
+    """Mark ``targets`` wanted down (a run starting one meanwhile sees it and stops what it
+    started), take them out of the router config, then stop each whole and release it,
+    wanted down (nothing brings it back until the next ``up``). One whose stop cannot be
+    confirmed is fenced: its GPUs stay held until a later stop confirms it gone. Targets
+    fenced by an earlier stop are stopped again, and freed once confirmed gone."""
+    from cluster_cli.control import stops
 
-    keys = {t.key for t in targets}
-    left = [r for r in store.records() if r.key not in keys]
+    fenced = [t for t in targets if t.status == FENCED]
+    marked = []
+    for t in targets:
+        if t.status == FENCED:
+            continue
+        got = await stops.cas(store, t, lambda cur: store.want_down(cur, why="taken down by down"), same=lambda _: True)
+        if got is not None:
+            marked.append(got)
+    keys = {t.key for t in marked}
+    left = [r for r in await store.records() if r.key not in keys]
     sessions.prefetch(sorted({run.node for t in targets for run in t.shards}))  # connect while the router catches up
     if router_config.exists() or left:
         routerconf.write(router_config, routerconf.render(left, None))
@@ -66,12 +78,23 @@ async def down(
             await asyncio.sleep(routerconf.PICKUP_S)
 
     async def one(rec: ReplicaRecord) -> Downed:
-        problem = await stop_replica(rec, sessions)
-        store.release(rec, wanted_down=True, why="stopped by down")
-        report(f"{rec.name}: {'stopped' if not problem else 'stopped, with problems: ' + problem}")
-        return Downed(rec.name, [s.node for s in rec.replica.shards], not problem, problem)
+        stopped = await stops.stop_shards(rec, sessions)
+        await stops.release(store, rec, stopped, why="stopped by down", wanted_down=True)
+        return _downed(rec, stopped.problem(), report)
 
-    return list(await asyncio.gather(*(one(r) for r in targets)))
+    async def again(rec: ReplicaRecord) -> Downed:
+        mine = [f for f in await store.fences() if (f.model, f.replica, f.generation) == rec.key]
+        still = await stops.clear(store, sessions, mine)
+        return _downed(rec, "; ".join(f"{f.node}: {f.reason}" for f in still), report)
+
+    return list(await asyncio.gather(*(one(r) for r in marked), *(again(r) for r in fenced)))
+
+
+def _downed(rec: ReplicaRecord, problem: str, report: Callable[[str], None]) -> Downed:
+    if problem:
+        problem += " (fenced: its GPUs and ports stay held until a stop confirms it gone)"
+    report(f"{rec.name}: {'stopped' if not problem else 'stopped, with problems: ' + problem}")
+    return Downed(rec.name, [s.node for s in rec.replica.shards], not problem, problem)
 
 
 @dataclass
@@ -108,12 +131,15 @@ class Row:
 _UNKNOWN = {"running": None, "waiting": None, "kv_cache_usage": None}
 
 
-async def status(store: Store, sessions: Sessions | None) -> list[Row]:
+async def status(store: AsyncStore, sessions: Sessions | None) -> list[Row]:
     """Every replica with its state as seen now (``sessions`` None: as last recorded) and its
-    engine's load, scraped through the node's SSH session."""
-    records = store.records(include_down=True)
+    engine's load, scraped through the node's SSH session. What it sees is recorded only if
+    the row is still as it was read: a replica restarted meanwhile keeps its new processes."""
+    records = await store.records(include_down=True, include_fenced=True)
 
     async def one(rec: ReplicaRecord) -> Row:
+        if rec.status == FENCED:
+            return Row(rec, FENCED, dict(_UNKNOWN))
         if rec.desired != UP:
             return Row(rec, STOPPED, dict(_UNKNOWN))
         if sessions is None or rec.status != READY or rec.port is None or not rec.shards:
@@ -132,9 +158,9 @@ async def status(store: Store, sessions: Sessions | None) -> list[Row]:
             return Row(rec, UNHEALTHY, dict(_UNKNOWN), f"cannot be checked: {e}")
 
     rows = list(await asyncio.gather(*(one(r) for r in records)))
-    for row in rows:  # observed health: recorded, no new state version
+    for row in rows:  # observed health: recorded (compare and set), no new state version
         if row.rec.desired == UP and row.state != row.rec.status and sessions is not None:
-            store.observe(replace(row.rec, status=row.state, detail=row.detail or None))
+            await store.claim(row.rec, replace(row.rec, status=row.state, detail=row.detail or None))
     return rows
 
 
@@ -157,7 +183,7 @@ async def _load(session: Any, rec: ReplicaRecord) -> dict[str, float | None]:
 
 def find(store: Store, name: str, shard: int = 0) -> ReplicaRecord:
     """The live record of replica ``name`` (``MODEL/N``). Raises ConfigError."""
-    recs = [r for r in store.records(include_down=True) if r.name == name]
+    recs = [r for r in store.records(include_down=True, include_fenced=True) if r.name == name]
     if not recs:
         known = ", ".join(sorted({r.name for r in store.records()})) or "none"
         raise ConfigError(f"{name}: no such replica in the state (replicas: {known})")

@@ -17,15 +17,26 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cluster_cli.control import stops
 from cluster_cli.control.checks import HealthChecks, find_dead
+from cluster_cli.control.discovery import Fleet
 from cluster_cli.errors import ClusterctlError, SSHError
 from cluster_cli.launch import node as nodeops
 from cluster_cli.launch import routerconf
 from cluster_cli.launch.observe import Observed
 from cluster_cli.launch.shards import pick_port, profile_of, shard_starts
-from cluster_cli.state.launches import StaleVersion
-from cluster_cli.state.records import FAILED, PLANNED, READY, STARTING, UNHEALTHY, ReplicaRecord, replica_name
-from cluster_cli.state.store import Store
+from cluster_cli.state.launches import StaleRecord, StaleVersion
+from cluster_cli.state.records import (
+    DOWN,
+    FAILED,
+    PLANNED,
+    READY,
+    STARTING,
+    STOPPED,
+    UNHEALTHY,
+    ReplicaRecord,
+    replica_name,
+)
 
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
@@ -34,9 +45,9 @@ if TYPE_CHECKING:
     from cluster_cli.control.sessions import Sessions
     from cluster_cli.facts import NodeFacts
     from cluster_cli.placement import Plan
+    from cluster_cli.state.aio import AsyncStore
 
 POLL_S = (0.05, 0.1, 0.2, 0.5)  # readiness checks: soon after the start, then every 0.5 s
-STOP_GRACE_S = 10.0
 Report = Callable[[str, str, str], None]  # (replica name, phase, detail)
 
 
@@ -94,40 +105,42 @@ def _quiet(name: str, phase: str, detail: str) -> None:
 async def up(
     inv: Inventory,
     cat: Catalog,
-    store: Store,
+    store: AsyncStore,
     sessions: Sessions,
-    facts: list[NodeFacts],
+    fleet: Callable[[], Awaitable[Fleet]],
     *,
     router_config: Path,
     expect_version: int | None = None,
     timeout_s: float = 600.0,
     report: Report = _quiet,
     observed: Observed | None = None,
-    refresh: Callable[[], list[NodeFacts]] | None = None,
     runs: Runs | None = None,
     health: HealthChecks | None = None,
-    reprobe: Callable[[], Awaitable[tuple[list[NodeFacts], Observed]]] | None = None,
+    reprobe: Callable[[], Awaitable[tuple[Fleet, Observed]]] | None = None,
+    catalog_doc: dict[str, Any] | None = None,
+    catalog_source: str | None = None,
 ) -> UpResult:
-    """Apply the catalog to the cluster (``facts``: the nodes as the state holds them now;
-    ``observed``: what the probe that made them saw of the shards and ports, if it ran;
-    ``refresh``: the nodes as the state holds them, read again after another run wrote;
-    ``runs``: this run, and which others are going on this state: a replica another live run
-    left planned or starting is its own, not a leftover to restart; ``health``: the kept
-    replicas' health checks, started during the probe; ``reprobe``: probe every node in full
-    and read the nodes back, when ``facts`` came from a probe that only checked the running
-    replicas: it is called before anything new is placed)."""
+    """Apply the catalog to the cluster. ``fleet`` reads the nodes, replicas and state version
+    from one snapshot of the state (a cordon is in all three or in none); ``observed``: what
+    the probe that made them saw of the shards and ports, if it ran; ``runs``: this run, and
+    which others are going on this state: a replica another live run left planned or
+    starting is its own, not a leftover to restart; ``health``: the kept replicas' health
+    checks, started during the probe; ``reprobe``: probe every node in full and read the
+    fleet again, when the first read came from a probe that only checked the running
+    replicas: it is called before anything new is placed. ``catalog_doc`` is recorded as the
+    desired state once the plan is reserved."""
     from cluster_cli.placement import plan
 
-    by_node = {f.name: f for f in facts}
-    outcomes: list[Outcome] = []
-    version = store.version()
-    if expect_version is not None and version != expect_version:
+    view = await fleet()
+    if expect_version is not None and view.version != expect_version:
         raise StaleVersion(
-            f"the state is at version {version}, not {expect_version}: run 'clusterctl place --dry-run' again"
+            f"the state is at version {view.version}, not {expect_version}: run 'clusterctl place --dry-run' again"
         )
+    outcomes: list[Outcome] = []
+    await stops.clear(store, sessions, await store.fences())  # what earlier stops could not confirm
 
     # Kept replicas first: which still run and answer.
-    current = store.records()
+    current = view.records
     seen = observed or Observed()
     busy: set[tuple[str, int, int]] = set()
     me = runs.id if runs is not None else None
@@ -139,43 +152,42 @@ async def up(
     dead = await find_dead(current, sessions, seen, busy, theirs, checks)
 
     for attempt in range(3):
-        result: Plan = plan(facts, cat, [r.replica for r in current])
+        result: Plan = plan(view.nodes, cat, [r.replica for r in current])
         away = _away(result)
         if reprobe is not None and any(p.replica.key not in away for p in result.starts):
             # Something new is placed after all: on facts of every kind, read now.
-            facts, seen = await reprobe()
+            view, seen = await reprobe()
             reprobe = None
-            by_node = {f.name: f for f in facts}
-            if expect_version is None:
-                version = store.version()
-            result = plan(facts, cat, [r.replica for r in current])
+            current = await _also_check(view, current, dead, sessions, seen, busy, theirs, checks)
+            result = plan(view.nodes, cat, [r.replica for r in current])
             away = _away(result)
         # Each with the plan's reason.
         stopping = [(rec, p.note) for p in result.stops
                     if p.replica.key not in away and (rec := _record_of(current, p.replica)) is not None]  # fmt: skip
-        new = _new_records(result, away, inv, cat, store, await _taken_ports(result, sessions, store, seen), me,
-                           current)  # fmt: skip
+        by_node = {f.name: f for f in view.nodes}
+        taken = await _taken_ports(result, sessions, store, seen)
+        new = _new_records(result, away, inv, cat, taken, me)
         try:
             # A replica placed anew (its GPUs gone bad, its profile changed) may take what its
-            # stopped allocation held: that is stopped first.
-            version = store.reserve(new, expect_version=version, replacing=[rec for rec, _ in stopping])
+            # stopped allocation held: that is stopped first. The version the plan was made
+            # from is checked and moved in the same statement.
+            booked = await store.reserve(new, expect_version=view.version if expect_version is None else expect_version,
+                                         replacing=[rec for rec, _ in stopping])  # fmt: skip
             break
         except StaleVersion:
             if attempt == 2 or expect_version is not None:
                 raise
             # Another up (or a cordon) wrote meanwhile: plan again from what is there now.
-            checked = {r.key for r in current}
-            current = store.records()
-            fresh = [r for r in current if r.key not in checked]
-            dead.update(await find_dead(fresh, sessions, seen, busy, theirs, checks))
-            facts = refresh() if refresh is not None else store.nodes()
-            by_node = {f.name: f for f in facts}
-            version = store.version()
+            view = await fleet()
+            current = await _also_check(view, current, dead, sessions, seen, busy, theirs, checks)
+    if catalog_doc is not None:
+        await store.save_catalog(catalog_doc, source=catalog_source)
 
     # Out of the router first, then stopped: no new request reaches a replica being stopped.
     if stopping:
         gone = {rec.key for rec, _ in stopping}
-        routerconf.write(router_config, routerconf.render([r for r in store.records() if r.key not in gone], cat))
+        live = [r for r in await store.records() if r.key not in gone]
+        routerconf.write(router_config, routerconf.render(live, cat))
         await asyncio.sleep(routerconf.PICKUP_S)
     for rec, _ in stopping:
         report(rec.name, "stopping", "")
@@ -184,7 +196,12 @@ async def up(
     for rec in current:
         if rec.replica.key in away:
             why = f"{away[rec.replica.key]}: left as it is (the next up checks it again)"
-            store.observe(replace(rec, status=UNHEALTHY, detail=why))  # out of the router config
+            await stops.cas(
+                store,
+                rec,
+                lambda cur, why=why: store.observe(replace(cur, status=UNHEALTHY, detail=why)),
+                same=lambda cur: True,
+            )  # fmt: skip  (out of the router config)
             outcomes.append(replace(_kept(rec), state=UNHEALTHY, reason=why))
             report(rec.name, "unhealthy", why)
     keeps = [_record_of(current, p.replica) for p in result.keeps]
@@ -199,10 +216,9 @@ async def up(
             report(rec.name, "ready", "running")
 
     deadline = time.monotonic() + timeout_s
-    jobs = [_launch(rec, "start", inv, cat, store, sessions, by_node, deadline, report) for rec in new]
+    jobs = [_launch(rec, "start", inv, cat, store, sessions, by_node, deadline, report) for rec in booked.records]
     for rec in restart:
-        jobs.append(_restart(replace(rec, owner=me), dead[rec.key], inv, cat, store, sessions, by_node, deadline,
-                             report))  # fmt: skip
+        jobs.append(_restart(rec, dead[rec.key], me, inv, cat, store, sessions, by_node, deadline, report))
     outcomes += await asyncio.gather(*jobs)
 
     for u in result.unplaced:
@@ -210,9 +226,26 @@ async def up(
         outcomes.append(Outcome(replica_name(u.model, u.replica), u.model, "unplaced", "unplaced", reason=why))
         report(replica_name(u.model, u.replica), "unplaced", why)
 
-    routerconf.write(router_config, routerconf.render(store.records(), cat))
+    routerconf.write(router_config, routerconf.render(await store.records(), cat))
     outcomes.sort(key=lambda o: (o.model, int(o.name.rpartition("/")[2])))
-    return UpResult(outcomes, store.version(), router_config)
+    return UpResult(outcomes, await store.version(), router_config)
+
+
+async def _also_check(
+    view: Fleet,
+    checked: list[ReplicaRecord],
+    dead: dict[tuple[str, int, int], str],
+    sessions: Sessions,
+    seen: Observed,
+    busy: set[tuple[str, int, int]],
+    theirs: Callable[[ReplicaRecord], bool],
+    checks: HealthChecks,
+) -> list[ReplicaRecord]:
+    """The replicas of a fresh read of the state; those not checked before are checked now."""
+    before = {r.key for r in checked}
+    fresh = [r for r in view.records if r.key not in before]
+    dead.update(await find_dead(fresh, sessions, seen, busy, theirs, checks))
+    return view.records
 
 
 def _record_of(records: list[ReplicaRecord], replica: Any) -> ReplicaRecord | None:
@@ -231,13 +264,13 @@ def _kept(rec: ReplicaRecord) -> Outcome:
     return Outcome(rec.name, rec.replica.model, "keep", rec.status, [s.node for s in rec.replica.shards], rec.endpoint)
 
 
-async def _taken_ports(result: Plan, sessions: Sessions, store: Store, seen: Observed) -> dict[str, set[int]]:
+async def _taken_ports(result: Plan, sessions: Sessions, store: AsyncStore, seen: Observed) -> dict[str, set[int]]:
     """Per node that gets a new replica: the ports listening there and those the state holds."""
     nodes = {p.replica.shards[0].node for p in result.starts if p.replica.shards}
     out: dict[str, set[int]] = {}
 
     async def one(n: str) -> None:
-        taken = set(store.held_ports(n))
+        taken = set(await store.held_ports(n))
         if n in seen.listening:
             taken |= seen.listening[n]
         else:
@@ -250,14 +283,11 @@ async def _taken_ports(result: Plan, sessions: Sessions, store: Store, seen: Obs
 
 
 def _new_records(
-    result: Plan, away: dict[tuple[str, int], str], inv: Inventory, cat: Catalog, store: Store,
-    taken: dict[str, set[int]], owner: str | None, current: list[ReplicaRecord],
+    result: Plan, away: dict[tuple[str, int], str], inv: Inventory, cat: Catalog, taken: dict[str, set[int]],
+    owner: str | None,
 ) -> list[ReplicaRecord]:  # fmt: skip
-    """The records of the plan's new replicas, each with its port(s); a replica placed anew
-    while its earlier allocation is being stopped is that one's next generation."""
-    gens: dict[tuple[str, int], int] = {}
-    for rec in current:
-        gens[rec.replica.key] = max(gens.get(rec.replica.key, 0), rec.generation)
+    """The records of the plan's new replicas, each with its port(s). The state gives each its
+    generation when it reserves them (the next one of its ``MODEL/N``: never one used before)."""
     out = []
     for p in result.starts:
         r = p.replica
@@ -279,8 +309,7 @@ def _new_records(
                 raise ClusterctlError(f"{head}: no free port left in {lo}-{hi} for a Ray head")
             used.add(ray)
             extra = (ray,)
-        gen = gens.get(r.key, 0) + 1
-        out.append(ReplicaRecord(r, generation=gen, status=PLANNED, port=port, extra_ports=extra, owner=owner))
+        out.append(ReplicaRecord(r, status=PLANNED, port=port, extra_ports=extra, owner=owner))
     return out
 
 
@@ -293,53 +322,82 @@ def _endpoint(inv: Inventory, rec: ReplicaRecord, reached: str | None = None) ->
     return f"http://{host}:{rec.port}"
 
 
+class _TakenAway(ClusterctlError):
+    """The replica's row changed while this run started it (a ``down``, a release)."""
+
+
 async def _launch(
     rec: ReplicaRecord,
     action: str,
     inv: Inventory,
     cat: Catalog,
-    store: Store,
+    store: AsyncStore,
     sessions: Sessions,
     facts: dict[str, NodeFacts],
     deadline: float,
     report: Report,
 ) -> Outcome:
-    """Start every shard of ``rec``, wait until it is ready; on any failure stop it whole and
-    release it whole."""
+    """Start every shard of ``rec``, wait until it is ready. Its shards' markers are recorded
+    before anything starts, so that whatever starts can be found again. On any failure it is
+    stopped whole and released whole, or fenced where the stop could not be confirmed. When
+    another command changed its row meanwhile (a ``down``), what this run started is
+    stopped and the row is left as that command made it."""
     t0 = time.monotonic()
     nodes = [s.node for s in rec.replica.shards]
     out = Outcome(rec.name, rec.replica.model, action, STARTING, nodes)
-    runs = []
     report(rec.name, "starting", ", ".join(nodes))
+    runs: list[Any] = []  # what may run of it: the shards' markers, then their processes
     try:
         starts = shard_starts(rec, cat, inv, facts)
         first = await sessions.get(starts[0].node)
         endpoint = _endpoint(inv, rec, getattr(first, "host", None))
-        rec = replace(rec, shards=tuple(s.run for s in starts), status=STARTING, endpoint=endpoint)
+        runs = [s.run for s in starts]
+        rec = await _record(store, replace(rec, shards=tuple(runs), status=STARTING, endpoint=endpoint, detail=None))
         # Shard 0 first (a multi-node replica's Ray head), then the others together.
-        head = await nodeops.start(first, starts[0])
-        runs.append(head)
+        runs[0] = head = await nodeops.start(first, starts[0])
 
-        async def other(s: Any) -> Any:
-            return await nodeops.start(await sessions.get(s.node), s)
+        async def other(i: int, s: Any) -> None:
+            runs[i] = await nodeops.start(await sessions.get(s.node), s)
 
-        runs += await asyncio.gather(*(other(s) for s in starts[1:]))
-        rec = replace(rec, shards=tuple(runs), started_at=time.time())
-        store.observe(rec)
+        await asyncio.gather(*(other(i, s) for i, s in enumerate(starts) if i > 0))
+        rec = await _record(store, replace(rec, shards=tuple(runs), started_at=time.time()))
         report(rec.name, "loading", f"pid {head.pid} on {head.node}")
         await _wait_ready(rec, sessions, deadline, report)
-        rec = replace(rec, status=READY, detail=None)
-        store.observe(rec)
+        rec = await _record(store, replace(rec, status=READY, detail=None))
         out.state, out.endpoint = READY, rec.endpoint
         report(rec.name, "ready", rec.endpoint or "")
+    except _TakenAway as e:
+        # Whatever this run started is its own to stop: the other command could not see it.
+        stopped = await stops.stop_shards(replace(rec, shards=tuple(runs)), sessions)
+        out.state, out.reason = STOPPED, f"{e}: what it started is stopped"
+        cur = await store.record(*rec.key)
+        if stopped.left and cur is not None:
+            await stops.release(store, cur, stopped, why=str(e), wanted_down=cur.desired == DOWN)
+        if stopped.left:
+            out.state, out.reason = FAILED, f"{e}; its stop is not confirmed ({stopped.problem()})"
+        report(rec.name, out.state, out.reason)
     except (ClusterctlError, OSError, ValueError) as e:
         out.state, out.reason = FAILED, str(e)
         out.log = list(getattr(e, "log", []) or [])
         report(rec.name, "failed", out.reason)
-        out.log = await _stop_whole(rec, sessions, out.log) or out.log
-        store.release(rec, why=f"failed to start: {out.reason}")
+        stopped = await stops.stop_shards(rec, sessions)
+        out.log = stopped.log or out.log
+        why = f"failed to start: {out.reason}"
+        if stopped.left:
+            why += f"; its stop is not confirmed ({stopped.problem()})"
+        await stops.release(store, rec, stopped, why=why)
     out.seconds = time.monotonic() - t0
     return out
+
+
+async def _record(store: AsyncStore, rec: ReplicaRecord) -> ReplicaRecord:
+    """``rec`` observed at its revision; raises _TakenAway when another command changed it."""
+    try:
+        return await store.observe(rec)
+    except StaleRecord:
+        cur = await store.record(*rec.key)
+        what = "released" if cur is None else f"{cur.status}, wanted {cur.desired}"
+        raise _TakenAway(f"changed by another command while this one started it ({what})") from None
 
 
 async def _wait_ready(rec: ReplicaRecord, sessions: Sessions, deadline: float, report: Report) -> None:
@@ -364,83 +422,51 @@ async def _wait_ready(rec: ReplicaRecord, sessions: Sessions, deadline: float, r
         polls += 1
 
 
-async def _stop_whole(rec: ReplicaRecord, sessions: Sessions, log: list[str]) -> list[str]:
-    """Stop every shard of ``rec`` (what of it started); shard 0's log tail, else ``log``."""
-    _, tails = await _stop_shards(rec, sessions, check=False)
-    return tails or log
-
-
 async def _restart(
     rec: ReplicaRecord,
     why: str,
+    me: str | None,
     inv: Inventory,
     cat: Catalog,
-    store: Store,
+    store: AsyncStore,
     sessions: Sessions,
     facts: dict[str, NodeFacts],
     deadline: float,
     report: Report,
 ) -> Outcome:
-    """A kept replica that died: taken over by this run (``rec.owner``), what is left of it is
-    stopped, then it starts again on its own allocation (GPUs and port), one restart more.
-    Another run that took it over first keeps it."""
-    seen, rec = rec, replace(rec, status=UNHEALTHY, detail=why, restarts=rec.restarts + 1)
-    if not store.claim(seen, rec):
+    """A kept replica that died: taken over by this run (``me``), what is left of it is
+    stopped, then it starts again on its own allocation (GPUs and port, same generation), one
+    restart more. Another run that took it over first keeps it; where what is left of it
+    cannot be stopped for sure, it is fenced instead."""
+    seen = rec
+    claimed = await store.claim(seen, replace(rec, status=UNHEALTHY, detail=why, restarts=rec.restarts + 1, owner=me))
+    if claimed is None:
         why = "being restarted by another up"
         report(rec.name, "starting", why)
         return replace(_kept(seen), state=STARTING, reason=why)
     report(rec.name, "restarting", why)
-    await _stop_whole(rec, sessions, [])
-    out = await _launch(rec, "restart", inv, cat, store, sessions, facts, deadline, report)
+    stopped = await stops.stop_shards(claimed, sessions)
+    if stopped.left:
+        reason = f"{why}; what is left of it could not be stopped ({stopped.problem()})"
+        await stops.release(store, claimed, stopped, why=reason)
+        report(rec.name, "failed", reason)
+        return Outcome(rec.name, rec.replica.model, "restart", FAILED, [s.node for s in rec.replica.shards],
+                       reason=reason, log=stopped.log)  # fmt: skip
+    out = await _launch(claimed, "restart", inv, cat, store, sessions, facts, deadline, report)
     if not out.reason:
         out.reason = f"restarted: {why}"
     return out
 
 
-async def _stop(rec: ReplicaRecord, why: str, store: Store, sessions: Sessions, report: Report) -> Outcome:
-    """Stop a replica the plan does not keep (``why``: the plan's reason) and release it."""
+async def _stop(rec: ReplicaRecord, why: str, store: AsyncStore, sessions: Sessions, report: Report) -> Outcome:
+    """Stop a replica the plan does not keep (``why``: the plan's reason) and release it
+    (fenced where its stop could not be confirmed)."""
     t0 = time.monotonic()
     out = Outcome(rec.name, rec.replica.model, "stop", "stopped", [s.node for s in rec.replica.shards], reason=why)
-    problems = await stop_replica(rec, sessions)
-    if problems:
-        out.state, out.reason = FAILED, problems
-    store.release(rec, why=f"stopped ({why or 'no longer in the catalog'})")
+    stopped = await stops.stop_shards(rec, sessions)
+    if stopped.left:
+        out.state, out.reason = FAILED, stopped.problem()
+    await stops.release(store, rec, stopped, why=f"stopped ({why or 'no longer in the catalog'})")
     report(rec.name, out.state, out.reason)
     out.seconds = time.monotonic() - t0
     return out
-
-
-async def stop_replica(rec: ReplicaRecord, sessions: Sessions) -> str:
-    """Stop every shard and check that nothing of it is left; what was left, or ""."""
-    problems, _ = await _stop_shards(rec, sessions, check=True)
-    return "; ".join(problems)
-
-
-async def _stop_shards(rec: ReplicaRecord, sessions: Sessions, *, check: bool) -> tuple[list[str], list[str]]:
-    """Stop every shard of ``rec`` at once: (what was left of it, shard 0's log tail). With
-    ``check``, shard 0's port and the shards' GPUs are checked too, and an unreachable node is
-    a problem (without, it is passed over: the node went away with what ran there)."""
-    problems: list[str] = []
-    tails: list[str] = []
-
-    async def one(i: int, run: Any) -> None:
-        port = rec.port if i == 0 and check else None
-        try:
-            res = await nodeops.stop(
-                await sessions.get(run.node),
-                run,
-                grace_s=STOP_GRACE_S,
-                port=port,
-                gpu_check=check and bool(run.gpu_uuids),
-            )
-        except (SSHError, OSError) as e:
-            if check:
-                problems.append(f"{run.node}: {e}")
-            return
-        if i == 0:
-            tails.extend(res.log)
-        if not res.clean:
-            problems.append(f"{run.node}: {res.problem()}")
-
-    await asyncio.gather(*(one(i, run) for i, run in enumerate(rec.shards)))
-    return problems, tails

@@ -39,7 +39,7 @@ async def run_script(session: Session, script: str, timeout: float = SCRIPT_TIME
 
 
 def ref(run: ShardRun) -> ShardRef:
-    return ShardRef(run.run_dir, run.token, run.pid, run.start_time)
+    return ShardRef(run.run_dir, run.token, run.pid, run.start_time, run.boot_id)
 
 
 async def start(session: Session, s: ShardStart) -> ShardRun:
@@ -49,8 +49,8 @@ async def start(session: Session, s: ShardStart) -> ShardRun:
     if not ok:
         why = remote.answers(out, "ERR")
         raise LaunchError(why[0] if why else f"the start script said nothing ({out.strip()[-200:]!r})")
-    pid, _, st = ok[0].partition(" ")
-    return replace(s.run, pid=int(pid), start_time=int(st))
+    pid, st, *boot = ok[0].split()
+    return replace(s.run, pid=int(pid), start_time=int(st), boot_id=boot[0] if boot else None)
 
 
 @dataclass

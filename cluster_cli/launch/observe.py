@@ -12,14 +12,17 @@ from dataclasses import dataclass, field
 from cluster_cli.probe.batch import Inline
 from cluster_cli.state.records import ShardRun
 
-STAT, TCP = "cc_stat", "cc_tcp"
+STAT, TCP, BOOT = "cc_stat", "cc_tcp", "cc_boot"
 
 
 def node_commands(runs: Iterable[ShardRun], *, ports: bool = True) -> dict[str, str]:
     """The probe batch's extra records for a node with these shards on it (``ports``: also
     the listening TCP ports)."""
     pids = sorted({r.pid for r in runs if r.pid is not None})
-    cmds: dict[str, str] = {}
+    # The node's boot id: a recorded PID is the same process only on the same boot.
+    cmds: dict[str, str] = {
+        BOOT: Inline('cc_b=; { read -r cc_b </proc/sys/kernel/random/boot_id; } 2>/dev/null; val cc_boot "$cc_b"')
+    }
     if ports:
         cmds[TCP] = "cat /proc/net/tcp /proc/net/tcp6"
     if pids:
@@ -66,8 +69,12 @@ class Observed:
 
     started: dict[str, dict[int, int]] = field(default_factory=dict)  # node -> pid -> start time
     listening: dict[str, set[int]] = field(default_factory=dict)
+    boot_ids: dict[str, str] = field(default_factory=dict)
 
     def record(self, node: str, outputs: Mapping[str, object]) -> None:
+        boot = outputs.get(BOOT)
+        if boot is not None and getattr(boot, "rc", None) == 0 and boot.stdout.strip():  # type: ignore[attr-defined]
+            self.boot_ids[node] = boot.stdout.strip()  # type: ignore[attr-defined]
         tcp = outputs.get(TCP)
         if tcp is not None and getattr(tcp, "rc", None) == 0:
             self.listening[node] = parse_listening(tcp.stdout)  # type: ignore[attr-defined]
@@ -80,4 +87,7 @@ class Observed:
         seen = self.started.get(run.node)
         if seen is None or run.pid is None:
             return None
+        boot = self.boot_ids.get(run.node)
+        if run.boot_id and boot and boot != run.boot_id:  # rebooted since: that PID is another's
+            return False
         return seen.get(run.pid) == run.start_time

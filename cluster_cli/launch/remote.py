@@ -84,7 +84,8 @@ class StartScript:
 
 
 def start_script(s: StartScript) -> str:
-    """Start a shard; answers ``@@OK PID STARTTIME`` or ``@@ERR <reason>``."""
+    """Start a shard; answers ``@@OK PID STARTTIME BOOTID`` (the node's boot id, when it has
+    one) or ``@@ERR <reason>``."""
     env = dict(s.env)
     env[RUN_ENV] = s.token
     eof = f"__CLUSTERCTL_{secrets.token_hex(6)}__"
@@ -140,7 +141,8 @@ def start_script(s: StartScript) -> str:
         "done",
         '[ "$ps_sess" = "$pid" ] || err "the engine did not detach from the SSH session"',
         'echo "$pid $st" >pid',
-        'echo "@@OK $pid $st"',
+        "boot=; { read -r boot </proc/sys/kernel/random/boot_id; } 2>/dev/null",
+        'echo "@@OK $pid $st $boot"',
     ]
     return "\n".join(lines) + "\n"
 
@@ -153,6 +155,7 @@ class ShardRef:
     token: str
     pid: int | None = None
     start_time: int | None = None
+    boot_id: str | None = None  # the node's boot id when it started: after a reboot its PID is another's
 
 
 def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None, gpu_check: bool = False,
@@ -209,16 +212,19 @@ def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None
 
 
 def inspect_script(refs: Iterable[ShardRef]) -> str:
-    """For each shard: ``@@ALIVE I`` when its recorded process still runs, else ``@@DEAD I``
-    (I: its position in ``refs``)."""
-    lines = ["set -u", f"RUN_ENV={RUN_ENV}", "token=", _FUNCS]
+    """For each shard: ``@@ALIVE I`` when its recorded process still runs (the same PID and
+    start time, on the same boot of the node), else ``@@DEAD I`` (I: its position in ``refs``)."""
+    lines = ["set -u", f"RUN_ENV={RUN_ENV}", "token=", _FUNCS,
+             "boot=; { read -r boot </proc/sys/kernel/random/boot_id; } 2>/dev/null"]  # fmt: skip
     for i, r in enumerate(refs):
         if r.pid is None or r.start_time is None:
             lines.append(f"echo '@@DEAD {i}'")
-        else:
-            lines.append(
-                f'if procstat {r.pid} && [ "$ps_start" = {r.start_time} ]; then echo "@@ALIVE {i}"; else echo "@@DEAD {i}"; fi'
-            )
+            continue
+        same_boot = f'{{ [ -z "$boot" ] || [ "$boot" = {shlex.quote(r.boot_id)} ]; }} && ' if r.boot_id else ""
+        lines.append(
+            f'if {same_boot}procstat {r.pid} && [ "$ps_start" = {r.start_time} ]; '
+            f'then echo "@@ALIVE {i}"; else echo "@@DEAD {i}"; fi'
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -1,191 +1,433 @@
-"""The state's launched replicas: reserve, record what runs, release (a part of ``Store``).
+"""The state's launched replicas: reserve, record what runs, release, fence (a part of ``Store``).
 
-Reserving books every GPU and port of a replica in ``holds`` in the same transaction as its
-row: the table's primary key refuses a second booking, whoever writes it. Desired state
-changes (a reservation, a release, a ``down``) move the state version that plans are checked
-against; observed ones (starting, ready, a PID) do not: a plan stays valid while replicas
-merely come up.
+* A replica is a generation of ``MODEL/N``. Generations are counted in ``generations`` and
+  never reused (after a ``down``, a failed start, a release): the generation is the fencing
+  token, in every shard's marker on its node.
+* Reserving books every GPU (by UUID where the facts know it, else by node and index) and
+  port of a replica in ``holds``, in the same transaction as its row: the unique indexes
+  refuse a second booking, whoever writes it.
+* Every row has a revision. Observed-state writes (starting, ready, a PID) and releases
+  compare and set it: a writer that read an older revision is refused (``StaleRecord``) and
+  reads again; it never overwrites what another wrote meanwhile.
+* A release whose stop was not confirmed keeps the row (status ``fenced``) and its holds,
+  with a fence record per shard that may still run, until a later stop confirms it gone
+  (``unfence``). A row is never deleted while its engine may still run.
+
+Desired-state changes (a reservation, a release, a ``down``) move the state version that
+plans are checked against; observed ones do not: a plan stays valid while replicas come up.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from cluster_cli.errors import StateError
-from cluster_cli.facts import Replica
-from cluster_cli.state.records import DOWN, STOPPED, UP, ReplicaRecord, replica_name
+from cluster_cli.facts import Replica, Shard
+from cluster_cli.state.backend import Tx
+from cluster_cli.state.records import (
+    DOWN,
+    FENCED,
+    STOPPED,
+    STOPPING,
+    UP,
+    Fence,
+    ReplicaRecord,
+    ShardRun,
+    replica_name,
+)
 
-_COLUMNS = "spec, generation, status, desired, endpoint, runtime, started_at, restarts, detail, updated_at"
+_R = ("model, replica, generation, profile, engine, fabric, gpu_class, cpus, memory_mib, status, desired, endpoint, "
+      "port, extra_ports, owner, started_at, restarts, detail, revision, updated_at")  # fmt: skip
+_S = "model, replica, generation, rank, node, gpus, hcas, run_dir, token, pid, start_time, boot_id, gpu_uuids"
+_F = "node, run_dir, token, model, replica, generation, since, reason, pid, start_time, checked_at"
+_KEY = "model=? AND replica=? AND generation=?"
 
 
 class StaleVersion(StateError):
     """The state moved on since the plan being applied was computed."""
 
 
+class StaleRecord(StateError):
+    """A replica row changed (or went) since it was read: read it again."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    version: int  # the state version after it
+    records: list[ReplicaRecord]  # as recorded: each with its generation and revision
+
+
 class LaunchTable:
-    """Replica records and holds; mixed into ``Store`` (which provides the helpers used here)."""
+    """Replica records, shards, holds and fences; mixed into ``Store``."""
 
-    _db: sqlite3.Connection
-    schema: int
     path: Any
+    _b: Any
 
-    def _tx(self) -> AbstractContextManager[sqlite3.Connection]: ...  # type: ignore[empty-body]
-    def _replica(self, doc: str) -> Replica: ...  # type: ignore[empty-body]
-    def _event(self, db: sqlite3.Connection, kind: str, node: str | None, message: str) -> None: ...
-    def version(self) -> int: ...  # type: ignore[empty-body]
+    if TYPE_CHECKING:  # provided by Store
+
+        def _read(self) -> Any: ...
+        def _tx(self, *, bump: bool = False) -> Any: ...
+        def _event(self, tx: Tx, kind: str, message: str, **kw: Any) -> None: ...
+        def version(self) -> int: ...  # type: ignore[empty-body]
 
     # ---- reads ------------------------------------------------------------
-    def records(self, *, include_down: bool = False) -> list[ReplicaRecord]:
-        """Every replica record (by model, replica, generation); those wanted down only with
-        ``include_down``."""
-        if self.schema < 2:  # a version-1 state read as it is: placed replicas, nothing launched
-            return [ReplicaRecord(r) for r in self.replicas()]  # type: ignore[attr-defined]
-        where = "" if include_down else f"WHERE desired = '{UP}'"
-        rows = self._db.execute(f"SELECT {_COLUMNS} FROM replicas {where} ORDER BY model, replica, generation")
-        return [self._record(row) for row in rows.fetchall()]
+    def records(self, *, include_down: bool = False, include_fenced: bool = False) -> list[ReplicaRecord]:
+        """Replica records by model, replica, generation: those wanted up and not fenced; with
+        ``include_down`` those wanted down too, with ``include_fenced`` the fenced ones."""
+        with self._read() as tx:
+            return _records(tx, include_down=include_down, include_fenced=include_fenced)
 
-    def _record(self, row: tuple[Any, ...]) -> ReplicaRecord:
-        spec, gen, status, desired, endpoint, runtime, started, restarts, detail, updated = row
-        try:
-            rt = ReplicaRecord.parse_runtime(json.loads(runtime) if runtime else None)
-        except (ValueError, KeyError, TypeError) as e:
-            raise StateError(f"{self.path}: unreadable replica runtime ({e})") from None
-        return ReplicaRecord(
-            self._replica(spec),
-            generation=gen,
-            status=status,
-            desired=desired,
-            endpoint=endpoint,
-            started_at=started,
-            restarts=restarts,
-            detail=detail,
-            updated_at=updated,
-            **rt,
-        )
+    def record(self, model: str, replica: int, generation: int) -> ReplicaRecord | None:
+        with self._read() as tx:
+            out = _records(tx, include_down=True, include_fenced=True, key=(model, replica, generation))
+        return out[0] if out else None
+
+    def replicas(self) -> list[Replica]:
+        """The placements of the replicas that hold their GPUs and run (or are to)."""
+        return [r.replica for r in self.records()]
 
     def held_ports(self, node: str) -> set[int]:
-        if self.schema < 2:
-            return set()
-        rows = self._db.execute("SELECT item FROM holds WHERE node=? AND kind='port'", (node,))
+        with self._read() as tx:
+            rows = tx.execute("SELECT item FROM holds WHERE node=? AND kind='port'", (node,)).fetchall()
         return {r[0] for r in rows}
 
-    # ---- writes -----------------------------------------------------------
+    def fenced_gpus(self) -> dict[str, dict[int, str]]:
+        """Per node, the GPUs (index -> who) held by fenced replicas: no one may use them until
+        a stop confirms that nothing of those replicas runs."""
+        with self._read() as tx:
+            return _fenced_gpus(tx)
+
+    def fences(self, node: str | None = None) -> list[Fence]:
+        sql = f"SELECT {_F} FROM fences" + (" WHERE node=?" if node is not None else "") + " ORDER BY since, token"
+        with self._read() as tx:
+            rows = tx.execute(sql, (node,) if node is not None else ()).fetchall()
+        return [Fence(*r) for r in rows]
+
+    # ---- reserve ----------------------------------------------------------
     def reserve(
         self,
         records: Iterable[ReplicaRecord],
         *,
         expect_version: int | None = None,
         replacing: Iterable[ReplicaRecord] = (),
-    ) -> int:
-        """Book ``records`` (new replicas: their rows, GPUs and ports) in one transaction;
-        returns the new state version. A GPU or port held by one of ``replacing`` (replicas
-        the caller stops before it starts ``records``) is handed over. Raises StaleVersion when
-        the state is no longer at ``expect_version``, StateError when a GPU or port is already
-        held otherwise (nothing booked)."""
+    ) -> Reservation:
+        """Book ``records`` (new replicas: their rows, shards, GPUs and ports) in one
+        transaction, each as the next generation of its ``MODEL/N``. A GPU or port held by one
+        of ``replacing`` (replicas the caller stops before it starts ``records``) is handed
+        over. Raises StaleVersion when the state is no longer at ``expect_version`` (checked
+        and moved in one statement), StateError when a GPU or port is already held otherwise
+        (nothing booked)."""
         records = list(records)
         handed = {rec.key for rec in replacing}
         if not records:  # nothing to book: no write, no new version (but the check still holds)
-            if expect_version is not None and self.version() != expect_version:
-                raise StaleVersion(
-                    f"{self.path}: the state moved on (version {self.version()}, the plan was made at {expect_version})"
-                )
-            return self.version()
-        with self._tx() as db:
-            if expect_version is not None and self.version() != expect_version:
-                raise StaleVersion(
-                    f"{self.path}: the state moved on (version {self.version()}, the plan was made at {expect_version})"
-                )
+            version = self.version()
+            if expect_version is not None and version != expect_version:
+                raise _stale(self.path, version, expect_version)
+            return Reservation(version, [])
+        with self._tx() as tx:
+            if expect_version is not None:
+                moved = tx.execute(
+                    "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) "
+                    "WHERE key = 'state_version' AND value = ?",
+                    (str(expect_version),),
+                ).rowcount
+                if not moved:
+                    raise _stale(self.path, _version(tx), expect_version)
+            else:
+                _bump(tx)
+            uuids = _uuids(tx, {s.node for rec in records for s in rec.replica.shards if s.gpus})
             now = time.time()
+            out = []
             for rec in records:
                 r = rec.replica
-                # A replica wanted down is brought back by this reservation: its old row goes.
-                db.execute("DELETE FROM replicas WHERE model=? AND replica=? AND desired=?", (r.model, r.replica, DOWN))
-                try:
-                    db.execute(
-                        f"INSERT INTO replicas(model, replica, {_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                        (r.model, r.replica, *self._values(rec, now)),
+                # A replica wanted down and stopped is brought back by this reservation: its old row
+                # goes (its shards and holds with it). A fenced one stays until its stop is confirmed.
+                tx.execute(
+                    "DELETE FROM replicas WHERE model=? AND replica=? AND desired=? AND status<>?",
+                    (r.model, r.replica, DOWN, FENCED),
+                )
+                gen = _next_generation(tx, r.model, r.replica)
+                rec = replace(rec, generation=gen, revision=1)
+                tx.execute(
+                    f"INSERT INTO replicas({_R}, created_at) VALUES ({','.join('?' * 21)})",
+                    (*_row(rec, now), now),
+                )
+                for rank, s in enumerate(r.shards):
+                    tx.execute(
+                        "INSERT INTO shards(model, replica, generation, rank, node, gpus, hcas, state, updated_at) "
+                        "VALUES (?,?,?,?,?,?,?,?,?)",
+                        (*rec.key, rank, s.node, _ints(s.gpus), ",".join(s.hcas), "planned", now),
                     )
-                except sqlite3.IntegrityError:
-                    raise StateError(
-                        f"{self.path}: {rec.name} generation {rec.generation} is already recorded"
-                    ) from None
                 for kind, node, item in _holds(rec):
-                    owner = db.execute(
-                        "SELECT model, replica, generation FROM holds WHERE node=? AND kind=? AND item=?",
-                        (node, kind, item),
-                    ).fetchone()
-                    if owner is not None and tuple(owner) in handed:
-                        db.execute("DELETE FROM holds WHERE node=? AND kind=? AND item=?", (node, kind, item))
-                    try:
-                        db.execute("INSERT INTO holds VALUES (?,?,?,?,?,?)", (node, kind, item, *rec.key))
-                    except sqlite3.IntegrityError:
-                        owner = db.execute(
-                            "SELECT model, replica FROM holds WHERE node=? AND kind=? AND item=?", (node, kind, item)
-                        ).fetchone()
-                        who = replica_name(*owner) if owner else "another replica"
-                        what = f"GPU {item}" if kind == "gpu" else f"port {item}"
-                        raise StateError(f"{node}: {what} is already held by {who}; nothing was reserved") from None
-                self._event(db, "reserve", r.shards[0].node if r.shards else None, f"{rec.name} reserved")
-            _bump(db)
-            return self.version()
+                    uuid = uuids.get((node, item)) if kind == "gpu" else None
+                    self._hold(tx, kind, node, item, uuid, rec, handed)
+                head = r.shards[0].node if r.shards else None
+                self._event(tx, "reserved", f"{rec.name} generation {gen} reserved on {_where(r)}",
+                            node=head, model=r.model, replica=r.replica, generation=gen)  # fmt: skip
+                out.append(rec)
+            return Reservation(_version(tx), out)
 
-    def _values(self, rec: ReplicaRecord, now: float) -> tuple[Any, ...]:
-        return (
-            json.dumps(rec.replica.to_dict()),
-            rec.generation,
-            rec.status,
-            rec.desired,
-            rec.endpoint,
-            json.dumps(rec.runtime()),
-            rec.started_at,
-            rec.restarts,
-            rec.detail,
-            now,
-        )
+    def _hold(self, tx: Tx, kind: str, node: str, item: int, uuid: str | None, rec: ReplicaRecord,
+              handed: set[tuple[str, int, int]]) -> None:  # fmt: skip
+        if uuid is not None:
+            owner = tx.execute("SELECT model, replica, generation FROM holds WHERE uuid=?", (uuid,)).fetchone()
+            where, args = "uuid=?", (uuid,)
+        else:
+            owner = tx.execute(
+                "SELECT model, replica, generation FROM holds WHERE node=? AND kind=? AND item=? AND uuid IS NULL",
+                (node, kind, item),
+            ).fetchone()
+            where, args = "node=? AND kind=? AND item=? AND uuid IS NULL", (node, kind, item)  # type: ignore[assignment]
+        if owner is not None and tuple(owner) in handed:
+            tx.execute(f"DELETE FROM holds WHERE {where}", args)
+        elif owner is not None:
+            what = f"GPU {item}" if kind == "gpu" else f"port {item}"
+            raise StateError(
+                f"{node}: {what} is already held by {replica_name(owner[0], owner[1])}; nothing was reserved"
+            )
+        try:
+            tx.execute("INSERT INTO holds VALUES (?,?,?,?,?,?,?)", (node, kind, item, uuid, *rec.key))
+        except self._b.IntegrityError:
+            what = f"GPU {item}" if kind == "gpu" else f"port {item}"
+            raise StateError(f"{node}: {what} is already held; nothing was reserved") from None
 
-    def observe(self, rec: ReplicaRecord) -> None:
-        """Record what was seen of a reserved replica (status, endpoint, processes, restarts):
-        no new state version. A replica released meanwhile stays released."""
-        with self._tx() as db:
-            db.execute(
-                "UPDATE replicas SET status=?, endpoint=?, runtime=?, started_at=?, restarts=?, detail=?, "
-                "updated_at=? WHERE model=? AND replica=? AND generation=?",
-                (rec.status, rec.endpoint, json.dumps(rec.runtime()), rec.started_at, rec.restarts, rec.detail,
-                 time.time(), *rec.key),
-            )  # fmt: skip
+    # ---- observed state ---------------------------------------------------
+    def observe(self, rec: ReplicaRecord) -> ReplicaRecord:
+        """Record what was seen of a replica (status, endpoint, its shards' processes,
+        restarts), if its row is still at ``rec.revision``; the record at its new revision. No
+        new state version. Raises StaleRecord when the row changed or went meanwhile."""
+        with self._tx() as tx:
+            old = self._current(tx, rec)
+            return self._observe(tx, old, rec)
 
-    def claim(self, seen: ReplicaRecord, rec: ReplicaRecord) -> bool:
-        """Record ``rec`` as :meth:`observe` does, only if the row is still as ``seen`` was read
-        (same status, same last update): of two runs that take one replica over, one gets it."""
-        with self._tx() as db:
-            cur = db.execute(
-                "UPDATE replicas SET status=?, endpoint=?, runtime=?, started_at=?, restarts=?, detail=?, "
-                "updated_at=? WHERE model=? AND replica=? AND generation=? AND status=? AND updated_at IS ?",
-                (rec.status, rec.endpoint, json.dumps(rec.runtime()), rec.started_at, rec.restarts, rec.detail,
-                 time.time(), *rec.key, seen.status, seen.updated_at),
-            )  # fmt: skip
-            return cur.rowcount == 1
+    def claim(self, seen: ReplicaRecord, rec: ReplicaRecord) -> ReplicaRecord | None:
+        """Record ``rec`` as :meth:`observe` does, only if the row is still as ``seen`` was read:
+        of two runs that take one replica over, one gets it (the record), the other None."""
+        try:
+            return self.observe(replace(rec, revision=seen.revision))
+        except StaleRecord:
+            return None
 
-    def release(self, rec: ReplicaRecord, *, wanted_down: bool = False, why: str = "released") -> None:
-        """Free every GPU and port of a replica at once. ``wanted_down`` keeps its row as
-        stopped and wanted down (``down``: nothing brings it back until the next ``up``)."""
-        with self._tx() as db:
-            db.execute("DELETE FROM holds WHERE model=? AND replica=? AND generation=?", rec.key)
+    def _current(self, tx: Tx, rec: ReplicaRecord) -> ReplicaRecord:
+        got = _records(tx, include_down=True, include_fenced=True, key=rec.key)
+        if not got:
+            raise StaleRecord(f"{self.path}: {rec.name} generation {rec.generation} is no longer recorded")
+        old = got[0]
+        if old.revision != rec.revision:
+            raise StaleRecord(
+                f"{self.path}: {rec.name} generation {rec.generation} changed since it was read "
+                f"(revision {rec.revision}, now {old.revision}: {old.status}, wanted {old.desired}); read it again"
+            )
+        return old
+
+    def _observe(self, tx: Tx, old: ReplicaRecord, rec: ReplicaRecord, *, desired: str | None = None) -> ReplicaRecord:
+        now = time.time()
+        desired = desired or old.desired
+        n = tx.execute(
+            "UPDATE replicas SET status=?, desired=?, endpoint=?, port=?, extra_ports=?, owner=?, started_at=?, "
+            f"restarts=?, detail=?, revision=revision+1, updated_at=? WHERE {_KEY} AND revision=?",
+            (rec.status, desired, rec.endpoint, rec.port, _ints(rec.extra_ports), rec.owner, rec.started_at,
+             rec.restarts, rec.detail, now, *rec.key, old.revision),
+        ).rowcount  # fmt: skip
+        if n != 1:
+            raise StaleRecord(f"{self.path}: {rec.name} generation {rec.generation} changed meanwhile; read it again")
+        if rec.shards != old.shards or rec.status != old.status:
+            for rank, run in enumerate(rec.shards):
+                tx.execute(
+                    "UPDATE shards SET run_dir=?, token=?, pid=?, start_time=?, boot_id=?, gpu_uuids=?, state=?, "
+                    f"updated_at=? WHERE {_KEY} AND rank=?",
+                    (run.run_dir, run.token, run.pid, run.start_time, run.boot_id, ",".join(run.gpu_uuids),
+                     _shard_state(rec.status, run), now, *rec.key, rank),
+                )  # fmt: skip
+        r = rec.replica
+        head = r.shards[0].node if r.shards else None
+        ids = {"node": head, "model": r.model, "replica": r.replica, "generation": rec.generation}
+        if rec.restarts > old.restarts:
+            self._event(tx, "restarted", f"{rec.name} restarting ({rec.restarts} so far): {rec.detail or ''}".rstrip(": "),
+                        **ids)  # fmt: skip
+        elif rec.status != old.status and rec.status in ("starting", "ready", "unhealthy", "failed"):
+            what = f"{rec.name} {rec.status}"
+            if rec.status == "ready" and rec.endpoint:
+                what += f" at {rec.endpoint}"
+            elif rec.detail:
+                what += f": {rec.detail}"
+            self._event(tx, rec.status, what, **ids)
+        return replace(rec, revision=old.revision + 1, desired=desired)
+
+    def want_down(self, rec: ReplicaRecord, *, why: str = "taken down") -> ReplicaRecord:
+        """Mark a replica wanted down and being stopped (compare and set), before its processes
+        are stopped: a run starting it meanwhile sees it and stops what it started. A new state
+        version. Raises StaleRecord."""
+        with self._tx(bump=True) as tx:
+            old = self._current(tx, rec)
+            new = self._observe(tx, old, replace(old, status=STOPPING, detail=why), desired=DOWN)
+            r = rec.replica
+            self._event(tx, "down", f"{rec.name} {why}", node=r.shards[0].node if r.shards else None,
+                        model=r.model, replica=r.replica, generation=rec.generation)  # fmt: skip
+            return new
+
+    # ---- release and fences -----------------------------------------------
+    def release(
+        self,
+        rec: ReplicaRecord,
+        *,
+        wanted_down: bool = False,
+        why: str = "released",
+        left: Sequence[tuple[ShardRun, str]] = (),
+    ) -> ReplicaRecord | None:
+        """Release a stopped replica whole, if its row is still at ``rec.revision``.
+
+        ``left`` empty (every stop confirmed): its GPUs and ports are freed and its row goes
+        (``wanted_down``: kept, stopped and wanted down, so nothing brings it back until the
+        next ``up``). ``left`` names the shards whose stop could not be confirmed, each with
+        why: the row stays ``fenced`` with its holds (nothing else may start on those GPUs),
+        and a fence record per shard, until :meth:`unfence`. Returns the row as kept (None
+        when it went). Raises StaleRecord."""
+        with self._tx(bump=True) as tx:
+            old = self._current(tx, rec)
+            r = rec.replica
+            ids = {"model": r.model, "replica": r.replica, "generation": rec.generation}
+            now = time.time()
+            if left:
+                desired = DOWN if wanted_down else old.desired
+                kept = self._observe(tx, old, replace(old, status=FENCED, endpoint=None, detail=why), desired=desired)
+                tx.execute(f"UPDATE shards SET state='stopped' WHERE {_KEY} AND state<>'planned'", rec.key)
+                for run, reason in left:
+                    tx.execute(
+                        f"INSERT INTO fences({_F}) VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (token) DO UPDATE "
+                        "SET reason=excluded.reason, checked_at=excluded.checked_at",
+                        (run.node, run.run_dir, run.token, r.model, r.replica, rec.generation, now, reason,
+                         run.pid, run.start_time, now),
+                    )  # fmt: skip
+                    tx.execute("UPDATE shards SET state='fenced', updated_at=? WHERE token=?", (now, run.token))
+                    self._event(tx, "fenced", f"{rec.name} may still run on {run.node}: {reason}", node=run.node,
+                                detail={"token": run.token, "run_dir": run.run_dir, "why": why}, **ids)  # fmt: skip
+                return kept
+            tx.execute(f"DELETE FROM holds WHERE {_KEY}", rec.key)
             if wanted_down:
-                db.execute(
-                    "UPDATE replicas SET status=?, desired=?, endpoint=NULL, updated_at=? "
-                    "WHERE model=? AND replica=? AND generation=?",
-                    (STOPPED, DOWN, time.time(), *rec.key),
+                kept = self._observe(tx, old, replace(old, status=STOPPED, endpoint=None), desired=DOWN)
+                tx.execute(f"UPDATE shards SET state='stopped', updated_at=? WHERE {_KEY}", (now, *rec.key))
+                self._event(tx, "stopped", f"{rec.name} {why}", **ids)
+                return kept
+            tx.execute(f"DELETE FROM replicas WHERE {_KEY}", rec.key)
+            self._event(tx, "released", f"{rec.name} {why}", **ids)
+            return None
+
+    def unfence(self, token: str, *, why: str = "a stop found nothing of it left") -> bool:
+        """A fenced shard's stop was confirmed: its fence goes; once none of its replica is
+        left, the replica's GPUs and ports are freed (and its row goes, or stays stopped if
+        it was wanted down). False when there was no such fence."""
+        with self._tx() as tx:
+            row = tx.execute("SELECT node, model, replica, generation FROM fences WHERE token=?", (token,)).fetchone()
+            if row is None:
+                return False
+            node, model, replica, gen = row
+            tx.execute("DELETE FROM fences WHERE token=?", (token,))
+            tx.execute("UPDATE shards SET state='stopped', updated_at=? WHERE token=?", (time.time(), token))
+            ids = {"node": node, "model": model, "replica": replica, "generation": gen}
+            self._event(tx, "unfenced", f"{replica_name(model, replica)} on {node}: {why}", **ids)
+            more = tx.execute(f"SELECT COUNT(*) FROM fences WHERE {_KEY}", (model, replica, gen)).fetchone()[0]
+            status = tx.execute(f"SELECT status, desired FROM replicas WHERE {_KEY}", (model, replica, gen)).fetchone()
+            if more or status is None or status[0] != FENCED:
+                return True
+            _bump(tx)  # its GPUs are free again: plans made before must be made again
+            tx.execute(f"DELETE FROM holds WHERE {_KEY}", (model, replica, gen))
+            if status[1] == DOWN:
+                tx.execute(
+                    f"UPDATE replicas SET status=?, revision=revision+1, updated_at=? WHERE {_KEY}",
+                    (STOPPED, time.time(), model, replica, gen),
                 )
             else:
-                db.execute("DELETE FROM replicas WHERE model=? AND replica=? AND generation=?", rec.key)
-            _bump(db)
-            self._event(db, "release", None, f"{rec.name} {why}")
+                tx.execute(f"DELETE FROM replicas WHERE {_KEY}", (model, replica, gen))
+            self._event(tx, "released", f"{replica_name(model, replica)} generation {gen} released: nothing of it runs",
+                        model=model, replica=replica, generation=gen)  # fmt: skip
+            return True
+
+    def fence_checked(self, token: str, reason: str) -> None:
+        """A fenced shard was checked again and may still run (``reason``): noted, no event."""
+        with self._tx() as tx:
+            tx.execute("UPDATE fences SET reason=?, checked_at=? WHERE token=?", (reason, time.time(), token))
+
+
+# ---- rows -------------------------------------------------------------------
+def _records(
+    tx: Tx, *, include_down: bool, include_fenced: bool, key: tuple[str, int, int] | None = None
+) -> list[ReplicaRecord]:
+    where, args = [], []  # type: ignore[var-annotated]
+    if key is not None:
+        where.append(_KEY)
+        args += list(key)
+    if not include_down:
+        where.append("desired = ?")
+        args.append(UP)
+    if not include_fenced:
+        where.append("status <> ?")
+        args.append(FENCED)
+    cond = (" WHERE " + " AND ".join(where)) if where else ""
+    rows = tx.execute(f"SELECT {_R} FROM replicas{cond} ORDER BY model, replica, generation", args).fetchall()
+    if not rows:
+        return []
+    shards: dict[tuple[str, int, int], list[Any]] = {}
+    scond = f" WHERE {_KEY}" if key is not None else ""
+    for s in tx.execute(f"SELECT {_S} FROM shards{scond} ORDER BY model, replica, generation, rank",
+                        list(key) if key is not None else []).fetchall():  # fmt: skip
+        shards.setdefault((s[0], s[1], s[2]), []).append(s)
+    return [_record(r, shards.get((r[0], r[1], r[2]), [])) for r in rows]
+
+
+def _record(row: Any, shards: list[Any]) -> ReplicaRecord:
+    (model, replica, gen, profile, engine, fabric, gpu_class, cpus, memory_mib, status, desired, endpoint, port,
+     extra, owner, started, restarts, detail, revision, updated) = row  # fmt: skip
+    placed = tuple(Shard(s[4], _parse_ints(s[5]), tuple(h for h in s[6].split(",") if h)) for s in shards)
+    rep = Replica(model, replica, profile, engine, placed, fabric=fabric, gpu_class=gpu_class, cpus=cpus,
+                  memory_mib=memory_mib)  # fmt: skip
+    runs: tuple[ShardRun, ...] = ()
+    if shards and all(s[7] is not None and s[8] is not None for s in shards):
+        runs = tuple(
+            ShardRun(s[4], s[7], s[8], s[9], s[10], tuple(u for u in (s[12] or "").split(",") if u), s[11])
+            for s in shards
+        )
+    return ReplicaRecord(
+        rep,
+        generation=gen,
+        status=status,
+        desired=desired,
+        endpoint=endpoint,
+        port=port,
+        shards=runs,
+        started_at=started,
+        restarts=restarts,
+        detail=detail,
+        updated_at=updated,
+        extra_ports=_parse_ints(extra),
+        owner=owner,
+        revision=revision,
+    )
+
+
+def _row(rec: ReplicaRecord, now: float) -> tuple[Any, ...]:
+    r = rec.replica
+    return (r.model, r.replica, rec.generation, r.profile, r.engine, r.fabric, r.gpu_class, r.cpus, r.memory_mib,
+            rec.status, rec.desired, rec.endpoint, rec.port, _ints(rec.extra_ports), rec.owner, rec.started_at,
+            rec.restarts, rec.detail, rec.revision, now)  # fmt: skip
+
+
+def _shard_state(status: str, run: ShardRun) -> str:
+    if status in (STOPPED, FENCED):
+        return status
+    return "running" if run.pid is not None else "starting"
+
+
+def _ints(values: Iterable[int]) -> str:
+    return ",".join(str(int(v)) for v in values)
+
+
+def _parse_ints(text: str | None) -> tuple[int, ...]:
+    return tuple(int(v) for v in (text or "").split(",") if v)
 
 
 def _holds(rec: ReplicaRecord) -> Iterator[tuple[str, str, int]]:
@@ -199,8 +441,63 @@ def _holds(rec: ReplicaRecord) -> Iterator[tuple[str, str, int]]:
                 yield "port", head, p
 
 
-def _bump(db: sqlite3.Connection) -> None:
-    db.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'state_version'")
+def _uuids(tx: Tx, nodes: set[str]) -> dict[tuple[str, int], str]:
+    """Per (node, GPU index) of ``nodes``, the GPU's UUID as the stored facts give it."""
+    out: dict[tuple[str, int], str] = {}
+    for name in sorted(nodes):
+        row = tx.execute("SELECT facts FROM nodes WHERE name=?", (name,)).fetchone()
+        if row is None:
+            continue
+        try:
+            gpus = json.loads(row[0]).get("gpus") or []
+        except (ValueError, AttributeError):
+            continue
+        for g in gpus:
+            if isinstance(g, dict) and g.get("uuid") and isinstance(g.get("index"), int):
+                out[(name, g["index"])] = str(g["uuid"])
+    return out
 
 
-__all__ = ["UP", "LaunchTable", "StaleVersion"]
+def _fenced_gpus(tx: Tx) -> dict[str, dict[int, str]]:
+    out: dict[str, dict[int, str]] = {}
+    rows = tx.execute(
+        "SELECT h.node, h.item, h.model, h.replica, h.generation FROM holds h JOIN replicas r "
+        "ON r.model = h.model AND r.replica = h.replica AND r.generation = h.generation "
+        "WHERE h.kind = 'gpu' AND r.status = ?",
+        (FENCED,),
+    ).fetchall()
+    for node, item, model, replica, gen in rows:
+        out.setdefault(node, {})[item] = f"{replica_name(model, replica)} generation {gen}"
+    return out
+
+
+def _next_generation(tx: Tx, model: str, replica: int) -> int:
+    tx.execute(
+        "INSERT INTO generations(model, replica, last) VALUES (?,?,0) ON CONFLICT (model, replica) DO NOTHING",
+        (model, replica),
+    )
+    tx.execute("UPDATE generations SET last = last + 1 WHERE model=? AND replica=?", (model, replica))
+    return int(tx.execute("SELECT last FROM generations WHERE model=? AND replica=?", (model, replica)).fetchone()[0])
+
+
+def _where(r: Replica) -> str:
+    parts = []
+    for s in r.shards:
+        parts.append(f"{s.node} GPU {_ints(s.gpus)}" if s.gpus else s.node)
+    return ", ".join(parts) or "no node"
+
+
+def _version(tx: Tx) -> int:
+    row = tx.execute("SELECT value FROM meta WHERE key='state_version'").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _bump(tx: Tx) -> None:
+    tx.execute("UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) WHERE key = 'state_version'")
+
+
+def _stale(path: Any, version: int, expected: int) -> StaleVersion:
+    return StaleVersion(f"{path}: the state moved on (version {version}, the plan was made at {expected})")
+
+
+__all__ = ["UP", "LaunchTable", "Reservation", "StaleRecord", "StaleVersion"]

@@ -9,10 +9,14 @@ from typing import Any
 
 from cluster_cli.facts import Replica
 
-# Observed states of a replica (the ``status`` column).
-PLANNED, STARTING, READY, UNHEALTHY, FAILED, STOPPED = "planned", "starting", "ready", "unhealthy", "failed", "stopped"
-STATES = (PLANNED, STARTING, READY, UNHEALTHY, FAILED, STOPPED)
+# Observed states of a replica (the ``status`` column). ``stopping``: being stopped (taken
+# down, or released); ``fenced``: its stop could not be confirmed, so its GPUs and ports stay
+# held and a fence record names what may still run, until a later stop confirms it gone.
+PLANNED, STARTING, READY, UNHEALTHY, FAILED = "planned", "starting", "ready", "unhealthy", "failed"
+STOPPING, STOPPED, FENCED = "stopping", "stopped", "fenced"
+STATES = (PLANNED, STARTING, READY, UNHEALTHY, FAILED, STOPPING, STOPPED, FENCED)
 UP, DOWN = "up", "down"  # desired
+DESIRED = (UP, DOWN)
 
 
 def replica_name(model: str, replica: int) -> str:
@@ -32,6 +36,7 @@ class ShardRun:
     pid: int | None = None
     start_time: int | None = None
     gpu_uuids: tuple[str, ...] = ()
+    boot_id: str | None = None  # the node's /proc/sys/kernel/random/boot_id when it started
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -41,6 +46,7 @@ class ShardRun:
             "pid": self.pid,
             "start_time": self.start_time,
             "gpu_uuids": list(self.gpu_uuids),
+            "boot_id": self.boot_id,
         }
 
     @classmethod
@@ -52,6 +58,7 @@ class ShardRun:
             pid=d.get("pid"),
             start_time=d.get("start_time"),
             gpu_uuids=tuple(d.get("gpu_uuids") or ()),
+            boot_id=d.get("boot_id"),
         )
 
 
@@ -73,6 +80,7 @@ class ReplicaRecord:
     updated_at: float | None = None
     extra_ports: tuple[int, ...] = field(default=())  # other ports held on shard 0's node (a Ray head's)
     owner: str | None = None  # the run (control.runs) that last set it planned or starting
+    revision: int = 0  # the row's revision when read: a write of an older one is refused
 
     @property
     def name(self) -> str:
@@ -98,4 +106,44 @@ class ReplicaRecord:
             "extra_ports": tuple(doc.get("extra_ports") or ()),
             "shards": tuple(ShardRun.from_dict(s) for s in doc.get("shards") or ()),
             "owner": doc.get("owner"),
+        }
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A shard that may still run although its replica was released: its stop could not be
+    confirmed (its node did not answer, or processes, its port or GPU processes were left).
+    Kept until a later stop on ``node`` finds nothing of ``token`` left."""
+
+    node: str
+    run_dir: str
+    token: str
+    model: str
+    replica: int
+    generation: int
+    since: float
+    reason: str
+    pid: int | None = None
+    start_time: int | None = None
+    checked_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        return replica_name(self.model, self.replica)
+
+    @property
+    def run(self) -> ShardRun:
+        return ShardRun(self.node, self.run_dir, self.token, self.pid, self.start_time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "run_dir": self.run_dir,
+            "token": self.token,
+            "replica": self.name,
+            "generation": self.generation,
+            "since": self.since,
+            "reason": self.reason,
+            "pid": self.pid,
+            "checked_at": self.checked_at,
         }

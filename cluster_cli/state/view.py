@@ -17,7 +17,15 @@ from cluster_cli.config.inventory import Inventory
 from cluster_cli.facts import Gpu, NodeFacts, problem_key
 from cluster_cli.machines import mark_duplicate_gpus
 
-__all__ = ["for_inventory", "note_changes", "note_lost_ports", "note_unlisted_gpus", "note_vanished_gpus"]
+__all__ = [
+    "FENCED",
+    "for_inventory",
+    "note_changes",
+    "note_lost_ports",
+    "note_unlisted_gpus",
+    "note_vanished_gpus",
+    "with_fenced",
+]
 
 
 def for_inventory(
@@ -69,6 +77,31 @@ def for_inventory(
         labels = dict(n.labels) if from_state else {**f.labels, **n.labels}  # stored labels were the inventory's
         out.append(replace(f, hcas=hcas, gpus=gpus, fabric=fabric, labels=labels))
     return mark_duplicate_gpus(out)
+
+
+FENCED = "fenced"
+
+
+def with_fenced(facts: list[NodeFacts], fenced: Mapping[str, Mapping[int, str]]) -> list[NodeFacts]:
+    """``facts`` with a ``fenced`` problem on every GPU a fenced replica holds (``fenced``:
+    node -> index -> who): its stop was not confirmed, so its engine may still use the GPU,
+    and placement must not give it to another. Pure."""
+    if not fenced:
+        return facts
+    out = []
+    for f in facts:
+        held = fenced.get(f.name)
+        if not held:
+            out.append(f)
+            continue
+        gpus = tuple(
+            replace(g, problems=(*g.problems, f"{FENCED}: held by {held[g.index]}, whose stop is not confirmed"))
+            if g.index in held
+            else g
+            for g in f.gpus
+        )
+        out.append(replace(f, gpus=gpus))
+    return out
 
 
 def _reclass(g: Gpu, inv: Inventory) -> Gpu:

@@ -14,13 +14,14 @@ from cluster_cli.placement.constraints.base import NodeState, Request
 from cluster_cli.placement.verdict import Kind, Verdict
 
 # Why a GPU is not free, in the order a GPU with several problems is attributed.
-_ORDER = ("lost", "ecc", "retired-pages", "remap", "allocated", "mig", "foreign-process")
+_ORDER = ("lost", "ecc", "retired-pages", "remap", "allocated", "fenced", "mig", "foreign-process")
 _LABEL = {
     "lost": "lost",
     "ecc": "ECC",
     "retired-pages": "retired pages pending",
     "remap": "row remap pending",
     "allocated": "allocated",
+    "fenced": "fenced (stop not confirmed)",
     "mig": "MIG",
 }
 _PID = re.compile(r"\bpid (\d+)")
