@@ -32,8 +32,21 @@ tables show the best and the median of the rounds, and the ratio new/old of the 
 4. **AsyncStore's overhead per call.** ``--calls`` calls of ``store.version()`` direct against
    ``await astore.version()`` (new store; the old store's direct call for reference), in
    microseconds per call.
+5. **A database thread or an async driver** (the store's design question; when ``aiosqlite``
+   imports, unless ``--no-aiosqlite``). In the new store's worker, on one state file of 8
+   nodes, ``--repeat`` rounds, the contenders' order turned each round: (a) a small read,
+   ``await astore.version()`` against the same SELECT through aiosqlite (``BEGIN``, select,
+   ``COMMIT``: an await per statement), the same through a plain ``sqlite3`` connection in
+   ``asyncio.to_thread``, and the direct ``store.version()``; (b) a small write, ``--aio-pairs``
+   cordon/uncordon pairs: ``await astore.cordon(...)`` / ``uncordon(...)`` against the SQL of
+   the same transactions (``Store.cordon``/``uncordon``: ``BEGIN IMMEDIATE``, the schema check,
+   the cordon's read, insert or delete, the version bump, the event, ``COMMIT``) through
+   aiosqlite, through ``sqlite3`` in ``asyncio.to_thread`` (one thread hop a transaction, no
+   store code), and the direct store calls; microseconds per call (a read, or one
+   transaction). (c) Measure 3's stall for one cordon made through aiosqlite (its busy
+   timeout longer than the hold) beside ``AsyncStore``'s, ``--aio-stall-rounds`` rounds.
 
-    python bench/state.py                   # the default sizes: about 50 s on 2 cores
+    python bench/state.py                   # the default sizes: about 70 s on 2 cores
     python bench/state.py --quick           # a smoke run of a few seconds
     python bench/state.py --repeat 7 --read-nodes 2000 --read-replicas 8000 --hold 3
 """
@@ -47,6 +60,7 @@ import json
 import os
 import random
 import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -71,6 +85,25 @@ db.execute("ROLLBACK")
 db.close()
 """
 
+# Measure 5: the SQL of the store's calls, for a connection of another driver. Kept equal to
+# Store.version (the snapshot's schema read is left out: the read is one SELECT here), and to
+# Store._tx + Store.cordon / Store.uncordon + store._bump + EventLog._event.
+SQL_SCHEMA = "SELECT value FROM meta WHERE key='schema_version'"
+SQL_VERSION = "SELECT value FROM meta WHERE key='state_version'"
+SQL_CORDON_ROW = "SELECT reason, created_at FROM cordons WHERE node=?"
+SQL_BUMP = "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) WHERE key = 'state_version'"
+SQL_CORDON = (
+    "INSERT INTO cordons(node, reason, created_at) VALUES (?,?,?) "
+    "ON CONFLICT (node) DO UPDATE SET reason=excluded.reason"
+)
+SQL_UNCORDON = "DELETE FROM cordons WHERE node=?"
+SQL_EVENT = (
+    "INSERT INTO events(at, kind, node, model, replica, generation, actor, message, detail) VALUES (?,?,?,?,?,?,?,?,?)"
+)
+# The store's connection settings (cluster_cli/state/sqlite.py), per connection.
+SQL_PRAGMAS = ("PRAGMA synchronous=NORMAL", "PRAGMA foreign_keys=ON")
+ACTOR = "bench"
+
 
 # --------------------------------------------------------------------------- worker (one per store)
 class Worker:
@@ -94,11 +127,18 @@ class Worker:
         spec.loader.exec_module(self.helpers)
         self.read_path: Path | None = None
         self.small = self._small_state()
+        self.driver_path: Path | None = None
 
     def hello(self) -> dict[str, Any]:
         from cluster_cli.state.schema import SCHEMA_VERSION
 
-        return {"package": self.pkg, "schema": SCHEMA_VERSION, "new": self.new}
+        try:
+            import aiosqlite
+        except ImportError:
+            aio = None
+        else:
+            aio = getattr(aiosqlite, "__version__", "?")
+        return {"package": self.pkg, "schema": SCHEMA_VERSION, "new": self.new, "aiosqlite": aio}
 
     # ---- building states (never timed) --------------------------------------
     def _fleet(self, n: int, prefix: str = "node") -> list[Any]:
@@ -245,14 +285,16 @@ class Worker:
                 if locker.stdout.readline().strip() != "locked":
                     raise RuntimeError("the locking process did not take the write lock")
                 t_locked = time.perf_counter()
-                out = asyncio.run(self._stall_loop(s, mode, f"node-{seq % 8:05d}", f"bench stall {seq}"))
+                out = asyncio.run(
+                    self._stall_loop(s, mode, f"node-{seq % 8:05d}", f"bench stall {seq}", timeout_s=hold_s + 60)
+                )
                 out["lock_to_done_s"] = time.perf_counter() - t_locked
             finally:
                 locker.wait(timeout=hold_s + 30)
             out["cordoned"] = s.cordons().get(f"node-{seq % 8:05d}", {}).get("reason") == f"bench stall {seq}"
         return out
 
-    async def _stall_loop(self, s: Any, mode: str, node: str, reason: str) -> dict[str, Any]:
+    async def _stall_loop(self, s: Any, mode: str, node: str, reason: str, timeout_s: float) -> dict[str, Any]:
         late: list[float] = []
         done = asyncio.Event()
 
@@ -267,11 +309,14 @@ class Worker:
             from cluster_cli.state.aio import AsyncStore
 
             astore = AsyncStore(s)
+        db = await _aio_open(s.path, timeout_s) if mode == "aiosqlite" else None
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(0.1)
         t0 = time.perf_counter()
         if astore is not None:
             await astore.cordon(node, reason)
+        elif db is not None:
+            await _aio_cordon(db, node, reason)  # BEGIN IMMEDIATE waits in SQLite's busy handler, on aiosqlite's thread
         else:
             s.cordon(node, reason)  # on the loop's thread, as a command's coroutine calls it today
         write_s = time.perf_counter() - t0
@@ -280,6 +325,8 @@ class Worker:
         await tick
         if astore is not None:
             await astore.aclose()
+        if db is not None:
+            await db.close()
         return {"max_late_s": max(late), "p50_late_s": statistics.median(late), "ticks": len(late), "write_s": write_s}
 
     # ---- 4. AsyncStore's overhead per call ------------------------------------
@@ -304,6 +351,199 @@ class Worker:
             for _ in range(calls):
                 await astore.version()
             return (time.perf_counter() - t0) / calls
+
+    # ---- 5. a database thread or an async driver ------------------------------
+    def driver(self, calls: int, pairs: int, turn: int) -> dict[str, Any]:
+        """One round of measure 5 on one state file; the contenders' order turned by ``turn``."""
+        if self.driver_path is None:
+            self.driver_path = self.work / "driver.db"
+            with self._open(self.driver_path) as s:
+                s.save_discovery(self._fleet(8))
+        with self._open(self.driver_path, actor=ACTOR) as s:
+            return asyncio.run(self._driver_round(s, calls, pairs, turn))
+
+    async def _driver_round(self, s: Any, calls: int, pairs: int, turn: int) -> dict[str, Any]:
+        from cluster_cli.state.aio import AsyncStore
+
+        nodes = [f"node-{i % 8:05d}" for i in range(pairs)]
+        reason = "bench: drain"
+        raw = _sqlite_open(s.path, 30.0)
+        db = await _aio_open(s.path, 30.0)
+        astore = AsyncStore(s)
+        out: dict[str, Any] = {}
+        try:
+
+            async def reads_astore() -> None:
+                for _ in range(calls):
+                    await astore.version()
+
+            async def reads_aio() -> None:
+                for _ in range(calls):
+                    await _aio_version(db)
+
+            async def reads_thread() -> None:
+                for _ in range(calls):
+                    await asyncio.to_thread(_raw_version, raw)
+
+            async def reads_direct() -> None:
+                for _ in range(calls):
+                    s.version()
+
+            async def writes_astore() -> None:
+                for node in nodes:
+                    await astore.cordon(node, reason)
+                    await astore.uncordon(node)
+
+            async def writes_aio() -> None:
+                for node in nodes:
+                    await _aio_cordon(db, node, reason)
+                    await _aio_uncordon(db, node)
+
+            async def writes_thread() -> None:
+                for node in nodes:
+                    await asyncio.to_thread(_raw_cordon, raw, node, reason)
+                    await asyncio.to_thread(_raw_uncordon, raw, node)
+
+            async def writes_direct() -> None:
+                for node in nodes:
+                    s.cordon(node, reason)
+                    s.uncordon(node)
+
+            want = s.version()
+            for got in (await astore.version(), await _aio_version(db), _raw_version(raw)):
+                if got != want:
+                    raise RuntimeError(f"the contenders read state version {got}, the store {want}")
+            # A warm-up transaction each (not timed), then the timed runs.
+            await astore.cordon(nodes[0], reason)
+            await astore.uncordon(nodes[0])
+            await _aio_cordon(db, nodes[0], reason)
+            await _aio_uncordon(db, nodes[0])
+            await asyncio.to_thread(_raw_cordon, raw, nodes[0], reason)
+            await asyncio.to_thread(_raw_uncordon, raw, nodes[0])
+            before = (s.version(), _count_events(raw))
+            for kind, n, runs in (
+                ("read", calls, [("astore", reads_astore), ("aio", reads_aio), ("thread", reads_thread), ("direct", reads_direct)]),
+                ("write", 2 * pairs, [("astore", writes_astore), ("aio", writes_aio), ("thread", writes_thread), ("direct", writes_direct)]),
+            ):  # fmt: skip
+                k = turn % len(runs)
+                for name, run in runs[k:] + runs[:k]:
+                    t0 = time.perf_counter()
+                    await run()
+                    out[f"{kind}_{name}_us"] = (time.perf_counter() - t0) / n * 1e6
+            after = (s.version(), _count_events(raw))
+            out["version_moved"] = after[0] - before[0]
+            out["events_added"] = after[1] - before[1]
+            out["cordons_left"] = len(s.cordons())
+        finally:
+            await astore.aclose()
+            await db.close()
+            raw.close()
+        return out
+
+
+def _sqlite_open(path: Path, timeout_s: float) -> sqlite3.Connection:
+    db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None, check_same_thread=False)
+    for pragma in SQL_PRAGMAS:
+        db.execute(pragma)
+    return db
+
+
+async def _aio_open(path: Path, timeout_s: float) -> Any:
+    import aiosqlite
+
+    db = await aiosqlite.connect(path, timeout=timeout_s, isolation_level=None)
+    for pragma in SQL_PRAGMAS:
+        await db.execute(pragma)
+    return db
+
+
+def _check_schema(row: Any) -> None:
+    if row is None or row[0] != "3":
+        raise RuntimeError(f"state schema {row and row[0]}, not the 3 this SQL is for")
+
+
+def _version(row: Any) -> int:
+    return int(row[0]) if row and row[0] else 0
+
+
+def _raw_version(db: sqlite3.Connection) -> int:
+    db.execute("BEGIN")
+    try:
+        return _version(db.execute(SQL_VERSION).fetchone())
+    finally:
+        db.execute("COMMIT")
+
+
+def _raw_cordon(db: sqlite3.Connection, node: str, reason: str) -> None:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        _check_schema(db.execute(SQL_SCHEMA).fetchone())
+        row = db.execute(SQL_CORDON_ROW, (node,)).fetchone()
+        if row is None or row[0] != reason:
+            db.execute(SQL_BUMP)
+            db.execute(SQL_CORDON, (node, reason, time.time()))
+            message = reason if row is None else f"{reason} (was: {row[0]})"
+            db.execute(SQL_EVENT, (time.time(), "cordon", node, None, None, None, ACTOR, message, None))
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+def _raw_uncordon(db: sqlite3.Connection, node: str) -> None:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        _check_schema(db.execute(SQL_SCHEMA).fetchone())
+        if db.execute(SQL_UNCORDON, (node,)).rowcount:
+            db.execute(SQL_BUMP)
+            db.execute(SQL_EVENT, (time.time(), "uncordon", node, None, None, None, ACTOR, "cordon lifted", None))
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+def _count_events(db: sqlite3.Connection) -> int:
+    return db.execute("SELECT COUNT(*) FROM events").fetchone()[0]
+
+
+# The same through aiosqlite: every statement is an await, a trip to the connection's thread.
+async def _aio_version(db: Any) -> int:
+    await db.execute("BEGIN")
+    try:
+        rows = await db.execute_fetchall(SQL_VERSION)
+        return _version(rows[0] if rows else None)
+    finally:
+        await db.execute("COMMIT")
+
+
+async def _aio_cordon(db: Any, node: str, reason: str) -> None:
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        _check_schema(next(iter(await db.execute_fetchall(SQL_SCHEMA)), None))
+        row = next(iter(await db.execute_fetchall(SQL_CORDON_ROW, (node,))), None)
+        if row is None or row[0] != reason:
+            await db.execute(SQL_BUMP)
+            await db.execute(SQL_CORDON, (node, reason, time.time()))
+            message = reason if row is None else f"{reason} (was: {row[0]})"
+            await db.execute(SQL_EVENT, (time.time(), "cordon", node, None, None, None, ACTOR, message, None))
+    except BaseException:
+        await db.execute("ROLLBACK")
+        raise
+    await db.execute("COMMIT")
+
+
+async def _aio_uncordon(db: Any, node: str) -> None:
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        _check_schema(next(iter(await db.execute_fetchall(SQL_SCHEMA)), None))
+        if (await db.execute(SQL_UNCORDON, (node,))).rowcount:
+            await db.execute(SQL_BUMP)
+            await db.execute(SQL_EVENT, (time.time(), "uncordon", node, None, None, None, ACTOR, "cordon lifted", None))
+    except BaseException:
+        await db.execute("ROLLBACK")
+        raise
+    await db.execute("COMMIT")
 
 
 def _reconcile_replicas(w: Worker, nodes: list[str], n: int) -> list[Any]:
@@ -342,6 +582,7 @@ def serve(side: str, work: Path) -> None:
         "read": w.read,
         "stall": w.stall,
         "overhead": w.overhead,
+        "driver": w.driver,
     }
     for line in sys.stdin:
         req = json.loads(line)
@@ -419,6 +660,81 @@ def fmt_ms(best: float, med: float) -> str:
     return f"{best * 1000:,.1f} ({med * 1000:,.1f})"
 
 
+def driver_measure(new: Side, args: argparse.Namespace, sync_stall: float) -> str:
+    """Measure 5, AsyncStore against aiosqlite, in the new store's worker; its verdict line
+    ("" when skipped)."""
+    if args.no_aiosqlite:
+        print("\n5. AsyncStore against aiosqlite: left out (--no-aiosqlite)")
+        return ""
+    if not new.info.get("aiosqlite"):
+        print("\n5. AsyncStore against aiosqlite: skipped, aiosqlite does not import (pip install 'aiosqlite>=0.20')")
+        return ""
+    rounds = [new.ask("driver", calls=args.calls, pairs=args.aio_pairs, turn=r) for r in range(args.repeat)]
+    for r in rounds:
+        contenders = 4  # every one cordons and uncordons each node of its pairs: 2 versions, 2 events a pair
+        if (
+            r["cordons_left"]
+            or r["version_moved"] != r["events_added"]
+            or r["events_added"] != 2 * args.aio_pairs * contenders
+        ):
+            raise SystemExit(f"state bench: measure 5: the writes are not all in the state: {r}")
+    st: dict[str, list[dict[str, Any]]] = {"async": [], "aiosqlite": []}
+    for r in range(args.aio_stall_rounds):
+        for mode in ("async", "aiosqlite") if r % 2 == 0 else ("aiosqlite", "async"):
+            res = new.ask("stall", hold_s=args.hold, mode=mode, seq=10_000 + 2 * r + (mode == "aiosqlite"))
+            if not res["cordoned"]:
+                raise SystemExit(f"state bench: measure 5: the {mode} cordon made under the lock is not in the state")
+            st[mode].append(res)
+
+    def us(key: str) -> tuple[float, float, str]:
+        b, m = best_med([r[key] for r in rounds], high=False)
+        return b, m, f"{b:.1f} ({m:.1f})"
+
+    rows, ratio = [], {}
+    for kind, label in (("read", "read: version()"), ("write", "write: a cordon or uncordon")):
+        a, _, a_txt = us(f"{kind}_astore_us")
+        d, _, d_txt = us(f"{kind}_aio_us")
+        ratio[kind] = d / a
+        rows.append([label, a_txt, d_txt, f"{d / a:.2f}x", us(f"{kind}_thread_us")[2], us(f"{kind}_direct_us")[2]])
+    worst = {m: best_med([r["max_late_s"] for r in st[m]], high=False) for m in st}
+    took = {m: statistics.median(r["write_s"] for r in st[m]) for m in st}
+    rows.append(
+        [
+            f"longest loop stall, lock held {args.hold:g} s (ms)",
+            fmt_ms(*worst["async"]),
+            fmt_ms(*worst["aiosqlite"]),
+            f"{worst['aiosqlite'][0] / worst['async'][0]:.2f}x",
+            "-",
+            f"{sync_stall * 1000:,.1f}",
+        ]
+    )
+    table(
+        f"5. a database thread (AsyncStore) or an async driver (aiosqlite {new.info['aiosqlite']}), one state file "
+        f"({args.repeat} rounds of {args.calls} reads and {args.aio_pairs} cordon/uncordon pairs; "
+        f"{args.aio_stall_rounds} stall rounds)",
+        ["us per call", "AsyncStore", "aiosqlite", "aiosqlite/AsyncStore", "sqlite3 in to_thread", "Store, direct"],
+        rows,
+        "   (a read: aiosqlite and sqlite3 BEGIN, SELECT, COMMIT, the store's call one SELECT more; a write: one\n"
+        "   transaction, the store's SQL; aiosqlite awaits each statement, AsyncStore and to_thread each call;\n"
+        f"   lower is better; the stall's direct figure is measure 3's new sync median; the write under the lock\n"
+        f"   took {took['async']:.2f} s (AsyncStore), {took['aiosqlite']:.2f} s (aiosqlite), medians)",
+    )
+
+    def faster(r: float) -> str:
+        return f"AsyncStore {r:.2f}x faster" if r >= 1 else f"aiosqlite {1 / r:.2f}x faster"
+
+    free = {m: statistics.median(r["max_late_s"] for r in st[m]) < 0.05 for m in st}
+    if all(free.values()):
+        loop = "both keep the loop free"
+    else:
+        loop = ", ".join(f"{m} {'keeps' if free[m] else 'does not keep'} the loop free" for m in st)
+    return (
+        f"verdict, database thread or async driver: a read {faster(ratio['read'])}, a write {faster(ratio['write'])} "
+        f"(best of {args.repeat}); {loop} under a held lock (longest stall {worst['async'][0] * 1000:.1f} ms "
+        f"AsyncStore, {worst['aiosqlite'][0] * 1000:.1f} ms aiosqlite, against {sync_stall * 1000:,.0f} ms sync)"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", default=BASELINE, help="the landed commit to compare with (default %(default)s)")
@@ -430,7 +746,10 @@ def main() -> int:
     ap.add_argument("--read-replicas", type=int, default=4000)
     ap.add_argument("--hold", type=float, default=2.0, help="seconds the other process holds the write lock")
     ap.add_argument("--stall-rounds", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=2000, help="calls per run of measure 4")
+    ap.add_argument("--calls", type=int, default=2000, help="calls per run of measures 4 and 5 (reads)")
+    ap.add_argument("--aio-pairs", type=int, default=300, help="cordon/uncordon pairs per run of measure 5")
+    ap.add_argument("--aio-stall-rounds", type=int, default=3, help="rounds of measure 5's stall (each contender)")
+    ap.add_argument("--no-aiosqlite", action="store_true", help="leave out measure 5 (AsyncStore against aiosqlite)")
     ap.add_argument("--quick", action="store_true", help="a smoke run of a few seconds (small sizes, one round)")
     ap.add_argument("--work", type=Path, help="a folder for the states (default: a temp folder, removed after)")
     ap.add_argument("--serve", choices=["old", "new"], help=argparse.SUPPRESS)
@@ -442,6 +761,7 @@ def main() -> int:
         args.repeat, args.stall_rounds = 1, 1
         args.write_replicas, args.observes, args.pairs = 16, 100, 50
         args.read_nodes, args.read_replicas, args.hold, args.calls = 50, 200, 0.3, 200
+        args.aio_pairs, args.aio_stall_rounds = 50, 1
 
     work = Path(tempfile.mkdtemp(prefix="state-bench-", dir=args.work))
     sides: list[Side] = []
@@ -567,11 +887,18 @@ def main() -> int:
             "   (lower is better; the overhead is the AsyncStore call less the direct one, new store)",
         )
 
+        # 5. a database thread or an async driver
+        driver_verdict = driver_measure(
+            new, args, sync_stall=statistics.median(r["max_late_s"] for r in st["new sync"])
+        )
+
         print(
             f"\nverdict: new/old writes/s {wr[0][3]} observe, {wr[1][3]} cordon; reconcile read {bn / bo:.2f}x the time; "
             f"longest loop stall under a held lock {sa * 1000:.1f} ms with AsyncStore against {so * 1000:.0f} ms "
             f"(old, sync); AsyncStore adds {an_b - dn_b:.0f} us a call"
         )
+        if driver_verdict:
+            print(driver_verdict)
         print(f"(whole run {time.perf_counter() - t_start:.0f} s; load average at end {os.getloadavg()[0]:.2f})")
     finally:
         for s in sides:

@@ -390,7 +390,7 @@ import atexit, functools, json, sys, time
 t0 = time.perf_counter()
 import cluster_cli.cli.main  # typer app + every command module, as the console script does
 import cluster_cli.cli.common as common
-import cluster_cli.cli.launch as launch
+import cluster_cli.control.discovery as discovery
 import cluster_cli.control.sessions as sessions
 import cluster_cli.control.up as up
 import cluster_cli.launch.node as node
@@ -426,7 +426,7 @@ def wrap(obj, name, label):
 for obj, name, label in (
     (common, "inventory_or_abort", "inventory"), (common, "open_store", "state open"),
     (collect, "discover", "probe (discover's)"), (Store, "save_discovery", "save facts"),
-    (launch, "_fleet", "fleet from state"), (up, "find_dead", "check kept replicas"),
+    (discovery, "fleet", "fleet from state"), (up, "find_dead", "check kept replicas"),
     (placement, "plan", "placement"), (up, "_taken_ports", "ports in use (new nodes)"),
     (Store, "reserve", "reserve"), (up, "_launch", "start + wait ready (per replica)"),
     (up, "_wait_ready", "wait ready (per replica)"), (routerconf, "write", "router config"),

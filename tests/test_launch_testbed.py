@@ -20,6 +20,8 @@ from gguf_tiny import make_tiny_gguf
 from helpers import ctl, json_out
 from llama import find_llama_server
 
+from cluster_cli.state.store import Store
+
 pytestmark = pytest.mark.llama
 
 CPU_NODES = "cpu-01=cpu-only,cpu-02=cpu-only,cpu-03=cpu-only"
@@ -253,6 +255,11 @@ def test_a_replica_that_cannot_start_is_released_whole_with_its_reason(fleet, pr
     if reason == "the engine exited":
         assert any("no-such-flag" in line or "invalid argument" in line.lower() for line in x["log"]), x["log"]
     _nothing_left(fleet)
+    with Store(fleet["state"], readonly=True) as s:
+        ev = [e for e in s.events() if e.name == x["name"]]
+    kinds = [e.kind for e in ev]
+    assert kinds[0] == "reserved" and kinds[-2:] == ["failed", "released"], kinds
+    assert reason in ev[-2].message and {e.actor for e in ev} == {"up"}
 
 
 def test_a_port_in_use_on_the_node_is_skipped(fleet) -> None:
@@ -415,7 +422,6 @@ def test_a_replica_another_live_run_is_starting_is_left_be_until_that_run_ends(f
 
     from cluster_cli.control.runs import Runs
     from cluster_cli.state.records import STARTING
-    from cluster_cli.state.store import Store
 
     state, inv, cat, cluster = fleet["state"], fleet["inventory"], fleet["catalog"], fleet["cluster"]
     cat = _catalog(fleet["tmp"] / "one.yaml", fleet["model"], fleet["binary"], replicas=1)
@@ -464,8 +470,6 @@ def test_a_second_up_reads_no_hardware_again_until_it_has_something_to_place(fle
     state's CPU counts and memory stand, even wrong ones. Once a replica has to be placed (its
     profile now reserves more), every node is read again before it is."""
     from dataclasses import replace
-
-    from cluster_cli.state.store import Store
 
     state, inv, cluster = fleet["state"], fleet["inventory"], fleet["cluster"]
     cat = _catalog(fleet["tmp"] / "one.yaml", fleet["model"], fleet["binary"], replicas=1)

@@ -222,8 +222,11 @@ def test_a_stop_that_leaves_a_gpu_process_keeps_the_gpu_held_and_records_a_fence
         assert (fence.node, fence.token, fence.pid) == ("gpu-01", rec.shards[0].token, pid)
         assert s.fenced_gpus() == {"gpu-01": {gpu: "tp/0 generation 1"}}
         assert s.held_ports("gpu-01") == {rec.port}
-    st = json_out(ctl(state, "status", "--no-check", "-o", "json"))["replicas"]
-    assert [(x["name"], x["state"]) for x in st] == [("tp/0", "fenced")]
+    st = json_out(ctl(state, "status", "--no-check", "-o", "json"))
+    assert [(x["name"], x["state"]) for x in st["replicas"]] == [("tp/0", "fenced")]
+    assert [(f["replica"], f["node"], f["pid"]) for f in st["fences"]] == [("tp/0", "gpu-01", pid)]
+    table = ctl(state, "status", "--no-check").stdout
+    assert "fenced tp/0 g1 on gpu-01 since " in table and "nvidia-smi still lists processes" in table
 
     spec_file.write_text(clean)  # the context is gone
     r = ctl(state, "down", "tp/0", "-o", "json")
@@ -233,3 +236,39 @@ def test_a_stop_that_leaves_a_gpu_process_keeps_the_gpu_held_and_records_a_fence
         (row,) = s.records(include_down=True, include_fenced=True)
         assert (row.status, row.desired) == ("stopped", "down")
         assert [e.kind for e in s.events() if e.name == "tp/0"][-3:] == ["fenced", "unfenced", "released"]
+
+
+def test_a_replica_whose_node_is_cut_off_during_down_is_fenced_until_a_stop_confirms_it(
+    testbed_factory, tmp_path: Path
+) -> None:
+    """The node does not answer the stop (a partition): its engine may well run on, so the
+    replica is fenced, not forgotten; once the node answers, the next ``down`` stops what ran
+    on through the partition and frees the GPU."""
+    cluster = testbed_factory("gpu-01=hgx-h200x8:fabric=ib-a", path_extra=(str(STANDIN),))
+    doc = yaml.safe_load(cluster.inventory_path.read_text())
+    doc["defaults"]["connect_timeout_s"] = 2.0
+    inv = cluster.inventory_path.parent / "inventory-fast.yaml"
+    inv.write_text(yaml.safe_dump(doc))
+    cat = _catalog(tmp_path / "catalog.yaml")
+    state = tmp_path / "st" / "state.db"
+    r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60")
+    assert r.returncode == 0, r.stderr
+    cluster.partition("gpu-01")
+    try:
+        r = ctl(state, "down", "tp/0", "-o", "json")
+        (d,) = json_out(r)["replicas"]
+        assert r.returncode == 1 and not d["stopped"] and "did not answer the stop" in d["problem"], d
+        with Store(state, readonly=True) as s:
+            (row,) = s.records(include_down=True, include_fenced=True)
+            assert (row.status, row.desired) == ("fenced", "down")
+            (fence,) = s.fences()
+            assert fence.node == "gpu-01" and "did not answer" in fence.reason
+            assert list(s.fenced_gpus()) == ["gpu-01"]
+    finally:
+        cluster.heal("gpu-01")
+    assert _engines(cluster, "gpu-01")  # it ran on through the partition: forgetting it would have leaked it
+    r = ctl(state, "down", "tp/0", "-o", "json")
+    assert r.returncode == 0 and json_out(r)["replicas"][0]["stopped"], r.stdout
+    assert _engines(cluster, "gpu-01") == []
+    with Store(state, readonly=True) as s:
+        assert s.fences() == [] and s.fenced_gpus() == {}

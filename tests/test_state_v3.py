@@ -329,3 +329,32 @@ def test_a_down_whose_stop_was_not_confirmed_stays_wanted_down_and_fenced(tmp_pa
             (1, "stopped", "down"),
             (2, "planned", "up"),
         ]
+
+
+def test_gpus_held_by_a_replica_being_stopped_or_fenced_are_not_placed_and_say_why(tmp_path: Path) -> None:
+    """A replica wanted down but not yet released, or fenced, holds its GPUs: placement reads
+    them as taken (the plan's snapshot says by whom), and a reservation of its MODEL/N does
+    not take them over."""
+    from helpers import catalog, profile
+
+    from cluster_cli.placement import plan
+    from cluster_cli.state.view import with_fenced
+
+    with Store(tmp_path / "s.db") as s:
+        s.save_discovery([replace(dgx("gpu-01"), probed_at=1.0)])
+        rep = Replica("m", 0, "tp2", "vllm", (Shard("gpu-01", (0, 1)),), gpu_class="H100")
+        (rec,) = s.reserve([ReplicaRecord(rep, port=8100)]).records
+        rec = s.observe(replace(rec, status=READY, shards=(ShardRun("gpu-01", "~/r", "t1", pid=5),)))
+        s.want_down(rec)  # a down is stopping it
+        with pytest.raises(StateError, match="GPU 0 is already held by m/0"):
+            s.reserve([ReplicaRecord(rep, port=8101)])  # not handed to its next generation meanwhile
+        view = s.plan_view()
+        assert view.records == [] and view.fenced == {
+            "gpu-01": {0: "m/0 generation 1, being stopped", 1: "m/0 generation 1, being stopped"}
+        }
+    nodes = with_fenced(view.nodes, view.fenced)
+    cat = catalog(("big", 1, [profile("tp8", gpu_class="H100", gpus=8)]))
+    result = plan(nodes, cat, [])
+    (u,) = result.unplaced
+    assert "2 held by a replica being stopped" in u.reasons[0].detail, u.reasons
+    assert result.starts == [] and plan(view.nodes, cat, []).starts  # without them it would fit

@@ -337,20 +337,20 @@ def status(
     async def go() -> Any:
         async with AsyncStore(store) as astore:
             if not check:
-                return await run_status(astore, None)
+                return await run_status(astore, None), await astore.fences()
             inv = inventory_or_abort(recorded_inventory(inventory, state.state_path), state_path=state.state_path)
             async with Sessions(inv, _connector(state.state_path)) as sessions:
-                return await run_status(astore, sessions)
+                return await run_status(astore, sessions), await astore.fences()
 
     try:
-        rows = asyncio.run(go())
+        rows, fences = asyncio.run(go())
     except ClusterctlError as e:
         ui.fail(e)
     finally:
         store.close()
     data = [r.to_dict() for r in rows]
     if output is not ui.Output.table:
-        ui.emit_data({"replicas": data}, output)
+        ui.emit_data({"replicas": data, "fences": [f.to_dict() for f in fences]}, output)
         raise typer.Exit(0)
     if not data:
         ui.info("no replicas (clusterctl up starts them)")
@@ -381,6 +381,10 @@ def status(
     for d in data:
         if d["state"] not in ("ready", "stopped") and d["detail"]:
             ui.out.print(f"[red]{escape(d['name'])}[/]: {escape(d['detail'])}", highlight=False)
+    for f in fences:  # what may still run although released: its GPUs stay held
+        since = time.strftime("%Y-%m-%d %H:%M", time.localtime(f.since))
+        ui.out.print(f"[red]fenced[/] {escape(f.name)} g{f.generation} on {escape(f.node)} since {since}: "
+                     f"{escape(f.reason)}", highlight=False)  # fmt: skip
 
 
 def _num(v: float | None, pct: bool = False) -> str:

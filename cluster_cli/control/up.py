@@ -222,7 +222,7 @@ async def up(
     outcomes += await asyncio.gather(*jobs)
 
     for u in result.unplaced:
-        why = "; ".join(r.message for r in u.reasons[:3]) if u.reasons else "no profile fits"
+        why = _unplaced_why(u)
         outcomes.append(Outcome(replica_name(u.model, u.replica), u.model, "unplaced", "unplaced", reason=why))
         report(replica_name(u.model, u.replica), "unplaced", why)
 
@@ -246,6 +246,14 @@ async def _also_check(
     fresh = [r for r in view.records if r.key not in before]
     dead.update(await find_dead(fresh, sessions, seen, busy, theirs, checks))
     return view.records
+
+
+def _unplaced_why(u: Any) -> str:
+    """Why no profile placed it, profile by profile, in ``place``'s words."""
+    from cluster_cli.placement.explain import fit_message
+
+    why = [f"{a.profile}: {fit_message(a.metrics)}" for a in u.attempts if not a.placed]
+    return "; ".join(why) or "no profile fits"
 
 
 def _record_of(records: list[ReplicaRecord], replica: Any) -> ReplicaRecord | None:
@@ -380,6 +388,8 @@ async def _launch(
         out.state, out.reason = FAILED, str(e)
         out.log = list(getattr(e, "log", []) or [])
         report(rec.name, "failed", out.reason)
+        with contextlib.suppress(StaleRecord):  # the failure, as an event of its own
+            rec = await store.observe(replace(rec, status=FAILED, detail=out.reason))
         stopped = await stops.stop_shards(rec, sessions)
         out.log = stopped.log or out.log
         why = f"failed to start: {out.reason}"

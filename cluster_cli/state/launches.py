@@ -99,7 +99,14 @@ class LaunchTable:
         """Per node, the GPUs (index -> who) held by fenced replicas: no one may use them until
         a stop confirms that nothing of those replicas runs."""
         with self._read() as tx:
-            return _fenced_gpus(tx)
+            return _held_gpus(tx, "r.status = ?", (FENCED,))
+
+    def held_apart(self) -> dict[str, dict[int, str]]:
+        """Per node, the GPUs (index -> who, and why) that replicas no longer wanted hold: those
+        fenced, and those being stopped (wanted down, not yet released). Placement must not
+        give them to another; :meth:`records` does not list their replicas."""
+        with self._read() as tx:
+            return _held_gpus(tx, "(r.status = ? OR r.desired = ?)", (FENCED, DOWN), why=True)
 
     def fences(self, node: str | None = None) -> list[Fence]:
         sql = f"SELECT {_F} FROM fences" + (" WHERE node=?" if node is not None else "") + " ORDER BY since, token"
@@ -139,16 +146,17 @@ class LaunchTable:
                     raise _stale(self.path, _version(tx), expect_version)
             else:
                 _bump(tx)
-            uuids = _uuids(tx, {s.node for rec in records for s in rec.replica.shards if s.gpus})
+            uuids = gpu_uuids(tx, {s.node for rec in records for s in rec.replica.shards if s.gpus})
             now = time.time()
             out = []
             for rec in records:
                 r = rec.replica
                 # A replica wanted down and stopped is brought back by this reservation: its old row
-                # goes (its shards and holds with it). A fenced one stays until its stop is confirmed.
+                # goes (its shards with it). One still being stopped, or fenced, stays with its holds
+                # until its stop is confirmed.
                 tx.execute(
-                    "DELETE FROM replicas WHERE model=? AND replica=? AND desired=? AND status<>?",
-                    (r.model, r.replica, DOWN, FENCED),
+                    "DELETE FROM replicas WHERE model=? AND replica=? AND desired=? AND status=?",
+                    (r.model, r.replica, DOWN, STOPPED),
                 )
                 gen = _next_generation(tx, r.model, r.replica)
                 rec = replace(rec, generation=gen, revision=1)
@@ -441,15 +449,21 @@ def _holds(rec: ReplicaRecord) -> Iterator[tuple[str, str, int]]:
                 yield "port", head, p
 
 
-def _uuids(tx: Tx, nodes: set[str]) -> dict[tuple[str, int], str]:
-    """Per (node, GPU index) of ``nodes``, the GPU's UUID as the stored facts give it."""
+def gpu_uuids(tx: Tx, nodes: set[str] | None = None) -> dict[tuple[str, int], str]:
+    """Per (node, GPU index) of ``nodes`` (default: all), the GPU's UUID as the stored facts
+    give it."""
     out: dict[tuple[str, int], str] = {}
-    for name in sorted(nodes):
-        row = tx.execute("SELECT facts FROM nodes WHERE name=?", (name,)).fetchone()
-        if row is None:
-            continue
+    if nodes is None:
+        rows = tx.execute("SELECT name, facts FROM nodes").fetchall()
+    else:
+        rows = [
+            (n, r[0])
+            for n in sorted(nodes)
+            if (r := tx.execute("SELECT facts FROM nodes WHERE name=?", (n,)).fetchone())
+        ]
+    for name, doc in rows:
         try:
-            gpus = json.loads(row[0]).get("gpus") or []
+            gpus = json.loads(doc).get("gpus") or []
         except (ValueError, AttributeError):
             continue
         for g in gpus:
@@ -458,16 +472,19 @@ def _uuids(tx: Tx, nodes: set[str]) -> dict[tuple[str, int], str]:
     return out
 
 
-def _fenced_gpus(tx: Tx) -> dict[str, dict[int, str]]:
+def _held_gpus(tx: Tx, where: str, args: tuple[Any, ...], *, why: bool = False) -> dict[str, dict[int, str]]:
     out: dict[str, dict[int, str]] = {}
     rows = tx.execute(
-        "SELECT h.node, h.item, h.model, h.replica, h.generation FROM holds h JOIN replicas r "
+        "SELECT h.node, h.item, h.model, h.replica, h.generation, r.status FROM holds h JOIN replicas r "
         "ON r.model = h.model AND r.replica = h.replica AND r.generation = h.generation "
-        "WHERE h.kind = 'gpu' AND r.status = ?",
-        (FENCED,),
+        f"WHERE h.kind = 'gpu' AND {where}",
+        args,
     ).fetchall()
-    for node, item, model, replica, gen in rows:
-        out.setdefault(node, {})[item] = f"{replica_name(model, replica)} generation {gen}"
+    for node, item, model, replica, gen, status in rows:
+        who = f"{replica_name(model, replica)} generation {gen}"
+        if why:
+            who += ", whose stop is not confirmed" if status == FENCED else ", being stopped"
+        out.setdefault(node, {})[item] = who
     return out
 
 

@@ -227,7 +227,7 @@ CREATE TABLE IF NOT EXISTS nodes (
 );
 CREATE TABLE IF NOT EXISTS cordons (node TEXT PRIMARY KEY, reason TEXT NOT NULL, created_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, kind TEXT NOT NULL, node TEXT, message TEXT NOT NULL
+    id INTEGER PRIMARY KEY, at REAL NOT NULL, kind TEXT NOT NULL, node TEXT, message TEXT NOT NULL
 );
 """
 
@@ -267,7 +267,9 @@ def _v2_to_v3(tx: Tx) -> None:
         tx.execute(f"ALTER TABLE {old} RENAME TO {old}_v2")
     tx.execute("DROP INDEX IF EXISTS holds_by_replica")
     run(tx, tables(SQLITE))
-    uuids = _uuids_by_index(tx)
+    from cluster_cli.state.launches import gpu_uuids
+
+    uuids = gpu_uuids(tx)
     rows = tx.execute(
         "SELECT model, replica, generation, spec, status, endpoint, detail, desired, runtime, started_at, "
         "restarts, updated_at FROM replicas_v2 ORDER BY model, replica, generation"
@@ -338,20 +340,6 @@ def _v2_to_v3(tx: Tx) -> None:
         )
     for old in ("replicas", "holds", "events"):
         tx.execute(f"DROP TABLE {old}_v2")
-
-
-def _uuids_by_index(tx: Tx) -> dict[tuple[str, int], str]:
-    """Per (node, GPU index), its UUID as the node's stored facts give it."""
-    out: dict[tuple[str, int], str] = {}
-    for name, doc in tx.execute("SELECT name, facts FROM nodes").fetchall():
-        try:
-            gpus = json.loads(doc).get("gpus") or []
-        except (ValueError, AttributeError):
-            continue
-        for g in gpus:
-            if isinstance(g, dict) and g.get("uuid") and isinstance(g.get("index"), int):
-                out[(name, g["index"])] = str(g["uuid"])
-    return out
 
 
 MIGRATIONS: dict[int, Callable[[Tx], None]] = {1: _v1_to_v2, 2: _v2_to_v3}  # from version N to N+1

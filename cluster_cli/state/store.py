@@ -45,7 +45,8 @@ READY, UNREACHABLE, LOST, FENCING = NODE_STATES
 @dataclass(frozen=True)
 class PlanView:
     """What a plan is made from, read in one snapshot: the nodes' facts with their cordons, the
-    replicas held, the GPUs fenced replicas hold, and the state version they all belong to."""
+    replicas held, the GPUs held apart (by fenced replicas, or ones being stopped), and the
+    state version they all belong to."""
 
     nodes: list[NodeFacts]
     records: list[Any]
@@ -319,7 +320,7 @@ class Store(LaunchTable, EventLog, Leases, Desired):
         """The facts, cordons, replicas, fenced GPUs and state version of one snapshot: a cordon
         committed while a plan reads them is either in all of them or in none."""
         with self.snapshot():
-            return PlanView(self.nodes(names, unreadable=unreadable), self.records(), self.fenced_gpus(),
+            return PlanView(self.nodes(names, unreadable=unreadable), self.records(), self.held_apart(),
                             self.version())  # fmt: skip
 
     # ---- node status ------------------------------------------------------

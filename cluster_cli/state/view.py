@@ -83,9 +83,9 @@ FENCED = "fenced"
 
 
 def with_fenced(facts: list[NodeFacts], fenced: Mapping[str, Mapping[int, str]]) -> list[NodeFacts]:
-    """``facts`` with a ``fenced`` problem on every GPU a fenced replica holds (``fenced``:
-    node -> index -> who): its stop was not confirmed, so its engine may still use the GPU,
-    and placement must not give it to another. Pure."""
+    """``facts`` with a ``fenced`` problem on every GPU a replica no longer wanted still holds
+    (``fenced``: node -> index -> who, and why): its stop is not done or was not confirmed,
+    so its engine may still use the GPU, and placement must not give it to another. Pure."""
     if not fenced:
         return facts
     out = []
@@ -95,9 +95,7 @@ def with_fenced(facts: list[NodeFacts], fenced: Mapping[str, Mapping[int, str]])
             out.append(f)
             continue
         gpus = tuple(
-            replace(g, problems=(*g.problems, f"{FENCED}: held by {held[g.index]}, whose stop is not confirmed"))
-            if g.index in held
-            else g
+            replace(g, problems=(*g.problems, f"{FENCED}: held by {held[g.index]}")) if g.index in held else g
             for g in f.gpus
         )
         out.append(replace(f, gpus=gpus))

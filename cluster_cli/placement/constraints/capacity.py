@@ -21,7 +21,7 @@ _LABEL = {
     "retired-pages": "retired pages pending",
     "remap": "row remap pending",
     "allocated": "allocated",
-    "fenced": "fenced (stop not confirmed)",
+    "fenced": "held by a replica being stopped",
     "mig": "MIG",
 }
 _PID = re.compile(r"\bpid (\d+)")
