@@ -358,3 +358,29 @@ def test_gpus_held_by_a_replica_being_stopped_or_fenced_are_not_placed_and_say_w
     (u,) = result.unplaced
     assert "2 held by a replica being stopped" in u.reasons[0].detail, u.reasons
     assert result.starts == [] and plan(view.nodes, cat, []).starts  # without them it would fit
+
+
+def test_place_reads_the_gpus_a_fenced_replica_holds_as_taken(tmp_path: Path) -> None:
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(
+        "gpu_classes: {H100: ['NVIDIA H100 80GB HBM3']}\nnodes:\n  - {name: gpu-01, host: h, fabric: ib-a}\n"
+    )
+    cat = tmp_path / "catalog.yaml"
+    cat.write_text(
+        "models:\n  - {name: one, replicas: 7, profiles: [{name: g1, engine: vllm, gpu_class: H100, gpus: 1, model: /m}]}\n"
+    )
+    state = tmp_path / "state.db"
+    with Store(state) as s:
+        s.save_discovery([replace(dgx("gpu-01"), probed_at=1.0)])
+        rep = Replica("old", 0, "x", "vllm", (Shard("gpu-01", (6, 7)),), gpu_class="H100")
+        (rec,) = s.reserve([ReplicaRecord(rep, port=8100)]).records
+        run = ShardRun("gpu-01", "~/r", "t-old", pid=9)
+        s.release(
+            s.observe(replace(rec, status=READY, shards=(run,))), left=[(run, "its node did not answer the stop")]
+        )
+    r = _cli(state, "place", "--dry-run", "-i", str(inv), "-c", str(cat), "-o", "json")
+    doc = json.loads(r.stdout)  # type: ignore[attr-defined]
+    used = sorted(g for x in doc["replicas"] for sh in x["shards"] for g in sh["gpus"])
+    assert used == [0, 1, 2, 3, 4, 5], doc["replicas"]  # 6 and 7 are the fenced replica's
+    (u,) = doc["unplaced"]
+    assert any("2 held by a replica being stopped" in x["detail"] for x in u["reasons"]), u["reasons"]

@@ -23,7 +23,7 @@ from cluster_cli.config.inventory import Inventory, load_inventory
 from cluster_cli.errors import ClusterctlError, ConfigError, ExitCode
 from cluster_cli.facts import NodeFacts, Replica
 from cluster_cli.state.store import Store
-from cluster_cli.state.view import for_inventory
+from cluster_cli.state.view import for_inventory, with_fenced
 
 if TYPE_CHECKING:
     from cluster_cli.placement import Plan
@@ -215,6 +215,7 @@ def _inputs(
     try:
         with store.snapshot() if store is not None else nullcontext():
             raw, current, version, source, cordons = _read(store, facts_path, state_path)
+            held = store.held_apart() if store is not None else {}  # GPUs of replicas being stopped, fenced
     finally:
         if store is not None:
             store.close()
@@ -230,7 +231,8 @@ def _inputs(
         if extra := sorted(named - {n.name for n in inv.nodes}):
             ui.warn(f"{facts_path}: ignoring facts of nodes not in the inventory: {', '.join(extra)}")
     # A node cordoned before its first discover has no facts: its placeholder carries the cordon.
-    return for_inventory(inv, raw, from_state=facts_path is None, cordons=cordons), current, version, source
+    nodes = for_inventory(inv, raw, from_state=facts_path is None, cordons=cordons)
+    return with_fenced(nodes, held), current, version, source
 
 
 def _some(names: list[str], most: int = 5) -> str:

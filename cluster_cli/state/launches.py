@@ -243,13 +243,14 @@ class LaunchTable:
         ).rowcount  # fmt: skip
         if n != 1:
             raise StaleRecord(f"{self.path}: {rec.name} generation {rec.generation} changed meanwhile; read it again")
-        if rec.shards != old.shards or rec.status != old.status:
+        states = [_shard_state(rec.status, run) for run in rec.shards]
+        if rec.shards != old.shards or states != [_shard_state(old.status, run) for run in old.shards]:
             for rank, run in enumerate(rec.shards):
                 tx.execute(
                     "UPDATE shards SET run_dir=?, token=?, pid=?, start_time=?, boot_id=?, gpu_uuids=?, state=?, "
                     f"updated_at=? WHERE {_KEY} AND rank=?",
                     (run.run_dir, run.token, run.pid, run.start_time, run.boot_id, ",".join(run.gpu_uuids),
-                     _shard_state(rec.status, run), now, *rec.key, rank),
+                     states[rank], now, *rec.key, rank),
                 )  # fmt: skip
         r = rec.replica
         head = r.shards[0].node if r.shards else None
