@@ -220,3 +220,13 @@ def test_a_node_name_over_63_characters_says_so(tmp_path: Path) -> None:
     p = write(tmp_path, f"nodes:\n  - {{name: {'n' * 64}, host: h}}\n")
     with pytest.raises(ConfigError, match="64 characters, at most 63"):
         load_inventory(p)
+
+
+def test_a_node_name_with_a_newline_is_named_on_one_line(tmp_path: Path) -> None:
+    """The error names the list item by its name: a name that holds a newline is shown
+    escaped, so the error stays one line."""
+    p = tmp_path / "inventory.yaml"
+    p.write_text(yaml.safe_dump({"nodes": [{"name": "\n"}]}, default_flow_style=False))
+    with pytest.raises(ConfigError) as e:
+        load_inventory(p)
+    assert "\n" not in str(e.value) and "('\\n')" in str(e.value), str(e.value)

@@ -156,6 +156,8 @@ def format_validation_error(path: Path | str, err: ValidationError, most: int = 
             msg = rest
         path_parts = tuple(int(p) if p.isdigit() else p for p in loc.split("."))
         line, name = _locate(root, path_parts, at_key=e["type"] == "extra_forbidden")
+        if name and not name.isprintable():  # a name with a newline in it: one line all the same
+            name = repr(name)
         where = " ".join(x for x in (f"line {line}" if line is not None else "", f"({name})" if name else "") if x)
         parts.append(f"{where + ': ' if where else ''}{loc}: {msg}")
     more = len(errors) - most
