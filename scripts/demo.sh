@@ -75,6 +75,8 @@ if [ "${DEMO_ROUTER:-1}" = 1 ]; then
   fi
   # DEMO_KEEP=1: the two replicas stay up for the tour's router step (make demo-down stops them).
   LLAMA_SERVER="$LLAMA_SERVER" "$PY" scripts/demo_router.py --dir "$DIR" $([ "$KEEP" = 1 ] && echo --keep)
+  say "clusterctl events -n 12: what happened, and which command did it"
+  "$CTL" events -n 12
 fi
 
 ok=1

@@ -106,6 +106,12 @@ def test_a_down_during_ups_start_leaves_no_engine_running(testbed_factory, tmp_p
         assert s.fences() == [] and s.held_ports("gpu-01") == set()
         kinds = [e.kind for e in s.events() if e.name == "tp/0"]
         assert kinds[:3] == ["reserved", "starting", "down"] and "stopped" in kinds
+    if slow == "mkdir":  # brought back by the next up: a new generation, never the old one again
+        r = ctl(state, "up", "-c", str(cat), "-o", "json", "--timeout", "60")
+        assert r.returncode == 0, r.stderr
+        st = json_out(ctl(state, "status", "--no-check", "-o", "json"))["replicas"]
+        assert [(x["name"], x["generation"], x["state"]) for x in st] == [("tp/0", 2, "ready")]
+        assert ctl(state, "down", "--all").returncode == 0
 
 
 class _Node:

@@ -66,7 +66,9 @@ async def down(
     for t in targets:
         if t.status == FENCED:
             continue
-        got = await stops.cas(store, t, lambda cur: store.want_down(cur, why="taken down by down"), same=lambda _: True)
+        got = await stops.cas(
+            store, t, lambda cur: store.want_down(cur, why="wanted down: stopping it"), same=lambda _: True
+        )
         if got is not None:
             marked.append(got)
     keys = {t.key for t in marked}

@@ -299,6 +299,7 @@ class LaunchTable:
         with self._tx(bump=True) as tx:
             old = self._current(tx, rec)
             r = rec.replica
+            head = r.shards[0].node if r.shards else None
             ids = {"model": r.model, "replica": r.replica, "generation": rec.generation}
             now = time.time()
             if left:
@@ -320,10 +321,10 @@ class LaunchTable:
             if wanted_down:
                 kept = self._observe(tx, old, replace(old, status=STOPPED, endpoint=None), desired=DOWN)
                 tx.execute(f"UPDATE shards SET state='stopped', updated_at=? WHERE {_KEY}", (now, *rec.key))
-                self._event(tx, "stopped", f"{rec.name} {why}", **ids)
+                self._event(tx, "stopped", f"{rec.name} {why}", node=head, **ids)
                 return kept
             tx.execute(f"DELETE FROM replicas WHERE {_KEY}", rec.key)
-            self._event(tx, "released", f"{rec.name} {why}", **ids)
+            self._event(tx, "released", f"{rec.name} {why}", node=head, **ids)
             return None
 
     def unfence(self, token: str, *, why: str = "a stop found nothing of it left") -> bool:
