@@ -253,6 +253,29 @@ def ctl(state: Path, *args: str, timeout: float = 180) -> subprocess.CompletedPr
     )  # fmt: skip
 
 
+def ctrl_c_while_locked(state: Path, *args: str, wait_s: float = 3.0) -> tuple[int | None, str, str, float]:
+    """Run the CLI while another process holds the state's write lock; once it waits for it,
+    Ctrl-C. Its exit code, stdout, stderr, and how long it took to end after the signal."""
+    import signal
+    import sqlite3
+
+    holder = sqlite3.connect(state, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # a hung writer holds the lock
+    argv = [sys.executable, "-m", "cluster_cli", "--state", str(state), *args]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(wait_s)  # imported, its input read, waiting for the lock
+        assert p.poll() is None, p.communicate()
+        t = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=10)
+        return p.returncode, out, err, time.monotonic() - t
+    finally:
+        p.kill()
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
 def json_out(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     """A command's ``-o json`` output (its exit code and stderr in the failure when it printed none)."""
     assert r.stdout.strip().startswith("{"), (r.returncode, r.stdout, r.stderr)

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import ctrl_c_while_locked
 
 from cluster_cli.facts import Replica, Shard
 from cluster_cli.state.aio import AsyncStore
@@ -83,22 +81,8 @@ def test_ctrl_c_ends_an_async_command_waiting_for_the_write_lock_at_once(tmp_pat
     with Store(path) as s:
         s.cordon("cpu-01", "x", inventory=inv)
         s.reserve([ReplicaRecord(Replica("m", 0, "p", "llamacpp", (Shard("cpu-01"),)), port=8100)])
-    holder = sqlite3.connect(path, isolation_level=None)
-    holder.execute("BEGIN IMMEDIATE")  # a hung writer holds the lock
-    p = subprocess.Popen([sys.executable, "-m", "cluster_cli", "--state", str(path), "down", "--all"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        time.sleep(3)  # imported, the state read, waiting for the lock to mark it wanted down
-        assert p.poll() is None, p.communicate()
-        t = time.monotonic()
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=10)
-        took = time.monotonic() - t
-    finally:
-        p.kill()
-        holder.execute("ROLLBACK")
-        holder.close()
-    assert p.returncode == 130 and "Traceback" not in err, (out, err)
+    rc, out, err, took = ctrl_c_while_locked(path, "down", "--all")  # waits to mark it wanted down
+    assert rc == 130 and "Traceback" not in err, (out, err)
     assert took < 5, took
     with Store(path) as s:
         assert [(r.name, r.desired, r.status) for r in s.records()] == [("m/0", "up", "planned")]

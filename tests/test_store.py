@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import sqlite3
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import ctrl_c_while_locked
 
 from cluster_cli.errors import StateError
 from cluster_cli.facts import Gpu, NodeFacts, Replica, Shard
@@ -415,42 +415,12 @@ def test_a_full_disk_reads_as_a_full_disk_not_a_damaged_state(tmp_path: Path) ->
 def test_ctrl_c_ends_a_command_waiting_for_the_write_lock_at_once(tmp_path: Path) -> None:
     """SQLite's own busy wait sleeps in C for the whole 30-s timeout, out of Ctrl-C's reach.
     (SIGTERM's default action ends the process anyway; nothing is committed either way.)"""
-    import subprocess
-    import sys
-    import time
-
     inv = tmp_path / "inventory.yaml"
     inv.write_text("nodes:\n  - {name: gpu-01, host: h}\n")
     path = tmp_path / "s.db"
     Store(path).close()
-    holder = sqlite3.connect(path, isolation_level=None)
-    holder.execute("BEGIN IMMEDIATE")  # a hung writer holds the lock
-    argv = [
-        sys.executable,
-        "-m",
-        "cluster_cli",
-        "--state",
-        str(path),
-        "cordon",
-        "gpu-01",
-        "-i",
-        str(inv),
-        "--reason",
-        "r",
-    ]
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        time.sleep(3)  # imported, the inventory read, waiting for the lock
-        assert p.poll() is None, p.communicate()
-        t = time.monotonic()
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=10)
-        took = time.monotonic() - t
-    finally:
-        p.kill()
-        holder.execute("ROLLBACK")
-        holder.close()
-    assert p.returncode == 130, (out, err)
+    rc, out, err, took = ctrl_c_while_locked(path, "cordon", "gpu-01", "-i", str(inv), "--reason", "r")
+    assert rc == 130, (out, err)
     assert "Traceback" not in err, err
     assert took < 5, took
     with Store(path) as s:
