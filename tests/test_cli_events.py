@@ -279,3 +279,16 @@ def test_follow_prints_new_events_as_json_lines_until_ctrl_c(tmp_path: Path) -> 
     assert rc == 0, stderr
     assert "Traceback" not in stderr and stderr == ""
     assert got.empty()  # nothing else: neither note matched
+
+
+def test_follow_refuses_a_state_of_an_older_schema_it_could_only_read_a_copy_of(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "state.db"
+    db = sqlite3.connect(path)
+    db.executescript((Path(__file__).parent / "fixtures" / "state" / "v2-landed.sql").read_text())
+    db.close()
+    r = CliRunner().invoke(app, ["--state", str(path), "events", "-f"])
+    assert r.exit_code == 2 and "the state is at schema 2" in r.output, r.output
+    r = CliRunner().invoke(app, ["--state", str(path), "events", "-o", "json"])  # without -f: read as it is
+    assert r.exit_code == 0 and json.loads(r.stdout)["events"][0]["kind"] == "discover"

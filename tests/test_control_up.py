@@ -4,16 +4,22 @@ contacted (nothing is placed, so no session is ever asked for)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from helpers import catalog, cpu_node, profile
 
 from cluster_cli.config.inventory import Inventory
 from cluster_cli.control import discovery
 from cluster_cli.control.up import up
+from cluster_cli.errors import StateError
+from cluster_cli.facts import Replica, Shard
 from cluster_cli.state.aio import AsyncStore
+from cluster_cli.state.records import ReplicaRecord, ShardRun
 from cluster_cli.state.store import Store
 
 
@@ -40,3 +46,173 @@ def test_a_replica_no_node_can_take_is_reported_unplaced_in_places_words(tmp_pat
         assert not result.complete and (tmp_path / "router.yaml").exists()
         stored = s.catalog()
         assert stored is not None and stored.doc["models"][0]["name"] == "big"  # the desired state, kept
+
+
+# ---- the control flow against fake nodes: what runs where is a dict, per token -------------
+class _Nodes:
+    """Fake nodes for the launch path: ``start`` runs an engine (its token) unless the node is
+    told to fail, ``stop`` ends it unless told to leave a GPU process or not to answer."""
+
+    def __init__(self, monkeypatch: Any, *, fail: set[str] = frozenset(), slow: dict[str, float] | None = None,  # type: ignore[assignment]
+                 gpu_left: set[str] = frozenset(), silent: set[str] = frozenset()) -> None:  # type: ignore[assignment]  # fmt: skip
+        from cluster_cli.launch import node as nodeops
+
+        self.running: dict[str, str] = {}
+        self.fail, self.slow, self.gpu_left, self.silent = fail, slow or {}, gpu_left, silent
+        monkeypatch.setattr(nodeops, "start", self.start)
+        monkeypatch.setattr(nodeops, "stop", self.stop)
+        monkeypatch.setattr(nodeops, "ready", self.ready)
+        monkeypatch.setattr(nodeops, "alive", self.alive)
+
+    async def get(self, node: str) -> Any:
+        from cluster_cli.errors import SSHError
+
+        if node in self.silent:
+            raise SSHError(f"{node}: no answer over SSH")
+        return SimpleNamespace(host=node, node=node)
+
+    def prefetch(self, nodes: Any) -> None:
+        pass
+
+    async def start(self, session: Any, s: Any) -> Any:
+        from cluster_cli.launch import node as nodeops
+
+        await asyncio.sleep(self.slow.get(s.node, 0))
+        if s.node in self.fail:
+            raise nodeops.LaunchError(f"{s.node}: cannot create the run folder")
+        self.running[s.run.token] = s.node
+        return replace(s.run, pid=100 + len(self.running), start_time=1)
+
+    async def stop(self, session: Any, run: Any, **kw: Any) -> Any:
+        from cluster_cli.launch import node as nodeops
+
+        self.running.pop(run.token, None)
+        return nodeops.Stopped(gpu_pids=[run.pid or 1] if run.node in self.gpu_left else [])
+
+    async def ready(self, *a: Any, **kw: Any) -> None:
+        return None
+
+    async def alive(self, session: Any, runs: list[Any]) -> list[bool]:
+        return [r.token in self.running for r in runs]
+
+
+def _launch_one(store: Store, nodes: _Nodes, rec: ReplicaRecord, inv: Inventory) -> Any:
+    from cluster_cli.control import up as upmod
+
+    async def go() -> Any:
+        async with AsyncStore(store) as astore:
+            out = await upmod._launch(rec, "start", inv, None, astore, nodes, {}, time.monotonic() + 5,  # type: ignore[arg-type]
+                                      lambda *a: None)  # fmt: skip
+            await asyncio.sleep(0.6)  # the loop lives on (up waits for other replicas): a stray start would end
+            return out
+
+    return asyncio.run(go())
+
+
+def _starts(monkeypatch: Any) -> None:
+    """Shard starts without a catalog: each shard's run folder and marker."""
+    from cluster_cli.control import up as upmod
+    from cluster_cli.launch.shards import folder
+
+    def starts(rec: ReplicaRecord, cat: Any, inv: Any, facts: Any) -> list[Any]:
+        return [SimpleNamespace(node=s.node, run=ShardRun(s.node, folder("~/r", rec), f"{rec.name}.g{rec.generation}.s{i}"))
+                for i, s in enumerate(rec.replica.shards)]  # fmt: skip
+
+    monkeypatch.setattr(upmod, "shard_starts", starts)
+
+
+def test_a_failed_shard_start_waits_for_the_others_before_it_stops_them(tmp_path: Path, monkeypatch: Any) -> None:
+    """One shard's start fails at once while another's is still on its way: the stop comes
+    only once every start has ended, so it finds the slower one too."""
+    _starts(monkeypatch)
+    nodes = _Nodes(monkeypatch, fail={"n2"}, slow={"n2": 0.05, "n3": 0.4})
+    inv = Inventory.model_validate({"nodes": [{"name": n, "host": n} for n in ("n1", "n2", "n3")]})
+    with Store(tmp_path / "s.db") as s:
+        rep = Replica("big", 0, "p", "vllm", (Shard("n1", (0,)), Shard("n2", (0,)), Shard("n3", (0,))))
+        (rec,) = s.reserve([ReplicaRecord(rep, port=8100)]).records
+        out = _launch_one(s, nodes, rec, inv)
+        assert out.state == "failed" and "n2: cannot create the run folder" in out.reason
+        assert nodes.running == {}  # n3's engine, started after n2 failed, was stopped too
+        assert s.records(include_down=True, include_fenced=True) == [] and s.fences() == []
+        assert [e.kind for e in s.events() if e.name == "big/0"][-2:] == ["failed", "released"]
+
+
+def test_a_down_interrupted_after_marking_is_finished_by_the_next_down(tmp_path: Path, monkeypatch: Any) -> None:
+    from cluster_cli.control.replicas import down
+
+    nodes = _Nodes(monkeypatch)
+    with Store(tmp_path / "s.db", actor="down") as s:
+        (rec,) = s.reserve([ReplicaRecord(Replica("m", 0, "p", "llamacpp", (Shard("n1"),)), port=8100)]).records
+        rec = s.observe(replace(rec, status="ready", shards=(ShardRun("n1", "~/r", "m/0.g1.s0"),)))
+        nodes.running["m/0.g1.s0"] = "n1"
+        s.want_down(rec, owner="run-gone")  # that down was killed here
+        (stuck,) = [r for r in s.records(include_down=True) if r.status == "stopping"]
+        assert s.held_apart() == {}  # a CPU replica: its port stays held all the same
+        assert s.held_ports("n1") == {8100}
+
+        async def go(alive: Any) -> Any:
+            async with AsyncStore(s) as astore:
+                return await down(astore, nodes, [stuck], router_config=tmp_path / "router.yaml",  # type: ignore[arg-type]
+                                  report=lambda _: None, owner="run-now", alive=alive)  # fmt: skip
+
+        (busy,) = asyncio.run(go(lambda run: run == "run-gone"))  # still going: its own
+        assert not busy.clean and "another down" in busy.problem and nodes.running
+        (done,) = asyncio.run(go(lambda run: False))  # gone: taken over
+        assert done.clean and nodes.running == {}
+        (row,) = s.records(include_down=True)
+        assert (row.status, row.desired) == ("stopped", "down") and s.held_ports("n1") == set()
+
+
+def test_down_of_a_replica_up_replaced_meanwhile_takes_down_its_new_generation(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    from cluster_cli.control.replicas import down
+
+    nodes = _Nodes(monkeypatch)
+    rep = Replica("m", 0, "p", "llamacpp", (Shard("n1"),))
+    with Store(tmp_path / "s.db") as s:
+        (old,) = s.reserve([ReplicaRecord(rep, port=8100)]).records
+        s.release(old)  # up replaced it...
+        s.reserve([ReplicaRecord(rep, port=8101)])  # ...with its next generation
+
+        async def go() -> Any:
+            async with AsyncStore(s) as astore:
+                return await down(astore, nodes, [old], router_config=tmp_path / "router.yaml",  # type: ignore[arg-type]
+                                  report=lambda _: None)  # fmt: skip
+
+        (done,) = asyncio.run(go())  # the down read generation 1
+        assert done.clean and done.name == "m/0"
+        (row,) = s.records(include_down=True)
+        assert (row.generation, row.status, row.desired) == (2, "stopped", "down")
+
+
+def test_what_up_started_after_a_down_is_fenced_with_its_gpus_when_its_stop_is_not_confirmed(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A ``down`` lands while ``up`` starts the replica and releases it (nothing ran yet); the
+    engine then starts; ``up`` finds the row changed and stops what it started, but nvidia-smi
+    still lists it: the row is fenced again, with its GPU booked again, so nothing else is
+    placed on a GPU its engine may still use."""
+    _starts(monkeypatch)
+    nodes = _Nodes(monkeypatch, gpu_left={"n1"})
+    inv = Inventory.model_validate({"nodes": [{"name": "n1", "host": "n1"}]})
+    path = tmp_path / "s.db"
+    with Store(path, actor="up") as s, Store(path, actor="down") as operator:
+        (rec,) = s.reserve([ReplicaRecord(Replica("m", 0, "p", "vllm", (Shard("n1", (0, 1)),)), port=8100)]).records
+        real_start = nodes.start
+
+        async def start_after_a_down(session: Any, sh: Any) -> Any:
+            (cur,) = operator.records()  # the down: marked, nothing found running, released
+            operator.release(operator.want_down(cur, owner="down-run"), wanted_down=True, why="stopped by down")
+            return await real_start(session, sh)
+
+        monkeypatch.setattr("cluster_cli.launch.node.start", start_after_a_down)
+        out = _launch_one(s, nodes, rec, inv)
+        assert out.state == "failed" and "changed by another command" in out.reason and "not confirmed" in out.reason
+        (row,) = s.records(include_down=True, include_fenced=True)
+        assert (row.status, row.desired) == ("fenced", "down")
+        assert s.fenced_gpus() == {"n1": {0: "m/0 generation 1", 1: "m/0 generation 1"}}
+        (fence,) = s.fences()
+        assert fence.token == "m/0.g1.s0"
+        with pytest.raises(StateError, match="GPU 0 is already held by m/0"):
+            s.reserve([ReplicaRecord(Replica("x", 0, "p", "vllm", (Shard("n1", (0,)),)), port=9000)])

@@ -206,3 +206,32 @@ def test_a_replica_placed_anew_stops_first_and_takes_over_its_gpus(gpu_fleet, tm
         assert [r.key for r in s.records()] == [("tp", 0, 2)]
     cores = [p for n in ("gpu-01", "gpu-02") for p in _vllm_procs(cluster, n) if "EngineCore" in p]
     assert len(cores) == 1  # the new engine's only
+
+
+def test_a_replica_placed_anew_never_starts_on_gpus_its_old_engine_may_still_hold(gpu_fleet, tmp_path: Path) -> None:
+    """The old generation's stop is not confirmed (nvidia-smi still lists its engine on its
+    GPU): it is fenced with its GPUs, and the new generation is placed on other GPUs."""
+    cluster, _, state = gpu_fleet
+    inv = str(cluster.inventory_path)
+    (first,) = json_out(ctl(state, "up", "-i", inv, "-c", str(_tp_catalog(tmp_path / "tp2.yaml", 2)), "-o", "json",
+                            "--timeout", "90"))["replicas"]  # fmt: skip
+    assert first["state"] == "ready", first
+    (node,) = first["nodes"]
+    with Store(state, readonly=True) as s:
+        (rec,) = s.records()
+    old_gpus = set(rec.replica.shards[0].gpus)
+    spec_file = cluster.node(node).dir / "spec.json"
+    doc = json.loads(spec_file.read_text())
+    doc["spec"]["foreign"] = [
+        {"gpu": min(old_gpus), "pid": rec.shards[0].pid, "name": "VLLM::EngineCore", "used_mib": 1}
+    ]
+    spec_file.write_text(json.dumps(doc))  # its CUDA context outlives it
+
+    r = ctl(state, "up", "-i", inv, "-c", str(_tp_catalog(tmp_path / "tp4.yaml", 4)), "-o", "json", "--timeout", "90")
+    got = {x["action"]: x for x in json_out(r)["replicas"]}
+    assert r.returncode == 3 and got["stop"]["state"] == "failed" and "nvidia-smi still lists" in got["stop"]["reason"]
+    assert got["start"]["state"] == "ready", got["start"]
+    with Store(state, readonly=True) as s:
+        (new,) = s.records()
+        assert new.generation == 2 and not old_gpus & {g for sh in new.replica.shards for g in sh.gpus}
+        assert s.fenced_gpus() == {node: dict.fromkeys(sorted(old_gpus), "tp/0 generation 1")}

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster_cli.errors import StateError
-from cluster_cli.facts import NodeFacts, Replica, Shard
+from cluster_cli.facts import Gpu, NodeFacts, Replica, Shard
 from cluster_cli.state.launches import StaleVersion
 from cluster_cli.state.records import READY, STARTING, UNHEALTHY, ReplicaRecord, ShardRun
 from cluster_cli.state.schema import SCHEMA_VERSION
@@ -140,10 +140,10 @@ def test_a_gpu_or_port_held_by_another_replica_is_refused_and_nothing_is_booked(
         assert s.held_ports("gpu-01") == {8100}
 
 
-def test_a_replica_placed_anew_is_its_next_generation_and_takes_over_what_it_reuses(tmp_path: Path) -> None:
-    """Placed anew (its profile changed) while its earlier allocation is stopped: a second
-    generation, which takes over the GPUs it reuses from the first; the rest stays the first's
-    until it is released. Held by any other replica, a GPU is still refused."""
+def test_a_replica_placed_anew_gets_its_earlier_gpus_only_once_that_one_is_released(tmp_path: Path) -> None:
+    """Placed anew (its profile changed): a second generation. The GPUs it reuses stay the
+    first's until the first is stopped and released; held by any other replica, a GPU is
+    refused all the same."""
     with Store(tmp_path / "s.db") as s:
         old, _ = s.reserve(
             [ReplicaRecord(_rep(gpus=(0, 1)), port=8100), ReplicaRecord(_rep("o", gpus=(4,)), port=8200)]
@@ -151,18 +151,32 @@ def test_a_replica_placed_anew_is_its_next_generation_and_takes_over_what_it_reu
         new = ReplicaRecord(_rep(gpus=(1, 2)), port=8101)
         with pytest.raises(StateError, match="GPU 1 is already held by m/0"):
             s.reserve([new])
-        with pytest.raises(StateError, match="GPU 4 is already held by o/0"):
-            s.reserve([ReplicaRecord(_rep(gpus=(1, 4)), port=8101)], replacing=[old])
         assert [r.key for r in s.records()] == [("m", 0, 1), ("o", 0, 1)]
-        s.reserve([new], replacing=[old])
-        assert [r.key for r in s.records()] == [("m", 0, 1), ("m", 0, 2), ("o", 0, 1)]
-        assert s.held_ports("gpu-01") == {8100, 8101, 8200}
-        with pytest.raises(StateError, match="GPU 0 is already held by m/0"):  # still the first's
-            s.reserve([ReplicaRecord(_rep("z", gpus=(0,)), port=8300)])
-        s.release(old)
-        assert [r.key for r in s.records()] == [("m", 0, 2), ("o", 0, 1)]
+        s.release(old)  # stopped, confirmed
+        (got,) = s.reserve([new]).records
+        assert got.key == ("m", 0, 2)
+        with pytest.raises(StateError, match="GPU 4 is already held by o/0"):
+            s.reserve([ReplicaRecord(_rep("z", gpus=(3, 4)), port=8300)])
         assert s.held_ports("gpu-01") == {8101, 8200}
         s.reserve([ReplicaRecord(_rep("z", gpus=(0,)), port=8300)])  # released with the first
+
+
+def test_a_gpu_held_by_index_and_the_same_gpu_by_uuid_are_one_gpu(tmp_path: Path) -> None:
+    """A hold made while its UUID was unknown (a migrated one) is the device at that index:
+    the same GPU booked later by its UUID is refused, and the other way round."""
+    with Store(tmp_path / "s.db") as s:
+        s.reserve([ReplicaRecord(_rep("a", gpus=(0,)), port=1)])  # no facts: by index
+        g = Gpu(index=0, uuid="GPU-x", product="NVIDIA H100", gpu_class="H100")
+        s.save_discovery([NodeFacts("gpu-01", host="h", gpus=(g,), probed_at=1.0)])
+        with pytest.raises(StateError, match="GPU 0 is already held by a/0"):
+            s.reserve([ReplicaRecord(_rep("b", gpus=(0,)), port=2)])
+    with Store(tmp_path / "t.db") as s:
+        g1 = Gpu(index=1, uuid="GPU-y", product="NVIDIA H100", gpu_class="H100")
+        s.save_discovery([NodeFacts("gpu-01", host="h", gpus=(g1,), probed_at=1.0)])
+        s.reserve([ReplicaRecord(_rep("a", gpus=(1,)), port=1)])  # by UUID
+        s.save_discovery([NodeFacts("gpu-01", host="h", probed_at=2.0)])  # nvidia-smi lists nothing now
+        with pytest.raises(StateError, match="GPU 1 is already held by a/0"):
+            s.reserve([ReplicaRecord(_rep("b", gpus=(1,)), port=2)])  # by index: in doubt, the same
 
 
 def test_two_processes_reserving_the_same_gpu_at_once_book_it_once(tmp_path: Path) -> None:

@@ -288,15 +288,16 @@ class StateStoreMachine(RuleBasedStateMachine):
     def want_down(self, w: int, i: int) -> None:
         """A ``down`` that marked the replica and is still stopping its processes."""
         w, view = self._pick(w, i, UP_STATES)
+        owner = f"{ACTORS[w]}-down{self._next()}"  # the down's run, recorded on what it stops
         try:
-            got = self.stores[w].want_down(view)
+            got = self.stores[w].want_down(view, owner=owner)
         except StaleRecord:
             self._stale(w, view, "want_down")
             return
         row = self._committed(view, "want_down")
         self._moved(1, "want_down")
-        assert (got.status, got.desired, got.revision) == (STOPPING, DOWN, row.revision + 1)
-        row.status, row.desired, row.revision = STOPPING, DOWN, got.revision
+        assert (got.status, got.desired, got.revision, got.owner) == (STOPPING, DOWN, row.revision + 1, owner)
+        row.status, row.desired, row.revision, row.owner = STOPPING, DOWN, got.revision, owner
         self.views[w][view.key] = got
 
     @precondition(lambda self: self._has(UP_STATES))
@@ -304,8 +305,9 @@ class StateStoreMachine(RuleBasedStateMachine):
     def down(self, w: int, i: int) -> None:
         """A whole ``down``: marked, its processes stopped (confirmed), released wanted down."""
         w, view = self._pick(w, i, UP_STATES)
+        owner = f"{ACTORS[w]}-down{self._next()}"
         try:
-            marked = self.stores[w].want_down(view)
+            marked = self.stores[w].want_down(view, owner=owner)
         except StaleRecord:
             self._stale(w, view, "down")
             return
@@ -313,7 +315,7 @@ class StateStoreMachine(RuleBasedStateMachine):
         kept = self.stores[w].release(marked, wanted_down=True, why="taken down")
         self._moved(2, "down")
         assert kept is not None and (kept.status, kept.desired, kept.revision) == (STOPPED, DOWN, row.revision + 2)
-        row.status, row.desired, row.revision = STOPPED, DOWN, kept.revision
+        row.status, row.desired, row.revision, row.owner = STOPPED, DOWN, kept.revision, owner
         self._confirmed_stopped(view.key)
         self.views[w][view.key] = kept
 

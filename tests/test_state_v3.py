@@ -384,3 +384,58 @@ def test_place_reads_the_gpus_a_fenced_replica_holds_as_taken(tmp_path: Path) ->
     assert used == [0, 1, 2, 3, 4, 5], doc["replicas"]  # 6 and 7 are the fenced replica's
     (u,) = doc["unplaced"]
     assert any("2 held by a replica being stopped" in x["detail"] for x in u["reasons"]), u["reasons"]
+
+
+def test_a_schema_2_state_migrates_where_two_holds_name_one_gpu_and_counts_every_generation(tmp_path: Path) -> None:
+    """Two schema-2 holds can resolve to one UUID (GPUs renumbered after a reboot): the
+    migration keeps both, the second by its index. Schema 2 could reuse generation 1 after a
+    down: every reservation its events saw counts, so no generation is used again."""
+    path = _v2(tmp_path / "state.db")
+    db = sqlite3.connect(path)
+    spec, runtime = db.execute("SELECT spec, runtime FROM replicas WHERE model='tp'").fetchone()
+    rt = json.loads(runtime)
+    doc = json.loads(spec)
+    doc["model"], doc["shards"][0]["gpus"] = "other", [5]
+    rt["shards"][0]["gpu_uuids"] = rt["shards"][0]["gpu_uuids"][:1]  # the same device as tp/0's GPU 0
+    rt["shards"][0]["token"] = "other/0.g1.s0.x"
+    db.execute(
+        "INSERT INTO replicas VALUES ('other', 0, 1, ?, 'ready', NULL, NULL, 'up', ?, NULL, 0, 1.0)",
+        (json.dumps(doc), json.dumps(rt)),
+    )
+    db.execute("INSERT INTO holds VALUES ('gpu-01', 'gpu', 5, 'other', 0, 1)")
+    for _ in range(2):  # tiny/1 was reserved three times in all (each time as generation 1)
+        db.execute("INSERT INTO events(at, kind, node, message) VALUES (2.0, 'reserve', 'cpu-02', 'tiny/1 reserved')")
+    db.commit()
+    db.close()
+    with Store(path) as s:
+        holds = s._b._db.execute("SELECT model, item, uuid IS NULL FROM holds WHERE kind='gpu' ORDER BY model, item")
+        assert holds.fetchall() == [("other", 5, 1), ("tp", 0, 0), ("tp", 1, 0)]
+        tiny1 = next(r for r in s.records(include_down=True) if r.name == "tiny/1")
+        (again,) = s.reserve([ReplicaRecord(tiny1.replica, port=8101)]).records
+        assert again.generation == 4
+
+
+def test_fence_started_keeps_what_may_run_even_where_its_row_went_or_its_gpu_was_taken(tmp_path: Path) -> None:
+    """What a run started after its row changed may run on: recorded whatever became of the
+    row. Gone (released, a newer generation reserved): made again, fenced; a GPU another
+    replica booked meanwhile is said in a conflict event, the fence stands all the same."""
+    rep = Replica("m", 0, "p", "vllm", (Shard("n1", (0, 1)),))
+    run = ShardRun("n1", "~/r/m-0.g1", "m/0.g1.s0", pid=42, start_time=7)
+    with Store(tmp_path / "s.db", actor="up") as s:
+        (rec,) = s.reserve([ReplicaRecord(rep, port=8100)]).records
+        s.release(rec)  # gone
+        (other,) = s.reserve([ReplicaRecord(Replica("x", 0, "p", "vllm", (Shard("n1", (1,)),)), port=8200)]).records
+        v = s.version()
+        kept = s.fence_started(replace(rec, shards=(run,)), [(run, "nvidia-smi still lists processes 42")], why="taken")
+        assert (kept.status, kept.desired, kept.shards) == ("fenced", "down", (run,)) and s.version() == v + 1
+        assert s.fenced_gpus() == {"n1": {0: "m/0 generation 1"}}  # GPU 1 is x/0's now
+        assert s.held_ports("n1") == {8100, 8200}
+        (fence,) = s.fences()
+        assert (fence.token, fence.pid, fence.generation) == ("m/0.g1.s0", 42, 1)
+        conflict = [e for e in s.events() if e.kind == "conflict"]
+        assert (
+            len(conflict) == 1 and "GPU 1 is held by x/0 while m/0 generation 1 may still use it" in conflict[0].message
+        )
+        assert s.unfence("m/0.g1.s0")
+        assert s.fenced_gpus() == {} and s.held_ports("n1") == {8200}  # its own holds go, x/0's stay
+        assert [r.key for r in s.records()] == [other.key]

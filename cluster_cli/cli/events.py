@@ -233,6 +233,11 @@ def events(
     except ClusterctlError as e:
         ui.fail(e)
     with store:
+        if follow and store.on_disk_schema < store.schema:
+            ui.abort(
+                f"{state.state_path}: the state is at schema {store.on_disk_schema}: -f follows the file as this "
+                f"clusterctl writes it ({store.schema}); a command that writes upgrades it ('clusterctl status --no-check')"
+            )
         try:
             (_follow if follow else _show)(store, lines, kinds, filters, output)
         except ClusterctlError as e:

@@ -267,6 +267,7 @@ def down(
 
     from cluster_cli.control.replicas import down as run_down
     from cluster_cli.control.replicas import select
+    from cluster_cli.control.runs import Runs
     from cluster_cli.control.sessions import Sessions
     from cluster_cli.launch.routerconf import default_path
 
@@ -278,9 +279,10 @@ def down(
     store = open_store(state.state_path, actor="down", create=False)
     inv = inventory_or_abort(recorded_inventory(inventory, state.state_path), state_path=state.state_path)
     try:
-        # Those wanted up, and the fenced ones (their stop was not confirmed: it is tried again).
+        # Those wanted up, the fenced ones (their stop was not confirmed: it is tried again),
+        # and those an interrupted down left stopping.
         records = [r for r in store.records(include_down=True, include_fenced=True)
-                   if r.desired == "up" or r.status == "fenced"]  # fmt: skip
+                   if r.desired == "up" or r.status in ("fenced", "stopping")]  # fmt: skip
         targets = records if all_ else select(records, names)
     except ClusterctlError as e:
         store.close()
@@ -288,12 +290,16 @@ def down(
     rc_path = router_config or default_path(state.state_path)
     say = ui.info if output is ui.Output.table else (lambda _: None)
 
+    runs = Runs(state.state_path)
+
     async def go() -> Any:
         async with Sessions(inv, _connector(state.state_path)) as sessions, AsyncStore(store) as astore:
-            return await run_down(astore, sessions, targets, router_config=rc_path, report=say)
+            return await run_down(astore, sessions, targets, router_config=rc_path, report=say, owner=runs.id,
+                                  alive=runs.alive)  # fmt: skip
 
     try:
-        done = asyncio.run(go())
+        with runs:
+            done = asyncio.run(go())
     except ClusterctlError as e:
         ui.fail(e)
     finally:

@@ -13,7 +13,7 @@ from cluster_cli.engines import get_engine
 from cluster_cli.errors import ClusterctlError, ConfigError, SSHError
 from cluster_cli.launch import node as nodeops
 from cluster_cli.launch import remote, routerconf
-from cluster_cli.state.records import FENCED, READY, STOPPED, UNHEALTHY, UP, ReplicaRecord
+from cluster_cli.state.records import DOWN, FENCED, READY, UNHEALTHY, UP, ReplicaRecord
 
 if TYPE_CHECKING:
     from cluster_cli.control.sessions import Sessions
@@ -53,29 +53,34 @@ async def down(
     *,
     router_config: Path,
     report: Callable[[str], None],
+    owner: str | None = None,
+    alive: Callable[[str | None], bool] = lambda _: False,
 ) -> list[Downed]:
     """Mark ``targets`` wanted down (a run starting one meanwhile sees it and stops what it
     started), take them out of the router config, then stop each whole and release it,
     wanted down (nothing brings it back until the next ``up``). One whose stop cannot be
     confirmed is fenced: its GPUs stay held until a later stop confirms it gone. Targets
-    fenced by an earlier stop are stopped again, and freed once confirmed gone."""
+    fenced by an earlier stop are stopped again, and freed once confirmed gone; one an
+    interrupted ``down`` left stopping is stopped now (one whose ``down`` is still going,
+    ``alive``, is left to it). ``owner``: this run, recorded on what it stops."""
     from cluster_cli.control import stops
 
     fenced = [t for t in targets if t.status == FENCED]
-    marked = []
+    marked: list[ReplicaRecord] = []
+    theirs: list[ReplicaRecord] = []
     for t in targets:
         if t.status == FENCED:
             continue
-        got = await stops.cas(
-            store, t, lambda cur: store.want_down(cur, why="wanted down: stopping it"), same=lambda _: True
-        )
-        if got is not None:
-            marked.append(got)
+        if t.desired == DOWN:  # stopping: left so by a down that is gone, or still going
+            (theirs if t.owner != owner and alive(t.owner) else marked).append(t)
+            continue
+        marked += await _want_down(store, t, owner)
     keys = {t.key for t in marked}
     left = [r for r in await store.records() if r.key not in keys]
-    sessions.prefetch(sorted({run.node for t in targets for run in t.shards}))  # connect while the router catches up
+    sessions.prefetch(sorted({run.node for t in marked for run in t.shards}))  # connect while the router catches up
     if router_config.exists() or left:
-        routerconf.write(router_config, routerconf.render(left, None))
+        stored = await store.catalog()  # the catalog's metric mappings stay in the router config
+        routerconf.write(router_config, routerconf.render(left, _catalog(stored.doc) if stored else None))
         if any(t.status == READY for t in targets):  # published: let a running router see it go first
             await asyncio.sleep(routerconf.PICKUP_S)
 
@@ -89,7 +94,37 @@ async def down(
         still = await stops.clear(store, sessions, mine)
         return _downed(rec, "; ".join(f"{f.node}: {f.reason}" for f in still), report)
 
-    return list(await asyncio.gather(*(one(r) for r in marked), *(again(r) for r in fenced)))
+    busy = [Downed(t.name, [s.node for s in t.replica.shards], False, "being stopped by another down") for t in theirs]
+    return busy + list(await asyncio.gather(*(one(r) for r in marked), *(again(r) for r in fenced)))
+
+
+async def _want_down(store: AsyncStore, rec: ReplicaRecord, owner: str | None) -> list[ReplicaRecord]:
+    """``rec`` marked wanted down; where its row changed meanwhile (a status, a restart, an
+    ``up`` that replaced it with its next generation), every live generation of its
+    ``MODEL/N`` as read again."""
+    from cluster_cli.state.launches import StaleRecord
+
+    why = "wanted down: stopping it"
+    try:
+        return [await store.want_down(rec, why=why, owner=owner)]
+    except StaleRecord:
+        pass
+    out = []
+    for cur in [r for r in await store.records() if r.name == rec.name]:
+        try:
+            out.append(await store.want_down(cur, why=why, owner=owner))
+        except StaleRecord:
+            continue  # changed once more: the next down takes it
+    return out
+
+
+def _catalog(doc: dict[str, Any]) -> Any:
+    from cluster_cli.config.catalog import Catalog
+
+    try:
+        return Catalog.model_validate(doc)
+    except ValueError:
+        return None  # a catalog this clusterctl no longer reads: the engines' own mappings
 
 
 def _downed(rec: ReplicaRecord, problem: str, report: Callable[[str], None]) -> Downed:
@@ -140,10 +175,8 @@ async def status(store: AsyncStore, sessions: Sessions | None) -> list[Row]:
     records = await store.records(include_down=True, include_fenced=True)
 
     async def one(rec: ReplicaRecord) -> Row:
-        if rec.status == FENCED:
-            return Row(rec, FENCED, dict(_UNKNOWN))
-        if rec.desired != UP:
-            return Row(rec, STOPPED, dict(_UNKNOWN))
+        if rec.status == FENCED or rec.desired != UP:  # stopping, stopped or fenced: as recorded
+            return Row(rec, rec.status, dict(_UNKNOWN))
         if sessions is None or rec.status != READY or rec.port is None or not rec.shards:
             return Row(rec, rec.status, dict(_UNKNOWN))
         try:

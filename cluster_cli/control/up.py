@@ -27,12 +27,12 @@ from cluster_cli.launch.observe import Observed
 from cluster_cli.launch.shards import pick_port, profile_of, shard_starts
 from cluster_cli.state.launches import StaleRecord, StaleVersion
 from cluster_cli.state.records import (
-    DOWN,
     FAILED,
     PLANNED,
     READY,
     STARTING,
     STOPPED,
+    STOPPING,
     UNHEALTHY,
     ReplicaRecord,
     replica_name,
@@ -131,13 +131,15 @@ async def up(
     desired state once the plan is reserved."""
     from cluster_cli.placement import plan
 
+    # What earlier stops could not confirm, and stops an interrupted down left: tried again
+    # first, so that the version checked below already counts what they free.
+    await stops.clear(store, sessions, await store.fences())
+    outcomes: list[Outcome] = await _finish_stops(store, sessions, runs, report)
     view = await fleet()
     if expect_version is not None and view.version != expect_version:
         raise StaleVersion(
             f"the state is at version {view.version}, not {expect_version}: run 'clusterctl place --dry-run' again"
         )
-    outcomes: list[Outcome] = []
-    await stops.clear(store, sessions, await store.fences())  # what earlier stops could not confirm
 
     # Kept replicas first: which still run and answer.
     current = view.records
@@ -150,8 +152,9 @@ async def up(
 
     checks = health or HealthChecks([], sessions)
     dead = await find_dead(current, sessions, seen, busy, theirs, checks)
+    planned: list[Any] | None = None  # with --check-version: the starts of the plan made at that version
 
-    for attempt in range(3):
+    for attempt in range(4):
         result: Plan = plan(view.nodes, cat, [r.replica for r in current])
         away = _away(result)
         if reprobe is not None and any(p.replica.key not in away for p in result.starts):
@@ -161,37 +164,38 @@ async def up(
             current = await _also_check(view, current, dead, sessions, seen, busy, theirs, checks)
             result = plan(view.nodes, cat, [r.replica for r in current])
             away = _away(result)
+        if planned is None and expect_version is not None:
+            planned = [p.replica for p in result.starts]
+        elif planned is not None and [p.replica for p in result.starts] != planned:
+            raise StaleVersion("the state moved on while replicas were stopped: run 'clusterctl place --dry-run' again")
         # Each with the plan's reason.
         stopping = [(rec, p.note) for p in result.stops
                     if p.replica.key not in away and (rec := _record_of(current, p.replica)) is not None]  # fmt: skip
+        if stopping:
+            # Out of the router first, then stopped and released; what the plan starts (a
+            # replica placed anew on the GPUs it had) is placed again once they are free:
+            # never on GPUs whose engine may still run.
+            outcomes += await _stop_all(stopping, cat, store, sessions, router_config, report)
+            view = await fleet()
+            current = await _also_check(view, current, dead, sessions, seen, busy, theirs, checks)
+            continue
         by_node = {f.name: f for f in view.nodes}
         taken = await _taken_ports(result, sessions, store, seen)
         new = _new_records(result, away, inv, cat, taken, me)
         try:
-            # A replica placed anew (its GPUs gone bad, its profile changed) may take what its
-            # stopped allocation held: that is stopped first. The version the plan was made
-            # from is checked and moved in the same statement.
-            booked = await store.reserve(new, expect_version=view.version if expect_version is None else expect_version,
-                                         replacing=[rec for rec, _ in stopping])  # fmt: skip
+            # The version the plan was made from is checked and moved in the same statement.
+            booked = await store.reserve(new, expect_version=view.version)
             break
         except StaleVersion:
-            if attempt == 2 or expect_version is not None:
+            if attempt == 3 or expect_version is not None:
                 raise
             # Another up (or a cordon) wrote meanwhile: plan again from what is there now.
             view = await fleet()
             current = await _also_check(view, current, dead, sessions, seen, busy, theirs, checks)
+    else:
+        raise StaleVersion("the state kept moving while up planned: run it again")
     if catalog_doc is not None:
         await store.save_catalog(catalog_doc, source=catalog_source)
-
-    # Out of the router first, then stopped: no new request reaches a replica being stopped.
-    if stopping:
-        gone = {rec.key for rec, _ in stopping}
-        live = [r for r in await store.records() if r.key not in gone]
-        routerconf.write(router_config, routerconf.render(live, cat))
-        await asyncio.sleep(routerconf.PICKUP_S)
-    for rec, _ in stopping:
-        report(rec.name, "stopping", "")
-    outcomes += await asyncio.gather(*(_stop(rec, why, store, sessions, report) for rec, why in stopping))
 
     for rec in current:
         if rec.replica.key in away:
@@ -200,8 +204,8 @@ async def up(
                 store,
                 rec,
                 lambda cur, why=why: store.observe(replace(cur, status=UNHEALTHY, detail=why)),
-                same=lambda cur: True,
-            )  # fmt: skip  (out of the router config)
+                same=lambda cur: cur.desired == "up" and cur.status not in ("fenced", "stopping", "stopped"),
+            )  # out of the router config
             outcomes.append(replace(_kept(rec), state=UNHEALTHY, reason=why))
             report(rec.name, "unhealthy", why)
     keeps = [_record_of(current, p.replica) for p in result.keeps]
@@ -229,6 +233,38 @@ async def up(
     routerconf.write(router_config, routerconf.render(await store.records(), cat))
     outcomes.sort(key=lambda o: (o.model, int(o.name.rpartition("/")[2])))
     return UpResult(outcomes, await store.version(), router_config)
+
+
+async def _stop_all(
+    stopping: list[tuple[ReplicaRecord, str]],
+    cat: Catalog,
+    store: AsyncStore,
+    sessions: Sessions,
+    router_config: Path,
+    report: Report,
+) -> list[Outcome]:
+    """Replicas the plan does not keep: out of the router config first (no new request
+    reaches them), then each stopped and released (fenced where its stop is not confirmed)."""
+    gone = {rec.key for rec, _ in stopping}
+    live = [r for r in await store.records() if r.key not in gone]
+    routerconf.write(router_config, routerconf.render(live, cat))
+    await asyncio.sleep(routerconf.PICKUP_S)
+    for rec, _ in stopping:
+        report(rec.name, "stopping", "")
+    return list(await asyncio.gather(*(_stop(rec, why, store, sessions, report) for rec, why in stopping)))
+
+
+async def _finish_stops(store: AsyncStore, sessions: Sessions, runs: Runs | None, report: Report) -> list[Outcome]:
+    """Replicas a ``down`` marked wanted down and did not release (it was interrupted, or
+    killed): stopped again and released now, or fenced. One whose ``down`` still runs is its own."""
+    left = [r for r in await store.records(include_down=True) if r.status == STOPPING]
+    mine = [r for r in left if runs is None or not runs.alive(r.owner)]
+
+    async def one(rec: ReplicaRecord) -> Outcome:
+        out = await _stop(rec, "left stopping by an interrupted down", store, sessions, report, wanted_down=True)
+        return replace(out, action="stop")
+
+    return list(await asyncio.gather(*(one(r) for r in mine)))
 
 
 async def _also_check(
@@ -367,7 +403,12 @@ async def _launch(
         async def other(i: int, s: Any) -> None:
             runs[i] = await nodeops.start(await sessions.get(s.node), s)
 
-        await asyncio.gather(*(other(i, s) for i, s in enumerate(starts) if i > 0))
+        # Every start ends before a failure is acted on: a slower shard that starts after the
+        # stop ran would have nothing that knows of it.
+        ends = await asyncio.gather(*(other(i, s) for i, s in enumerate(starts) if i > 0), return_exceptions=True)
+        failed = next((e for e in ends if isinstance(e, BaseException)), None)
+        if failed is not None:
+            raise failed
         rec = await _record(store, replace(rec, shards=tuple(runs), started_at=time.time()))
         report(rec.name, "loading", f"pid {head.pid} on {head.node}")
         await _wait_ready(rec, sessions, deadline, report)
@@ -376,12 +417,11 @@ async def _launch(
         report(rec.name, "ready", rec.endpoint or "")
     except _TakenAway as e:
         # Whatever this run started is its own to stop: the other command could not see it.
-        stopped = await stops.stop_shards(replace(rec, shards=tuple(runs)), sessions)
+        started = replace(rec, shards=tuple(runs))
+        stopped = await stops.stop_shards(started, sessions)
         out.state, out.reason = STOPPED, f"{e}: what it started is stopped"
-        cur = await store.record(*rec.key)
-        if stopped.left and cur is not None:
-            await stops.release(store, cur, stopped, why=str(e), wanted_down=cur.desired == DOWN)
-        if stopped.left:
+        if stopped.left:  # kept in the state, whatever the other command made of the row
+            await store.fence_started(started, stopped.left, why=str(e))
             out.state, out.reason = FAILED, f"{e}; its stop is not confirmed ({stopped.problem()})"
         report(rec.name, out.state, out.reason)
     except (ClusterctlError, OSError, ValueError) as e:
@@ -468,7 +508,9 @@ async def _restart(
     return out
 
 
-async def _stop(rec: ReplicaRecord, why: str, store: AsyncStore, sessions: Sessions, report: Report) -> Outcome:
+async def _stop(
+    rec: ReplicaRecord, why: str, store: AsyncStore, sessions: Sessions, report: Report, *, wanted_down: bool = False
+) -> Outcome:
     """Stop a replica the plan does not keep (``why``: the plan's reason) and release it
     (fenced where its stop could not be confirmed)."""
     t0 = time.monotonic()
@@ -476,7 +518,8 @@ async def _stop(rec: ReplicaRecord, why: str, store: AsyncStore, sessions: Sessi
     stopped = await stops.stop_shards(rec, sessions)
     if stopped.left:
         out.state, out.reason = FAILED, stopped.problem()
-    await stops.release(store, rec, stopped, why=f"stopped ({why or 'no longer in the catalog'})")
+    await stops.release(store, rec, stopped, why=f"stopped ({why or 'no longer in the catalog'})",
+                        wanted_down=wanted_down)  # fmt: skip
     report(rec.name, out.state, out.reason)
     out.seconds = time.monotonic() - t0
     return out

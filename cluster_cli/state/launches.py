@@ -115,21 +115,14 @@ class LaunchTable:
         return [Fence(*r) for r in rows]
 
     # ---- reserve ----------------------------------------------------------
-    def reserve(
-        self,
-        records: Iterable[ReplicaRecord],
-        *,
-        expect_version: int | None = None,
-        replacing: Iterable[ReplicaRecord] = (),
-    ) -> Reservation:
+    def reserve(self, records: Iterable[ReplicaRecord], *, expect_version: int | None = None) -> Reservation:
         """Book ``records`` (new replicas: their rows, shards, GPUs and ports) in one
-        transaction, each as the next generation of its ``MODEL/N``. A GPU or port held by one
-        of ``replacing`` (replicas the caller stops before it starts ``records``) is handed
-        over. Raises StaleVersion when the state is no longer at ``expect_version`` (checked
-        and moved in one statement), StateError when a GPU or port is already held otherwise
-        (nothing booked)."""
+        transaction, each as the next generation of its ``MODEL/N``. Raises StaleVersion when
+        the state is no longer at ``expect_version`` (checked and moved in one statement),
+        StateError when a GPU or port is already held (nothing booked): a replica placed anew
+        gets the GPUs of its earlier generation only once that one's stop is confirmed and it
+        is released."""
         records = list(records)
-        handed = {rec.key for rec in replacing}
         if not records:  # nothing to book: no write, no new version (but the check still holds)
             version = self.version()
             if expect_version is not None and version != expect_version:
@@ -172,27 +165,19 @@ class LaunchTable:
                     )
                 for kind, node, item in _holds(rec):
                     uuid = uuids.get((node, item)) if kind == "gpu" else None
-                    self._hold(tx, kind, node, item, uuid, rec, handed)
+                    self._hold(tx, kind, node, item, uuid, rec)
                 head = r.shards[0].node if r.shards else None
                 self._event(tx, "reserved", f"{rec.name} generation {gen} reserved on {_where(r)}",
                             node=head, model=r.model, replica=r.replica, generation=gen)  # fmt: skip
                 out.append(rec)
             return Reservation(_version(tx), out)
 
-    def _hold(self, tx: Tx, kind: str, node: str, item: int, uuid: str | None, rec: ReplicaRecord,
-              handed: set[tuple[str, int, int]]) -> None:  # fmt: skip
-        if uuid is not None:
-            owner = tx.execute("SELECT model, replica, generation FROM holds WHERE uuid=?", (uuid,)).fetchone()
-            where, args = "uuid=?", (uuid,)
-        else:
-            owner = tx.execute(
-                "SELECT model, replica, generation FROM holds WHERE node=? AND kind=? AND item=? AND uuid IS NULL",
-                (node, kind, item),
-            ).fetchone()
-            where, args = "node=? AND kind=? AND item=? AND uuid IS NULL", (node, kind, item)  # type: ignore[assignment]
-        if owner is not None and tuple(owner) in handed:
-            tx.execute(f"DELETE FROM holds WHERE {where}", args)
-        elif owner is not None:
+    def _hold(self, tx: Tx, kind: str, node: str, item: int, uuid: str | None, rec: ReplicaRecord) -> None:
+        """Book one GPU or port for ``rec``. A GPU is the same device by its UUID; a hold made
+        without one (its UUID unknown then) is taken to be the device at that index, and a
+        booking without a UUID conflicts with any hold at that index: in doubt, refused."""
+        owner = _owner(tx, kind, node, item, uuid)
+        if owner is not None:
             what = f"GPU {item}" if kind == "gpu" else f"port {item}"
             raise StateError(
                 f"{node}: {what} is already held by {replica_name(owner[0], owner[1])}; nothing was reserved"
@@ -210,6 +195,11 @@ class LaunchTable:
         new state version. Raises StaleRecord when the row changed or went meanwhile."""
         with self._tx() as tx:
             old = self._current(tx, rec)
+            if old.status == FENCED or old.desired == DOWN:
+                # Only a confirmed stop moves a fenced row on, and a replica wanted down is not
+                # brought back by what someone saw of it.
+                raise StaleRecord(f"{self.path}: {rec.name} generation {rec.generation} is {old.status}, "
+                                  f"wanted {old.desired}: not written")  # fmt: skip
             return self._observe(tx, old, rec)
 
     def claim(self, seen: ReplicaRecord, rec: ReplicaRecord) -> ReplicaRecord | None:
@@ -267,13 +257,14 @@ class LaunchTable:
             self._event(tx, rec.status, what, **ids)
         return replace(rec, revision=old.revision + 1, desired=desired)
 
-    def want_down(self, rec: ReplicaRecord, *, why: str = "taken down") -> ReplicaRecord:
+    def want_down(self, rec: ReplicaRecord, *, why: str = "taken down", owner: str | None = None) -> ReplicaRecord:
         """Mark a replica wanted down and being stopped (compare and set), before its processes
-        are stopped: a run starting it meanwhile sees it and stops what it started. A new state
+        are stopped: a run starting it meanwhile sees it and stops what it started. ``owner``:
+        the run stopping it (once that run is gone, another takes the stop over). A new state
         version. Raises StaleRecord."""
         with self._tx(bump=True) as tx:
             old = self._current(tx, rec)
-            new = self._observe(tx, old, replace(old, status=STOPPING, detail=why), desired=DOWN)
+            new = self._observe(tx, old, replace(old, status=STOPPING, detail=why, owner=owner), desired=DOWN)
             r = rec.replica
             self._event(tx, "down", f"{rec.name} {why}", node=r.shards[0].node if r.shards else None,
                         model=r.model, replica=r.replica, generation=rec.generation)  # fmt: skip
@@ -356,6 +347,63 @@ class LaunchTable:
             self._event(tx, "released", f"{replica_name(model, replica)} generation {gen} released: nothing of it runs",
                         model=model, replica=replica, generation=gen)  # fmt: skip
             return True
+
+    def fence_started(self, rec: ReplicaRecord, left: Sequence[tuple[ShardRun, str]], *, why: str) -> ReplicaRecord:
+        """Record that shards a run started after another command changed their row (a
+        ``down``, a release) may still run: whatever that row's revision, the row is kept or
+        made again ``fenced`` (wanted down), its GPUs and ports booked again where no one else
+        took them meanwhile, and a fence written per shard. Never refused: forgetting what may
+        run is the one thing that must not happen. A GPU another replica booked meanwhile is
+        said in a ``conflict`` event."""
+        now = time.time()
+        r = rec.replica
+        ids = {"model": r.model, "replica": r.replica, "generation": rec.generation}
+        with self._tx(bump=True) as tx:
+            got = _records(tx, include_down=True, include_fenced=True, key=rec.key)
+            if got:
+                tx.execute(
+                    f"UPDATE replicas SET status=?, desired=?, endpoint=NULL, detail=?, revision=revision+1, "
+                    f"updated_at=? WHERE {_KEY}",
+                    (FENCED, DOWN, why, now, *rec.key),
+                )
+            else:
+                kept = replace(rec, status=FENCED, desired=DOWN, endpoint=None, detail=why, revision=1)
+                tx.execute(f"INSERT INTO replicas({_R}, created_at) VALUES ({','.join('?' * 21)})",
+                           (*_row(kept, now), now))  # fmt: skip
+                for rank, sh in enumerate(r.shards):
+                    tx.execute(
+                        "INSERT INTO shards(model, replica, generation, rank, node, gpus, hcas, state, updated_at) "
+                        "VALUES (?,?,?,?,?,?,?,?,?)",
+                        (*rec.key, rank, sh.node, _ints(sh.gpus), ",".join(sh.hcas), "stopped", now),
+                    )
+            for rank, run in enumerate(rec.shards):
+                tx.execute(
+                    f"UPDATE shards SET run_dir=?, token=?, pid=?, start_time=?, boot_id=?, state=?, updated_at=? "
+                    f"WHERE {_KEY} AND rank=?",
+                    (run.run_dir, run.token, run.pid, run.start_time, run.boot_id, "stopped", now, *rec.key, rank),
+                )
+            uuids = gpu_uuids(tx, {sh.node for sh in r.shards if sh.gpus})
+            for kind, node, item in _holds(rec):
+                uuid = uuids.get((node, item)) if kind == "gpu" else None
+                owner = _owner(tx, kind, node, item, uuid)
+                if owner is None:
+                    tx.execute("INSERT INTO holds VALUES (?,?,?,?,?,?,?)", (node, kind, item, uuid, *rec.key))
+                elif tuple(owner) != rec.key:
+                    what = f"GPU {item}" if kind == "gpu" else f"port {item}"
+                    self._event(tx, "conflict", f"{node}: {what} is held by {replica_name(owner[0], owner[1])} "
+                                f"while {rec.name} generation {rec.generation} may still use it", node=node, **ids)  # fmt: skip
+            for run, reason in left:
+                tx.execute(
+                    f"INSERT INTO fences({_F}) VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (token) DO UPDATE "
+                    "SET reason=excluded.reason, checked_at=excluded.checked_at",
+                    (run.node, run.run_dir, run.token, r.model, r.replica, rec.generation, now, reason,
+                     run.pid, run.start_time, now),
+                )  # fmt: skip
+                tx.execute("UPDATE shards SET state='fenced', updated_at=? WHERE token=?", (now, run.token))
+                self._event(tx, "fenced", f"{rec.name} may still run on {run.node}: {reason}", node=run.node,
+                            detail={"token": run.token, "run_dir": run.run_dir, "why": why}, **ids)  # fmt: skip
+            out = _records(tx, include_down=True, include_fenced=True, key=rec.key)
+        return out[0] if out else replace(rec, status=FENCED, desired=DOWN)
 
     def fence_checked(self, token: str, reason: str) -> None:
         """A fenced shard was checked again and may still run (``reason``): noted, no event."""
@@ -488,6 +536,21 @@ def _held_gpus(tx: Tx, where: str, args: tuple[Any, ...], *, why: bool = False) 
             who += ", whose stop is not confirmed" if status == FENCED else ", being stopped"
         out.setdefault(node, {})[item] = who
     return out
+
+
+def _owner(tx: Tx, kind: str, node: str, item: int, uuid: str | None) -> Any:
+    """Who holds that GPU or port, if anyone: by UUID, else at that index."""
+    if uuid is not None:
+        row = tx.execute("SELECT model, replica, generation FROM holds WHERE uuid=?", (uuid,)).fetchone()
+        if row is not None:
+            return row
+        return tx.execute(
+            "SELECT model, replica, generation FROM holds WHERE node=? AND kind=? AND item=? AND uuid IS NULL",
+            (node, kind, item),
+        ).fetchone()
+    return tx.execute(
+        "SELECT model, replica, generation FROM holds WHERE node=? AND kind=? AND item=?", (node, kind, item)
+    ).fetchone()
 
 
 def _next_generation(tx: Tx, model: str, replica: int) -> int:

@@ -325,14 +325,28 @@ def _v2_to_v3(tx: Tx) -> None:
         ):
             continue  # a hold of no replica: books nothing
         u = shard_uuid.get((model, replica, gen, node, item)) if kind == "gpu" else None
+        if u is not None and tx.execute("SELECT 1 FROM holds WHERE uuid=?", (u,)).fetchone() is not None:
+            u = None  # two v2 holds name one device (renumbered GPUs): this one is kept by its index
         tx.execute("INSERT INTO holds VALUES (?,?,?,?,?,?,?)", (node, kind, item, u, model, replica, gen))
+    reserved: dict[tuple[str, int], int] = {}
     for at, kind, node, message in tx.execute("SELECT at, kind, node, message FROM events_v2 ORDER BY id").fetchall():
         m = _NAMED.match(message or "")
+        if m and kind == "reserve":
+            key = (m["model"], int(m["replica"]))
+            reserved[key] = reserved.get(key, 0) + 1
         tx.execute(
             "INSERT INTO events(at, kind, node, model, replica, actor, message) VALUES (?,?,?,?,?,?,?)",
             (at, _OLD_KINDS.get(kind, "note"), node, m["model"] if m else None,
              int(m["replica"]) if m else None, "", message),
         )  # fmt: skip
+    # Schema 2 could reserve a MODEL/N's generation 1 again after a down: every reservation its
+    # events saw counts, so that no generation a node may still have a folder of is used again.
+    for (model, replica), n in reserved.items():
+        tx.execute(
+            "INSERT INTO generations(model, replica, last) VALUES (?,?,?) ON CONFLICT (model, replica) "
+            "DO UPDATE SET last = CASE WHEN excluded.last > generations.last THEN excluded.last ELSE generations.last END",
+            (model, replica, n),
+        )
     for name, reachable, probed_at in tx.execute("SELECT name, reachable, probed_at FROM nodes").fetchall():
         tx.execute(
             "INSERT INTO node_status(node, status, since, last_heartbeat, updated_at) VALUES (?,?,?,?,?)",

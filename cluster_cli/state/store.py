@@ -99,10 +99,12 @@ class Store(LaunchTable, EventLog, Leases, Desired):
         self.lease: Lease | None = None  # set: every write is refused once its epoch is stale
         self._b: Any = backend or SqliteBackend(self.path, create=create, readonly=readonly, timeout_s=timeout_s)
         self._pruned = 0
+        self.on_disk_schema = SCHEMA_VERSION  # a read-only open of an older state reads a migrated copy
         try:
             if readonly:
                 with self._b.read() as tx:
                     self.schema = self._check_schema(_meta(tx, "schema_version"))
+                self.on_disk_schema = self.schema
                 if self.schema < SCHEMA_VERSION:
                     self._b.in_memory_copy()
                     with self._b.write() as tx:
