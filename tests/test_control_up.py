@@ -216,3 +216,38 @@ def test_what_up_started_after_a_down_is_fenced_with_its_gpus_when_its_stop_is_n
         assert fence.token == "m/0.g1.s0"
         with pytest.raises(StateError, match="GPU 0 is already held by m/0"):
             s.reserve([ReplicaRecord(Replica("x", 0, "p", "vllm", (Shard("n1", (0,)),)), port=9000)])
+
+
+def test_down_keeps_the_catalogs_metric_mappings_in_the_router_config(tmp_path: Path, monkeypatch: Any) -> None:
+    """The router config is rendered with the catalog up applied (the state keeps it), so a
+    down does not fall back to the engine's own metric names."""
+    import yaml
+
+    from cluster_cli.config.catalog import Catalog
+    from cluster_cli.control.replicas import down
+
+    nodes = _Nodes(monkeypatch)
+    mapping = {"running": "my_running", "waiting": "my_waiting", "kv_cache_usage": "my_kv"}
+    cat = Catalog.model_validate({
+        "engines": {"llamacpp": {"command": "llama-server", "metrics": mapping}},
+        "models": [{"name": "m", "replicas": 2, "profiles": [{"name": "p", "engine": "llamacpp", "model": "/m.gguf", "cpus": 1}]}],
+    })  # fmt: skip
+    with Store(tmp_path / "s.db") as s:
+        s.save_catalog(cat.model_dump(mode="json"))
+        recs = s.reserve(
+            [ReplicaRecord(Replica("m", i, "p", "llamacpp", (Shard(f"n{i}"),)), port=8100) for i in (0, 1)]
+        )
+        ready = [s.observe(replace(r, status="ready", endpoint=f"http://n{r.replica.replica}:8100",
+                                   shards=(ShardRun(f"n{r.replica.replica}", "~/r", f"t{r.replica.replica}"),)))
+                 for r in recs.records]  # fmt: skip
+
+        async def go() -> Any:
+            async with AsyncStore(s) as astore:
+                return await down(astore, nodes, ready[:1], router_config=tmp_path / "router.yaml",  # type: ignore[arg-type]
+                                  report=lambda _: None)  # fmt: skip
+
+        monkeypatch.setattr("cluster_cli.launch.routerconf.PICKUP_S", 0)
+        asyncio.run(go())
+    doc = yaml.safe_load((tmp_path / "router.yaml").read_text())
+    assert doc["engines"]["llamacpp"]["metrics"] == mapping
+    assert [e["replica"] for e in doc["models"]["m"]["endpoints"]] == ["m/1"]
