@@ -253,3 +253,88 @@ def test_catalog_float_memory_still_takes_an_int(tmp_path: Path) -> None:
         "models:\n  - {name: m, profiles: [{name: p, engine: llamacpp, cpus: 4, memory_gib: 8, model: /m}]}\n"
     )
     assert load_catalog(path).models[0].profiles[0].memory_mib == 8192
+
+
+# ---- what reaches a node's start script: no control character, no secret on a command line
+
+
+def _cpu(extra: str = "", name: str = "a", model: str = "/m") -> str:
+    return one_model(f"      - {{name: {name}, engine: llamacpp, cpus: 1, model: {model}{extra}}}\n", model=False)
+
+
+@pytest.mark.parametrize("char", ["\\n", "\\r", "\\e", "\\t", "\\x9b", "\\u2028", "\\0"])
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        (lambda c: _cpu(name=f'"a{c}"'), "models.0.profiles.0.name"),
+        (lambda c: one_model("      - {name: a, engine: llamacpp, cpus: 1}\n", name=f'"m{c}"'), "models.0.name"),
+        (lambda c: _cpu(model=f'"/m{c}.gguf"'), "models.0.profiles.0.model"),
+        (lambda c: _cpu(f', args: [--ctx-size, "4096{c}"]'), "models.0.profiles.0.args.1"),
+        (lambda c: _cpu(f', env: {{"HF_TOKEN{c}": x}}'), "models.0.profiles.0.env"),
+        (lambda c: _cpu(f', env: {{HF_TOKEN: "hf_x{c}"}}'), "models.0.profiles.0.env.HF_TOKEN"),
+        (lambda c: f'engines: {{llamacpp: {{command: "llama-server{c}"}}}}\n' + _cpu(), "engines.llamacpp.command"),
+        (lambda c: f'engines: {{llamacpp: {{command: l, args: ["-v{c}"]}}}}\n' + _cpu(), "engines.llamacpp.args.0"),
+    ],
+)
+def test_a_control_character_in_what_reaches_the_node_is_refused(tmp_path: Path, body, where: str, char: str) -> None:
+    """A newline or ``\\r`` would end a line of the start script's answers early, ESC would
+    act on the operator's terminal: refused when the catalog loads, on one located line that
+    does not repeat the value (an env value is a secret)."""
+    path = write(tmp_path, body(char))
+    with pytest.raises(ConfigError) as e:
+        load_catalog(path)
+    msg = str(e.value)
+    assert msg.isprintable(), msg
+    assert re.match(rf"{re.escape(str(path))}: line [0-9]+( \([^)]*\))?: {re.escape(where)}: ", msg), msg
+    assert "control character" in msg and "hf_x" not in msg, msg
+
+
+def test_a_control_character_is_located_on_its_own_line(tmp_path: Path) -> None:
+    body = "models:\n  - name: m\n    profiles:\n      - name: a\n        engine: llamacpp\n        model: /m\n"
+    body += '        args:\n          - --ctx-size\n          - "4096\\r@@OK 1 1"\n'
+    path = write(tmp_path, body)
+    with pytest.raises(ConfigError) as e:
+        load_catalog(path)
+    assert str(e.value).startswith(
+        f"{path}: line 9 (a): models.0.profiles.0.args.1: holds a control character (U+000D at character 5)"
+    ), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        "[--api-key, sk-123]",
+        "[--api-key=sk-123]",
+        "[--hf-token, hf_abc]",
+        "[--hf_token=hf_abc]",
+        "[--token, t]",
+        "[--PASSWORD, pw]",
+        "[-m, x, HF_TOKEN=hf_abc]",
+        "[--extra, 'api_key=sk-1']",
+        "[--some-key=v]",
+    ],
+)
+@pytest.mark.parametrize("where", ["profile", "engine"])
+def test_args_that_look_like_secrets_are_refused_with_a_hint(tmp_path: Path, args: str, where: str) -> None:
+    if where == "profile":
+        body, field = _cpu(f", args: {args}"), "models.0.profiles.0.args."
+    else:
+        body, field = f"engines: {{llamacpp: {{command: l, args: {args}}}}}\n" + _cpu(), "engines.llamacpp.args."
+    path = write(tmp_path, body)
+    with pytest.raises(ConfigError) as e:
+        load_catalog(path)
+    msg = str(e.value)
+    assert field in msg and "looks like a secret" in msg and "profile's env" in msg and "0600" in msg, msg
+    for secret in ("sk-123", "hf_abc", "pw", "sk-1"):
+        assert secret not in msg.lower().replace("--password", ""), msg
+
+
+@pytest.mark.parametrize("args", ["[--api-key-file, /etc/key]", "[--ctx-size, '4096', --keyword, x]", "[-t, '8']"])
+def test_args_that_only_resemble_secret_options_load(tmp_path: Path, args: str) -> None:
+    p = load_catalog(write(tmp_path, _cpu(f", args: {args}"))).models[0].profiles[0]
+    assert p.args
+
+
+def test_a_secret_in_env_loads(tmp_path: Path) -> None:
+    p = load_catalog(write(tmp_path, _cpu(', env: {HF_TOKEN: "hf_x y\'z"}'))).models[0].profiles[0]
+    assert p.env == {"HF_TOKEN": "hf_x y'z"}

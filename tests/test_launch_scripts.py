@@ -4,23 +4,44 @@ to init included) and never signals a stranger whose PID was recorded."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_batch import SHELLS, _need
 
 from cluster_cli.launch import remote
 from cluster_cli.launch.remote import ShardRef, StartScript
 
 
-def sh(script: str, timeout: float = 60, env: dict[str, str] | None = None) -> str:
-    return subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True, timeout=timeout,
-                          env=env).stdout  # fmt: skip
+@dataclass(frozen=True)
+class Ran:
+    """A script's output, read as node.py reads it."""
+
+    script: remote.Script
+    out: str
+
+    def answers(self, tag: str) -> list[str]:
+        return self.script.answers(self.out, tag)
+
+    @property
+    def log(self) -> list[str]:
+        return self.script.log_lines(self.out)
+
+
+def sh(script: remote.Script, timeout: float = 60, env: dict[str, str] | None = None, shell: str = "sh") -> Ran:
+    """Run ``script`` with ``SHELL -s`` (``busybox sh``: two words), as node.py runs it over SSH."""
+    p = subprocess.run([*shell.split(), "-s"], input=script.text.encode(), capture_output=True, timeout=timeout,
+                       env=env)  # fmt: skip
+    return Ran(script, p.stdout.decode("utf-8", "replace"))
 
 
 def marked(token: str) -> list[int]:
@@ -38,11 +59,12 @@ def marked(token: str) -> list[int]:
     return out
 
 
-def _start(tmp: Path, argv: list[str], env: dict[str, str] | None = None, **kw: object) -> tuple[str, int, int]:
+def _start(tmp: Path, argv: list[str], env: dict[str, str] | None = None, shell: str = "sh",
+           **kw: object) -> tuple[str, int, int]:  # fmt: skip
     token = remote.new_token()
     script = remote.start_script(StartScript(str(tmp / "run"), argv, {"SECRET": "s3cr3t v"}, token, **kw))  # type: ignore[arg-type]
-    out = sh(script, env=env)
-    (ok,) = remote.answers(out, "OK") or [None]
+    out = sh(script, env=env, shell=shell)
+    (ok,) = out.answers("OK") or [None]
     assert ok, out
     pid, st, boot = ok.split()
     assert boot == Path("/proc/sys/kernel/random/boot_id").read_text().strip()  # the node's boot, recorded
@@ -99,7 +121,7 @@ def test_stop_ends_a_worker_that_left_the_session_and_was_reparented(tmp_path: P
     time.sleep(0.2)
     assert set(marked(token)) == workers
     out = sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=2))
-    assert remote.answers(out, "STOPPED"), out
+    assert out.answers("STOPPED"), out
     assert marked(token) == []
     assert not (tmp_path / "run").exists()  # the folder goes with it
 
@@ -117,7 +139,7 @@ def test_start_refuses_a_folder_whose_earlier_run_left_a_worker_behind(tmp_path:
     try:
         again = remote.new_token()
         out = sh(remote.start_script(StartScript(str(tmp_path / "run"), ["sleep", "300"], {}, again)))
-        (why,) = remote.answers(out, "ERR")
+        (why,) = out.answers("ERR")
         assert why.startswith("processes of an earlier run of this shard still run here"), out
         assert marked(again) == []
     finally:
@@ -135,8 +157,9 @@ def test_stop_sends_each_process_one_term(tmp_path: Path) -> None:
     token, pid, st = _start(tmp_path, ["sh", "-c", "sleep 300 & wait"])
     sent = tmp_path / "kills"
     spy = f'kill() {{ echo "$*" >>{shlex.quote(str(sent))}; command kill "$@"; }}\n'  # the builtin, noted
-    out = sh(spy + remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=2))
-    assert remote.answers(out, "STOPPED") and marked(token) == []
+    stop = remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=2)
+    out = sh(remote.Script(spy + stop.text, stop.nonce))
+    assert out.answers("STOPPED") and marked(token) == []
     (term,) = [ln.split()[1:] for ln in sent.read_text().splitlines() if ln.startswith("-TERM")]
     assert str(pid) in term and len(term) == len(set(term)) == 2, term  # the leader and its sleep
 
@@ -145,7 +168,7 @@ def test_stop_kills_what_ignores_term_after_the_grace(tmp_path: Path) -> None:
     token, pid, st = _start(tmp_path, ["sh", "-c", "trap '' TERM; while :; do sleep 0.1; done"])
     t0 = time.monotonic()
     out = sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=1))
-    assert remote.answers(out, "STOPPED") and marked(token) == []
+    assert out.answers("STOPPED") and marked(token) == []
     assert time.monotonic() - t0 >= 1.0  # TERM first, KILL only after the grace
 
 
@@ -159,7 +182,7 @@ def test_a_frozen_shard_gets_its_term_and_acts_on_it(tmp_path: Path) -> None:
     time.sleep(0.2)  # its trap is set
     os.kill(pid, signal.SIGSTOP)
     out = sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=5))
-    assert remote.answers(out, "STOPPED") and marked(token) == []
+    assert out.answers("STOPPED") and marked(token) == []
     assert got.read_text() == "term\n"
 
 
@@ -185,7 +208,7 @@ def test_a_recorded_pid_whose_start_time_differs_is_never_signalled(tmp_path: Pa
 def test_start_refuses_before_anything_runs(tmp_path: Path, kw: dict, reason: str) -> None:
     token = remote.new_token()
     out = sh(remote.start_script(StartScript(str(tmp_path / "run"), ["sleep", "300"], {}, token, **kw)))
-    assert remote.answers(out, "ERR") == [reason]
+    assert out.answers("ERR") == [reason]
     assert marked(token) == []
 
 
@@ -197,8 +220,8 @@ def test_start_refuses_a_port_something_listens_on(tmp_path: Path) -> None:
         s.listen()
         port = s.getsockname()[1]
         out = sh(remote.start_script(StartScript(str(tmp_path / "run"), ["sleep", "1"], {}, "t", ports=[port])))
-        assert remote.answers(out, "ERR") == [f"port {port} is in use on the node"]
-        listening = {int(h, 16) for h in remote.answers(sh(remote.listening_script()), "PORT")}
+        assert out.answers("ERR") == [f"port {port} is in use on the node"]
+        listening = {int(h, 16) for h in sh(remote.listening_script()).answers("PORT")}
         assert port in listening
 
 
@@ -225,4 +248,180 @@ def test_a_recorded_process_is_alive_only_on_the_boot_it_started_on() -> None:
     st = int(Path(f"/proc/{me}/stat").read_text().rsplit(")", 1)[1].split()[19])
     refs = [ShardRef("/x", "t", me, st, boot), ShardRef("/x", "t", me, st, "another-boot"), ShardRef("/x", "t", me, st)]
     out = sh(remote.inspect_script(refs))
-    assert remote.answers(out, "ALIVE") == ["0", "2"] and remote.answers(out, "DEAD") == ["1"]
+    assert out.answers("ALIVE") == ["0", "2"] and out.answers("DEAD") == ["1"]
+
+
+# ---- every write of the start script is checked --------------------------------------
+
+
+def running(word: str) -> list[int]:
+    """The processes with ``word`` in their command line (an engine that started without its
+    marker would carry none)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and word.encode() in (p / "cmdline").read_bytes().split(b"\0"):
+                out.append(int(p.name))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs (tests run as root), unmounted after the test."""
+    d = tmp_path / "fs"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def fill(fs: Path, *, leave_pages: int = 0) -> None:
+    """Fill the tmpfs ``fs``, then free ``leave_pages`` pages of it (tmpfs gives a file its
+    room a page at a time)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    filler = fs / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * page)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    os.truncate(filler, filler.stat().st_size - leave_pages * page)
+    st = os.statvfs(fs)
+    assert st.f_bavail * st.f_frsize == leave_pages * page
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shell", SHELLS)
+@pytest.mark.parametrize("room,unwritten", [(0, "env"), (1, "cmd"), (2, "pid"), (3, "log")])
+def test_a_start_on_a_full_disk_answers_which_file_and_starts_nothing(
+    tiny_fs: Path, shell: str, room: int, unwritten: str
+) -> None:
+    """Room for none of the files, or for the env file (its GPU pinning and marker) but not
+    for the command, and so on: the start answers the file it could not write and no process
+    of the shard runs, with its marker or without."""
+    _need(shell)
+    run = tiny_fs / "run"
+    run.mkdir()
+    fill(tiny_fs, leave_pages=room)
+    token, word = remote.new_token(), f"{3000 + room}.{os.getpid()}"
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-0b1c"}
+    out = sh(remote.start_script(StartScript(str(run), ["sleep", word], env, token)), shell=shell)
+    time.sleep(0.2)
+    try:
+        assert out.answers("ERR") == [f"cannot write {unwritten} in {run} (disk full or read-only?)"], out
+        assert out.answers("OK") == []
+        assert marked(token) == [] and running(word) == []
+    finally:
+        for pid in set(marked(token) + running(word)):
+            os.kill(pid, signal.SIGKILL)
+    if room >= 1:  # the env file was written whole, the rest was not
+        assert (run / "env").read_text().endswith(f"export {remote.RUN_ENV}={token}\n")
+
+
+@pytest.mark.slow
+def test_a_start_in_a_read_only_folder_answers_and_starts_nothing(tiny_fs: Path) -> None:
+    run = tiny_fs / "run"
+    run.mkdir()
+    r = subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot remount the tmpfs read-only: {r.stderr.strip() or r.returncode}")
+    token = remote.new_token()
+    out = sh(remote.start_script(StartScript(str(run), ["sleep", "300"], {}, token)))
+    assert out.answers("ERR") == [f"cannot write env in {run} (disk full or read-only?)"], out
+    assert marked(token) == []
+
+
+# ---- logs: the previous one kept, the current one capped ------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_restart_in_place_keeps_the_previous_log(tmp_path: Path, shell: str) -> None:
+    _need(shell)
+    token, pid, st = _start(tmp_path, ["sh", "-c", "echo first instance; exec sleep 300"], shell=shell)
+    time.sleep(0.3)
+    stop = sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=1, remove=False))
+    assert stop.answers("STOPPED") == ["1"]
+    token, pid, st = _start(tmp_path, ["sh", "-c", "echo second instance; exec sleep 300"], shell=shell)
+    try:
+        time.sleep(0.3)
+        run = tmp_path / "run"
+        assert "first instance" in (run / "log.1").read_text()
+        log = (run / "log").read_text()
+        assert "second instance" in log and "first instance" not in log
+        cmd = remote.log_command(str(run), lines=5, follow=False, previous=True)
+        shown = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=10).stdout
+        assert "first instance" in shown and "second" not in shown
+    finally:
+        sh(remote.stop_script(ShardRef(str(tmp_path / "run"), token, pid, st), grace_s=1))
+
+
+def test_log_command_reads_the_log_or_the_previous_one() -> None:
+    assert remote.log_command("~/r/m-0.g1", lines=5, follow=True) == 'tail -n 5 -f -- "$HOME"/r/m-0.g1/log'
+    assert remote.log_command("/r/it's", lines=5, follow=False, previous=True) == "tail -n 5 -- '/r/it'\"'\"'s'/log.1"
+
+
+def _size_over(path: Path, n: int, within: float = 10) -> None:
+    deadline = time.monotonic() + within
+    while not (path.exists() and path.stat().st_size > n):
+        assert time.monotonic() < deadline, f"{path} did not grow past {n} bytes"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_trimmed_log_goes_on_from_its_start(tmp_path: Path, shell: str) -> None:
+    """copytruncate: the engine appends (>>), so after the log is emptied its next line lands
+    at offset 0, not at its old offset past a hole of zeros."""
+    _need(shell)
+    writer = "head -c 300000 /dev/zero | tr '\\0' x; echo; i=0; while :; do echo tick $i; i=$((i+1)); sleep 0.05; done"
+    token, pid, st = _start(tmp_path, ["sh", "-c", writer], shell=shell)
+    run = tmp_path / "run"
+    try:
+        _size_over(run / "log", 300_000)
+        refs = [ShardRef(str(tmp_path / "gone"), "t"), ShardRef(str(run), token, pid, st)]
+        out = sh(remote.trim_script(refs, 100_000), shell=shell)
+        assert out.answers("TRIMMED") == ["1"] and out.answers("TRIM_FAILED") == [], out
+        assert (run / "log.1").stat().st_size > 300_000
+        time.sleep(0.3)  # a few more ticks
+        data = (run / "log").read_bytes()
+        assert 0 < len(data) < 1000 and b"\0" not in data and data.startswith(b"tick "), data[:80]
+        assert os.path.exists(f"/proc/{pid}")  # it writes on
+        again = sh(remote.trim_script(refs, 100_000), shell=shell)  # under the cap now: left alone
+        assert again.answers("TRIMMED") == [] and (run / "log.1").stat().st_size > 300_000
+    finally:
+        sh(remote.stop_script(ShardRef(str(run), token, pid, st), grace_s=1))
+
+
+@pytest.mark.slow
+def test_inspect_trims_in_the_same_exec(tmp_path: Path) -> None:
+    token, pid, st = _start(tmp_path, ["sh", "-c", "head -c 5000 /dev/zero | tr '\\0' y; echo; exec sleep 300"])
+    run = tmp_path / "run"
+    ref = ShardRef(str(run), token, pid, st)
+    try:
+        _size_over(run / "log", 5000)
+        out = sh(remote.inspect_script([ref], trim_bytes=10_000))
+        assert out.answers("ALIVE") == ["0"] and out.answers("TRIMMED") == [] and not (run / "log.1").exists()
+        out = sh(remote.inspect_script([ref, ref], trim_bytes=1000))  # one folder: trimmed once
+        assert out.answers("ALIVE") == ["0", "1"] and out.answers("TRIMMED") == ["0"]
+        assert (run / "log").stat().st_size == 0 and (run / "log.1").stat().st_size > 5000
+    finally:
+        sh(remote.stop_script(ref, grace_s=1))
+
+
+def test_a_log_that_cannot_be_copied_is_left_whole(tiny_fs: Path) -> None:
+    run = tiny_fs / "run"
+    run.mkdir()
+    (run / "log").write_bytes(b"z" * 20_000)
+    fill(tiny_fs)
+    out = sh(remote.trim_script([ShardRef(str(run), "t")], 1000))
+    (failed,) = out.answers("TRIM_FAILED")
+    assert failed == f"0 cannot copy {run}/log to {run}/log.1 (disk full or read-only?)"
+    assert out.answers("TRIMMED") == [] and (run / "log").stat().st_size == 20_000

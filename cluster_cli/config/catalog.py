@@ -22,6 +22,13 @@ machine with no GPU. ``cpus``/``memory_gib`` are what a CPU replica reserves on 
 node; a GPU profile may not set them (they would not be checked). Numbers are strict
 (``replicas: true`` or ``'2'`` is an error), and ``gpu_class: unknown`` is refused: it is
 the placeholder class of a lost GPU. Profiles of equal priority are tried in the order they are written.
+
+What reaches a node's start script (names, ``model``, ``args``, ``env``, an engine's
+``command`` and ``args``) may hold no control character (a newline, ``\r``, ESC, a tab:
+anything not printable). ``args`` that look like secrets (``--api-key``, ``--hf-token``,
+``--token``, ``--password``, ``...token=...``, ``...key=...``) are refused: a command line
+is readable by every user of the node, where the profile's ``env`` reaches it only in a
+0600 file.
 """
 
 from __future__ import annotations
@@ -35,14 +42,53 @@ from cluster_cli.config.load import load_model
 from cluster_cli.engines import ENGINES, MetricMapping, get_engine
 from cluster_cli.facts import UNREAD
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# fullmatch, not match: "$" also matches before a trailing newline.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Options that carry a secret as their value (compared with '_' as '-', in lower case).
+_SECRET_OPTIONS = ("--api-key", "--hf-token", "--token", "--password")
 
 
 def _check_name(v: str) -> str:
-    if not _NAME.match(v):
+    if (problem := _control(v)) is not None:
+        raise ValueError(f"invalid name: {problem}")
+    if not _NAME.fullmatch(v):
         raise ValueError(f"invalid name {v!r}: use letters, digits, '.', '_', '-' (at most 63)")
     return v
+
+
+def _control(v: str) -> str | None:
+    """What is wrong with ``v`` if it holds a control character (not its text: it may be a
+    secret), else None."""
+    if v.isprintable():
+        return None
+    at, c = next((i, c) for i, c in enumerate(v) if not c.isprintable())
+    return f"holds a control character (U+{ord(c):04X} at character {at + 1}), which nothing sent to a node may hold"
+
+
+def _secret_option(arg: str) -> str | None:
+    """The option ``arg`` gives a secret with (``--api-key`` of ``--api-key=...``), else None."""
+    low = arg.lower()
+    name = low.split("=", 1)[0]
+    if name.replace("_", "-") in _SECRET_OPTIONS or "token=" in low or "key=" in low:
+        return name
+    return None
+
+
+def _check_text(where: str, v: str | None) -> None:
+    if v is not None and (problem := _control(v)) is not None:
+        raise ValueError(f"{where}: {problem}")
+
+
+def _check_args(where: str, args: list[str]) -> None:
+    for k, a in enumerate(args):
+        _check_text(f"{where}.{k}", a)
+        if (name := _secret_option(a)) is not None:
+            raise ValueError(
+                f"{where}.{k}: {name!r} looks like a secret, and a command line is readable by every user "
+                "of the node: put it in the profile's env (e.g. HF_TOKEN, VLLM_API_KEY, LLAMA_API_KEY), "
+                "which reaches the node only in a 0600 file"
+            )
 
 
 class _Strict(BaseModel):
@@ -86,7 +132,9 @@ class Profile(_Strict):
     @classmethod
     def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
         for k in v:
-            if not _ENV_NAME.match(k):
+            if (problem := _control(k)) is not None:
+                raise ValueError(f"env: invalid variable name {k!r}: {problem}")
+            if not _ENV_NAME.fullmatch(k):
                 raise ValueError(f"env: invalid variable name {k!r} (letters, digits and _, not starting with a digit)")
         return v
 
@@ -168,9 +216,11 @@ class Catalog(_Strict):
     def _check(self) -> Catalog:
         known = ", ".join(sorted(ENGINES))
         declared = "engines" in self.model_fields_set
-        for name in self.engines:
+        for name, cfg in self.engines.items():
             if get_engine(name) is None:
                 raise ValueError(f"engines.{name}: unknown engine {name!r} (known: {known})")
+            _check_text(f"engines.{name}.command", cfg.command)
+            _check_args(f"engines.{name}.args", cfg.args)
         seen_models: dict[str, int] = {}
         for i, m in enumerate(self.models):
             if m.name in seen_models:
@@ -181,6 +231,12 @@ class Catalog(_Strict):
             seen_profiles: dict[str, int] = {}
             for j, p in enumerate(m.profiles):
                 where = f"models.{i}.profiles.{j}"
+                # All of it goes into the node's start script (the names into its folder's).
+                for key in ("engine", "gpu_class", "model"):
+                    _check_text(f"{where}.{key}", getattr(p, key))
+                _check_args(f"{where}.args", p.args)
+                for k, v in p.env.items():
+                    _check_text(f"{where}.env.{k}", v)
                 if p.name in seen_profiles:
                     raise ValueError(
                         f"{where}.name: duplicate profile name {p.name!r} in model {m.name!r} "

@@ -3,13 +3,16 @@
 Each script is POSIX ``sh``, sent on the standard input of ``sh -s`` over SSH, so that
 nothing of it (an ``HF_TOKEN`` in the environment file included) is ever on a command line
 that other users of the node can read. Every value is put in with ``shlex.quote``. A script
-answers in lines that start with ``@@``; what else it prints is ignored.
+answers in lines ``@@<nonce> TAG payload``, its nonce fresh and random (``Script.nonce``):
+what else it prints is ignored, and nothing it passes on (a log's tail, a path in an error)
+can pass for an answer, as that text was written without knowing the nonce.
 
 A shard runs detached in its own session (``setsid``), stdin from /dev/null, its output
-appended to ``log`` in the shard's folder, which also holds ``cmd``, ``env`` (mode 0600) and
-``pid`` ("PID STARTTIME"). Every process of the shard carries ``CLUSTERCTL_RUN=<token>`` in its
-environment: stopping finds them all by it, workers that left the session or were reparented
-to init included, and never signals a stranger that reused a PID.
+appended (``>>``: O_APPEND) to ``log`` in the shard's folder, which also holds ``cmd``,
+``env`` (mode 0600), ``pid`` ("PID STARTTIME") and ``log.1``, the log before the last start
+or trim. Every process of the shard carries ``CLUSTERCTL_RUN=<token>`` in its environment:
+stopping finds them all by it, workers that left the session or were reparented to init
+included, and never signals a stranger that reused a PID.
 """
 
 from __future__ import annotations
@@ -19,8 +22,13 @@ import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from cluster_cli.facts import printable
+
 RUN_ENV = "CLUSTERCTL_RUN"
 LOG_TAIL_LINES = 20
+# Room kept in ``pid`` before the engine starts: "PID STARTTIME" (at most 7 + 1 + 20 digits)
+# is then written over it in place, which needs no new block on a disk that filled meanwhile.
+_PID_ROOM = " " * 40
 
 # Shell functions the scripts share.
 _FUNCS = r"""
@@ -52,6 +60,10 @@ ours() {
 }
 """
 
+# An answer whose payload is text (a path, a reason): printf prints it verbatim, where echo
+# (dash's, busybox's) would act on its backslashes. Numbers are answered with echo (no process).
+_SAY = r"""say() { printf '%s\n' "@@$nonce $*"; }"""
+
 
 def new_token() -> str:
     return secrets.token_hex(8)
@@ -71,6 +83,31 @@ def _port_hex(port: int) -> str:
 
 
 @dataclass(frozen=True)
+class Script:
+    """A script's text, to run with ``sh -s``, and the nonce its answer lines carry: read
+    what it said with ``answers(out, TAG)`` and ``log_lines(out)``."""
+
+    text: str
+    nonce: str
+
+    def answers(self, out: str, tag: str) -> list[str]:
+        return answers(out, tag, nonce=self.nonce)
+
+    def log_lines(self, out: str) -> list[str]:
+        return log_lines(out, nonce=self.nonce)
+
+
+def _script(nonce: str, lines: list[str]) -> Script:
+    return Script("\n".join(lines) + "\n", nonce)
+
+
+def _framed() -> tuple[str, list[str]]:
+    """A fresh nonce, and the script lines that set it and define ``say``."""
+    nonce = secrets.token_hex(8)
+    return nonce, [f"nonce={shlex.quote(nonce)}", _SAY]
+
+
+@dataclass(frozen=True)
 class StartScript:
     """What a shard's start needs: its folder, argv, environment, and what to check first."""
 
@@ -83,20 +120,27 @@ class StartScript:
     files: Sequence[str] = ()  # must exist on the node (a model file)
 
 
-def start_script(s: StartScript) -> str:
-    """Start a shard; answers ``@@OK PID STARTTIME BOOTID`` (the node's boot id, when it has
-    one) or ``@@ERR <reason>``."""
-    env = dict(s.env)
+def start_script(s: StartScript) -> Script:
+    """Start a shard; answers ``OK PID STARTTIME BOOTID`` (the node's boot id, when it has
+    one) or ``ERR <reason>``. Each file it writes (``env``, ``cmd``, ``pid``, the log's
+    header) is checked: one that cannot be written (a full disk, a read-only folder) is
+    ``ERR cannot write FILE in DIR (disk full or read-only?)`` and nothing is started. A
+    ``log`` already there becomes ``log.1`` (a crashed instance's log outlives its restart)."""
+    nonce, framing = _framed()
+    env = {k: v for k, v in s.env.items() if k != RUN_ENV}
+    # The marker last: an env file cut short lacks it, and the launcher then starts nothing.
     env[RUN_ENV] = s.token
     eof = f"__CLUSTERCTL_{secrets.token_hex(6)}__"
     lines = [
         "set -u",
         "umask 077",
+        *framing,
         f"RUN_ENV={RUN_ENV}",
         f"token={shlex.quote(s.token)}",
         _FUNCS,
         f"d={dir_expr(s.run_dir)}",
-        'err() { echo "@@ERR $*"; exit 0; }',
+        'err() { say ERR "$*"; exit 0; }',
+        'cant() { err "cannot write $1 in $d (disk full or read-only?)"; }',
         'mkdir -p -- "$d" 2>/dev/null || err "cannot create the run folder $d"',
         'cd -- "$d" || err "cannot enter the run folder $d"',
         'if [ -f pid ]; then read -r opid ost <pid; procstat "$opid" && [ "$ps_start" = "$ost" ] && err "already running here (pid $opid)"; fi',
@@ -119,17 +163,22 @@ def start_script(s: StartScript) -> str:
     for p in s.ports:
         lines.append(f"listening {_port_hex(p)} && err {shlex.quote(f'port {p} is in use on the node')}")
     lines += [
+        # The previous instance's log (a crash's last lines) is kept, one generation.
+        "if [ -f log ]; then mv -f -- log log.1 2>/dev/null || cant log.1; fi",
         "rm -f env cmd pid",
-        f"cat >env <<'{eof}'",
+        f"cat >env <<'{eof}' 2>/dev/null || cant env",
         *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
         eof,
-        f"cat >cmd <<'{eof}'",
+        f"cat >cmd <<'{eof}' 2>/dev/null || cant cmd",
         shlex.join(s.argv),
         eof,
-        'echo "== clusterctl: starting at $(date -u +%Y-%m-%dT%H:%M:%SZ)" >>log',
+        f"echo '{_PID_ROOM}' 2>/dev/null >pid || cant pid",
+        'echo "== clusterctl: starting at $(date -u +%Y-%m-%dT%H:%M:%SZ)" 2>/dev/null >>log || cant log',
         # No job control here: the background child is no process group leader, so setsid
-        # makes it a session leader without forking, and $! is the shard's PID.
-        f"setsid sh -c '. ./env && exec \"$@\"' clusterctl-shard {shlex.join(s.argv)} </dev/null >>log 2>&1 &",
+        # makes it a session leader without forking, and $! is the shard's PID. It runs the
+        # engine only once the env file gave it the marker (the file's last line).
+        f'setsid sh -c \'unset {RUN_ENV}; . ./env && [ -n "${{{RUN_ENV}-}}" ] && exec "$@"\' '
+        f"clusterctl-shard {shlex.join(s.argv)} </dev/null >>log 2>&1 &",
         "pid=$!",
         'procstat "$pid" || { sleep 0.2; err "the engine exited at once"; }',
         "st=$ps_start",
@@ -140,11 +189,13 @@ def start_script(s: StartScript) -> str:
         '  procstat "$pid" && [ "$ps_start" = "$st" ] || err "the engine exited at once"',
         "done",
         '[ "$ps_sess" = "$pid" ] || err "the engine did not detach from the SSH session"',
-        'echo "$pid $st" >pid',
+        # Over the room kept (1<>: no truncation); should even that fail, nothing may run
+        # that a stop could not find by its record.
+        'echo "$pid $st" 2>/dev/null 1<>pid || { o=$(ours); kill -KILL $pid $o 2>/dev/null; cant pid; }',
         "boot=; { read -r boot </proc/sys/kernel/random/boot_id; } 2>/dev/null",
-        'echo "@@OK $pid $st $boot"',
+        'echo "@@$nonce OK $pid $st $boot"',
     ]
-    return "\n".join(lines) + "\n"
+    return _script(nonce, lines)
 
 
 @dataclass(frozen=True)
@@ -159,19 +210,21 @@ class ShardRef:
 
 
 def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None, gpu_check: bool = False,
-                remove: bool = True, tail: int = LOG_TAIL_LINES) -> str:  # fmt: skip
+                remove: bool = True, tail: int = LOG_TAIL_LINES) -> Script:  # fmt: skip
     """Stop every process of a shard: TERM, up to ``grace_s``, then KILL; then check that none
     is left, that ``port`` is closed and (``gpu_check``) that nvidia-smi lists none of them.
-    Answers ``@@LOG`` lines (the log's tail), then ``@@STOPPED N`` or ``@@LEFT PIDS``,
-    ``@@PORT_OPEN P``, ``@@GPU PIDS``; ``@@GONE`` when the folder is not there."""
+    Answers ``LOG`` lines (the log's tail), then ``STOPPED N`` or ``LEFT PIDS``,
+    ``PORT_OPEN P``, ``GPU PIDS``; ``GONE`` when the folder is not there."""
+    nonce, framing = _framed()
     steps = max(1, int(grace_s / 0.2))
     lines = [
         "set -u",
+        *framing,
         f"RUN_ENV={RUN_ENV}",
         f"token={shlex.quote(ref.token)}",
         _FUNCS,
         f"d={dir_expr(ref.run_dir)}",
-        'if [ -d "$d" ]; then cd -- "$d" || exit 0; else echo "@@GONE"; cd /; fi',
+        'if [ -d "$d" ]; then cd -- "$d" || exit 0; else echo "@@$nonce GONE"; cd /; fi',
         "pids=$(ours); set -- $pids; pids=$*",
     ]
     if ref.pid is not None and ref.start_time is not None:
@@ -192,62 +245,120 @@ def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None
     if ref.pid is not None and ref.start_time is not None:
         lines.append(f'procstat {ref.pid} && [ "$ps_start" = {ref.start_time} ] && kill -KILL {ref.pid} 2>/dev/null')
     lines += [
-        f'[ -f log ] && tail -n {int(tail)} log | sed "s/^/@@LOG /"',
+        # awk ends every line, a last one cut short included: the answers after it stay lines.
+        f'[ -f log ] && tail -n {int(tail)} log | awk -v h="@@$nonce LOG" \'{{ print h " " $0 }}\'',
         "set -- $all; n=$#",
         "pids=$(ours)",
-        'if [ -n "$pids" ]; then echo "@@LEFT" $pids; else echo "@@STOPPED $n"; fi',
+        'if [ -n "$pids" ]; then echo "@@$nonce LEFT" $pids; else echo "@@$nonce STOPPED $n"; fi',
     ]
     if port is not None:
-        lines.append(f"listening {_port_hex(port)} && echo '@@PORT_OPEN {port}'")
+        lines.append(f'listening {_port_hex(port)} && echo "@@$nonce PORT_OPEN {port}"')
     if gpu_check:
         lines += [
             'if [ -n "$all" ] && command -v nvidia-smi >/dev/null 2>&1; then',
             '  held=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d " ")',
-            '  for p in $all; do for h in $held; do [ "$p" = "$h" ] && echo "@@GPU $p"; done; done',
+            '  for p in $all; do for h in $held; do [ "$p" = "$h" ] && echo "@@$nonce GPU $p"; done; done',
             "fi",
         ]
     if remove:
         lines.append('if [ -z "$pids" ] && [ -d "$d" ]; then cd / && rm -rf -- "$d"; fi')
-    return "\n".join(lines) + "\n"
+    return _script(nonce, lines)
 
 
-def inspect_script(refs: Iterable[ShardRef]) -> str:
-    """For each shard: ``@@ALIVE I`` when its recorded process still runs (the same PID and
-    start time, on the same boot of the node), else ``@@DEAD I`` (I: its position in ``refs``)."""
-    lines = ["set -u", f"RUN_ENV={RUN_ENV}", "token=", _FUNCS,
+def inspect_script(refs: Iterable[ShardRef], *, trim_bytes: int | None = None) -> Script:
+    """For each shard: ``ALIVE I`` when its recorded process still runs (the same PID and
+    start time, on the same boot of the node), else ``DEAD I`` (I: its position in ``refs``).
+    With ``trim_bytes``, also trims the logs over it, as ``trim_script`` does."""
+    refs = list(refs)
+    nonce, framing = _framed()
+    lines = ["set -u", *framing, f"RUN_ENV={RUN_ENV}", "token=", _FUNCS,
              "boot=; { read -r boot </proc/sys/kernel/random/boot_id; } 2>/dev/null"]  # fmt: skip
     for i, r in enumerate(refs):
         if r.pid is None or r.start_time is None:
-            lines.append(f"echo '@@DEAD {i}'")
+            lines.append(f'echo "@@$nonce DEAD {i}"')
             continue
         same_boot = f'{{ [ -z "$boot" ] || [ "$boot" = {shlex.quote(r.boot_id)} ]; }} && ' if r.boot_id else ""
         lines.append(
             f'if {same_boot}procstat {r.pid} && [ "$ps_start" = {r.start_time} ]; '
-            f'then echo "@@ALIVE {i}"; else echo "@@DEAD {i}"; fi'
+            f'then echo "@@$nonce ALIVE {i}"; else echo "@@$nonce DEAD {i}"; fi'
         )
-    return "\n".join(lines) + "\n"
+    if trim_bytes is not None:
+        lines += _trim_lines(refs, trim_bytes)
+    return _script(nonce, lines)
 
 
-def listening_script() -> str:
-    """The TCP ports the node listens on, one ``@@PORT HEX`` line each."""
-    return (
-        'for f in /proc/net/tcp /proc/net/tcp6; do [ -r "$f" ] && '
-        'awk \'$4 == "0A" { n = split($2, a, ":"); print "@@PORT " a[n] }\' "$f"; done\n'
+def trim_script(refs: Iterable[ShardRef], max_bytes: int) -> Script:
+    """Cap each shard's log: one over ``max_bytes`` is copied to ``log.1`` (the one before
+    is replaced) and emptied in place (copytruncate). The engine appends (O_APPEND), so its
+    next line lands at the start of the emptied file, not past a hole; what it writes
+    between the copy and the emptying is lost. Answers ``TRIMMED I`` for each log trimmed,
+    ``TRIM_FAILED I <reason>`` for one that could not be copied (it is then left whole).
+    Shards sharing a folder answer with the first one's I. Runs one ``find`` for all the
+    logs that are not empty, and a ``cp`` per log trimmed: nothing per shard besides."""
+    nonce, framing = _framed()
+    return _script(nonce, ["set -u", *framing, *_trim_lines(list(refs), max_bytes)])
+
+
+def _trim_lines(refs: Sequence[ShardRef], max_bytes: int) -> list[str]:
+    first: dict[str, int] = {}
+    for i, r in enumerate(refs):
+        first.setdefault(r.run_dir, i)
+    if not first:
+        return []
+    lines = [f"l{i}={dir_expr(run_dir)}/log" for run_dir, i in first.items()]
+    lines.append("set --")
+    lines += [f'[ -s "$l{i}" ] && set -- "$@" "$l{i}"' for i in first.values()]
+    # find prints each path as it was given: the case maps it back to its shard.
+    arms = " ".join(f'"$l{i}") i={i};;' for i in first.values())
+    lines += [
+        f'[ $# -eq 0 ] || find "$@" -type f -size +{max(0, int(max_bytes))}c 2>/dev/null | while IFS= read -r f; do',
+        f"  case $f in {arms} *) continue;; esac",
+        '  if cp -f -- "$f" "$f.1" 2>/dev/null && true 2>/dev/null >"$f"; then echo "@@$nonce TRIMMED $i"',
+        '  else say TRIM_FAILED "$i cannot copy $f to $f.1 (disk full or read-only?)"; fi',
+        "done",
+    ]
+    return lines
+
+
+def listening_script() -> Script:
+    """The TCP ports the node listens on, one ``PORT HEX`` line each."""
+    nonce, framing = _framed()
+    return _script(
+        nonce,
+        [
+            *framing,
+            'for f in /proc/net/tcp /proc/net/tcp6; do [ -r "$f" ] && '
+            'awk -v h="@@$nonce PORT" \'$4 == "0A" { n = split($2, a, ":"); print h " " a[n] }\' "$f"; done',
+        ],
     )
 
 
-def log_command(run_dir: str, *, lines: int, follow: bool) -> str:
-    """The command that prints (``follow``: and follows) a shard's log."""
+def log_command(run_dir: str, *, lines: int, follow: bool, previous: bool = False) -> str:
+    """The command that prints (``follow``: and follows) a shard's log; ``previous``: the log
+    before its last start or trim (``log.1``)."""
     f = " -f" if follow else ""
-    return f"tail -n {int(lines)}{f} -- {dir_expr(run_dir)}/log"
+    name = "log.1" if previous else "log"
+    return f"tail -n {int(lines)}{f} -- {dir_expr(run_dir)}/{name}"
 
 
-def answers(out: str, tag: str) -> list[str]:
-    """The payloads of a script's ``@@TAG`` lines, in order."""
-    head = f"@@{tag}"
-    return [line[len(head) :].strip() for line in out.splitlines() if line == head or line.startswith(head + " ")]
+def answers(out: str, tag: str, *, nonce: str) -> list[str]:
+    """The payloads of the ``@@<nonce> TAG`` lines of a script's output, in order, printable.
+    Lines are split on ``\\n`` alone; only one that starts with exactly that prefix is an
+    answer, and never one that holds a ``\\r`` (a terminal shows it as something else)."""
+    if not nonce:
+        raise ValueError("answers: no nonce")
+    head = f"@@{nonce} {tag}"
+    return [
+        printable(line[len(head) :].strip())
+        for line in out.split("\n")
+        if "\r" not in line and (line == head or line.startswith(head + " "))
+    ]
 
 
-def log_lines(out: str) -> list[str]:
-    head = "@@LOG "
-    return [line[len(head) :] for line in out.splitlines() if line.startswith(head) or line == "@@LOG"]
+def log_lines(out: str, *, nonce: str) -> list[str]:
+    """The log lines a script passed on (``@@<nonce> LOG <line>``), printable: shown, never
+    believed (a ``\\r`` in one is the log's own, written out as ``\\x0d``)."""
+    if not nonce:
+        raise ValueError("log_lines: no nonce")
+    head = f"@@{nonce} LOG"
+    return [printable(line[len(head) + 1 :]) for line in out.split("\n") if line == head or line.startswith(head + " ")]
