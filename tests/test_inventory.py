@@ -230,3 +230,59 @@ def test_a_node_name_with_a_newline_is_named_on_one_line(tmp_path: Path) -> None
     with pytest.raises(ConfigError) as e:
         load_inventory(p)
     assert "\n" not in str(e.value) and "('\\n')" in str(e.value), str(e.value)
+
+
+def test_log_max_mib_defaults_to_64_and_a_node_may_set_its_own(tmp_path: Path) -> None:
+    inv = load_inventory(write(tmp_path, "nodes:\n  - {name: a, host: h}\n  - {name: b, host: g, log_max_mib: 0.5}\n"))
+    a, b = inv.nodes
+    assert (inv.log_max_mib(a), inv.log_max_bytes(a)) == (64, 64 << 20)
+    assert (inv.log_max_mib(b), inv.log_max_bytes(b)) == (0.5, 512 << 10)
+    inv = load_inventory(write(tmp_path, "defaults: {log_max_mib: 8}\nnodes:\n  - {name: a, host: h}\n"))
+    assert inv.log_max_bytes(inv.nodes[0]) == 8 << 20
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("defaults: {log_max_mib: 0}\nnodes:\n  - {name: a, host: h}\n", "line 1: defaults.log_max_mib: Input should be greater than 0"),
+        ("nodes:\n  - {name: a, host: h, log_max_mib: -1}\n", "line 2 (a): nodes.0.log_max_mib: Input should be greater than 0"),
+        ("nodes:\n  - {name: a, host: h, log_max_mib: '64'}\n", "nodes.0.log_max_mib: Input should be a valid number"),
+        ("nodes:\n  - {name: a, host: h, log_max_mib: true}\n", "nodes.0.log_max_mib: Input should be a valid number"),
+        ("defaults: {log_max_mib: .inf}\nnodes:\n  - {name: a, host: h}\n", "defaults.log_max_mib: Input should be a finite number"),
+    ],
+)  # fmt: skip
+def test_a_bad_log_max_mib_is_one_located_line(tmp_path: Path, text: str, needle: str) -> None:
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as ei:
+        load_inventory(p)
+    assert str(ei.value).startswith(f"{p}: ") and needle in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('nodes:\n  - {name: "gpu-01\\n", host: h}\n', "nodes.0.name: invalid node name 'gpu-01\\n'"),
+        (
+            'defaults: {run_dir: "/r\\r"}\nnodes:\n  - {name: a, host: h}\n',
+            "defaults.run_dir: run_dir: give a folder path (no newline, NUL or other",
+        ),
+        ('nodes:\n  - {name: a, host: h, run_dir: "/r\\e[2J"}\n', "nodes.0.run_dir: run_dir: give a folder path"),
+    ],
+)
+def test_a_control_character_in_a_node_name_or_run_dir_is_refused(tmp_path: Path, text: str, needle: str) -> None:
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as ei:
+        load_inventory(p)
+    assert needle in str(ei.value) and str(ei.value).isprintable(), str(ei.value)
+
+
+def test_max_channels_reaches_each_nodes_ssh_target(tmp_path: Path) -> None:
+    p = tmp_path / "inventory.yaml"
+    p.write_text(
+        "defaults: {max_channels: 6}\nnodes:\n  - {name: a, host: h1}\n  - {name: b, host: h2, max_channels: 3}\n"
+    )
+    inv = load_inventory(p)
+    assert [inv.ssh_target(n).max_channels for n in inv.nodes] == [6, 3]
+    p.write_text("nodes:\n  - {name: a, host: h1, max_channels: 0}\n")
+    with pytest.raises(ConfigError, match="max_channels"):
+        load_inventory(p)

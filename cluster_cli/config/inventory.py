@@ -32,7 +32,7 @@ ACCEPT_NEW = "accept-new"
 # Where OpenSSH looks for host keys besides the user's file (GlobalKnownHostsFile): fleets
 # often distribute their nodes' keys there. Used only while known_hosts is left unset.
 SYSTEM_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # fullmatch: "$" matches before a final newline
 
 
 class _Strict(BaseModel):
@@ -51,6 +51,10 @@ class SSHDefaults(_Strict):
     # Where engines run: the HTTP ports 'up' hands out on each node, and the per-replica folders.
     ports: str = "8100-8999"
     run_dir: str = "~/.clusterctl/run"
+    # The size a shard's log may reach before it is kept as log.1 and emptied (copytruncate).
+    log_max_mib: float = Field(default=64.0, gt=0, allow_inf_nan=False, strict=True)
+    # Commands open at once on one SSH connection: under the node sshd's MaxSessions (10 by default).
+    max_channels: int = Field(default=8, gt=0, strict=True)
 
     @field_validator("ports")
     @classmethod
@@ -77,8 +81,9 @@ def port_range(v: str) -> tuple[int, int]:
 
 
 def _check_run_dir(v: str) -> str:
-    if not v or "\n" in v or "\x00" in v:
-        raise ValueError("run_dir: give a folder path (no newline or NUL)")
+    # It is in the start script's error lines: a control character (\r too) would garble them.
+    if not v or not v.isprintable():
+        raise ValueError("run_dir: give a folder path (no newline, NUL or other control character)")
     if not (v.startswith("/") or v == "~" or v.startswith("~/")):
         raise ValueError(f"run_dir: {v!r}: give an absolute path or one under ~/ (the node user's home)")
     return v
@@ -118,6 +123,9 @@ class Node(_Strict):
     labels: dict[str, str] = Field(default_factory=dict)
     ports: str | None = None  # overrides defaults.ports
     run_dir: str | None = None  # overrides defaults.run_dir
+    # overrides defaults.log_max_mib
+    log_max_mib: float | None = Field(default=None, gt=0, allow_inf_nan=False, strict=True)
+    max_channels: int | None = Field(default=None, gt=0, strict=True)  # overrides defaults.max_channels
 
     @field_validator("ports")
     @classmethod
@@ -150,7 +158,7 @@ class Node(_Strict):
     def _name_ok(cls, v: str) -> str:
         if len(v) > 63:
             raise ValueError(f"invalid node name {v[:20]!r}...: {len(v)} characters, at most 63")
-        if not _NAME.match(v):
+        if not _NAME.fullmatch(v):
             raise ValueError(
                 f"invalid node name {v!r}: use letters, digits, '.', '_', '-' (starting with a letter or digit)"
             )
@@ -231,6 +239,14 @@ class Inventory(_Strict):
         """The folder on ``n`` that holds its replicas' folders (``~/`` is the node user's home)."""
         return n.run_dir or self.defaults.run_dir
 
+    def log_max_mib(self, n: Node) -> float:
+        """The size (MiB) a shard's log on ``n`` may reach before it is trimmed."""
+        return n.log_max_mib if n.log_max_mib is not None else self.defaults.log_max_mib
+
+    def log_max_bytes(self, n: Node) -> int:
+        """``log_max_mib`` in bytes (at least one)."""
+        return max(1, int(self.log_max_mib(n) * (1 << 20)))
+
     def node(self, name: str) -> Node | None:
         return next((n for n in self.nodes if n.name == name), None)
 
@@ -257,6 +273,7 @@ class Inventory(_Strict):
             system_known_hosts=SYSTEM_KNOWN_HOSTS if unset else None,
             connect_timeout_s=d.connect_timeout_s,
             command_timeout_s=d.command_timeout_s,
+            max_channels=n.max_channels or d.max_channels,
         )
 
     def gpu_class(self, product: str) -> str:
@@ -297,6 +314,7 @@ class SSHTarget(BaseModel):
     system_known_hosts: str | None = None
     connect_timeout_s: float = 10.0
     command_timeout_s: float = 30.0
+    max_channels: int | None = None  # unset: the connector's own default
 
 
 def load_inventory(path: Path | str) -> Inventory:

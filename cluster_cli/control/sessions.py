@@ -1,6 +1,8 @@
-"""One SSH session per node for the length of a command, opened on first use and shared by
-everything the command does there (start, check, stop). A node that cannot be reached is
-remembered as such: its error is raised to each user, the others go on."""
+"""One SSH session per node, opened on first use and shared by everything done there (start,
+check, stop). A session whose connection has ended (the node went away, or keepalive gave up
+on it) is opened again by the next user. A node that cannot be reached is remembered as such:
+its error is raised to each user at once, the others go on. For one command that is for the
+rest of the command; a long-lived ``Sessions`` (``retry_failed``) tries again after a backoff."""
 
 from __future__ import annotations
 
@@ -16,31 +18,88 @@ if TYPE_CHECKING:
     from cluster_cli.config.inventory import Inventory, SSHTarget
     from cluster_cli.probe.runner import Connector, Session
 
+# A node that failed to connect is tried again after these many seconds, doubling from the
+# first to the longest, with ``retry_failed``: a dead node costs one connect per wait, however
+# many callers ask for it meanwhile, and is found again soon after it is back.
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+
 
 class Sessions:
-    def __init__(self, inv: Inventory, connector: Connector) -> None:
+    """The nodes' sessions. With ``retry_failed`` false (one command: ``up``, ``down``,
+    ``status``), a node that failed to connect fails every later ``get`` at once, with the
+    same error, and is never tried again: no second connect timeout. With it true (a loop
+    that runs for long), it is tried again by the first ``get`` after ``backoff_s`` seconds,
+    doubling after each failure up to ``max_backoff_s``, back to ``backoff_s`` on success."""
+
+    def __init__(
+        self,
+        inv: Inventory,
+        connector: Connector,
+        *,
+        retry_failed: bool = False,
+        backoff_s: float = BACKOFF_FIRST_S,
+        max_backoff_s: float = BACKOFF_MAX_S,
+    ) -> None:
         self.inv = inv
         self.connector = connector
-        self._entered: list[AbstractAsyncContextManager[Session]] = []
+        self.retry_failed = retry_failed
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
         self._open: dict[str, asyncio.Task[Session]] = {}
+        self._entered: dict[str, AbstractAsyncContextManager[Session]] = {}
+        self._failures: dict[str, int] = {}  # connects failed in a row, per node
+        self._retry_at: dict[str, float] = {}  # when a failed node may be tried again (loop time)
 
     async def get(self, node: str) -> Session:
-        """The node's session (opened now if need be). Raises SSHError. A caller cancelled
-        while it waits leaves the connection to go on for the others."""
+        """The node's open session: the one open, else a new one opened now. Raises SSHError;
+        a node that failed recently raises that error again without a new attempt (see the
+        class). A caller cancelled while it waits leaves the connection to go on for the others."""
         task = self._open.get(node)
-        if task is None:
-            task = self._open[node] = asyncio.ensure_future(self._connect(node))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        if task is None or self._spent(node, task):
+            task = self._start(node)
         return await asyncio.shield(task)
 
     def prefetch(self, nodes: Iterable[str]) -> None:
         """Start connecting to ``nodes`` now, for a later ``get``."""
         for n in nodes:
-            if n not in self._open:
-                task = self._open[n] = asyncio.ensure_future(self._connect(n))
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            task = self._open.get(n)
+            if task is None or self._spent(n, task):
+                self._start(n)
 
-    async def _connect(self, node: str) -> Session:
+    def _spent(self, node: str, task: asyncio.Task[Session]) -> bool:
+        """Whether ``task`` (the node's latest connect) no longer answers ``get``: its session
+        has ended, or it failed and its backoff is over."""
+        if not task.done():
+            return False  # a connect under way: join it
+        if task.cancelled():
+            return True
+        if task.exception() is not None:
+            return self.retry_failed and asyncio.get_running_loop().time() >= self._retry_at.get(node, 0.0)
+        closed = getattr(task.result(), "is_closed", None)  # sessions that cannot tell stay open
+        return closed is not None and bool(closed())
+
+    def _start(self, node: str) -> asyncio.Task[Session]:
+        task = self._open[node] = asyncio.ensure_future(self._connect(node, self._entered.pop(node, None)))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
+        return task
+
+    async def _connect(self, node: str, ended: AbstractAsyncContextManager[Session] | None) -> Session:
+        if ended is not None:  # the session it replaces: its connection is gone already
+            with contextlib.suppress(Exception):
+                await ended.__aexit__(None, None, None)
+        try:
+            session, cm = await self._enter(node)
+        except Exception:  # whatever the connector raised is the node's answer until the retry
+            failures = self._failures[node] = self._failures.get(node, 0) + 1
+            wait = min(self.max_backoff_s, self.backoff_s * 2 ** (failures - 1))
+            self._retry_at[node] = asyncio.get_running_loop().time() + wait
+            raise
+        self._failures.pop(node, None)
+        self._entered[node] = cm
+        return session
+
+    async def _enter(self, node: str) -> tuple[Session, AbstractAsyncContextManager[Session]]:
         n = self.inv.node(node)
         if n is None:
             raise SSHError(f"{node}: not in the inventory")
@@ -52,8 +111,7 @@ class Sessions:
             raise SSHError(f"{node}: no answer over SSH") from None
         except OSError as e:
             raise SSHError(f"{node}: {e}") from None
-        self._entered.append(cm)
-        return session
+        return session, cm
 
     def connector_view(self) -> Connector:
         """A connector whose sessions are these (kept open for the rest of the command): the
@@ -64,7 +122,7 @@ class Sessions:
         """Close every session at once (each waits a moment for its connection to end)."""
         for task in self._open.values():
             task.cancel()
-        entered, self._entered = self._entered, []
+        entered, self._entered = list(self._entered.values()), {}
         await asyncio.gather(*(cm.__aexit__(None, None, None) for cm in entered), return_exceptions=True)
         aclose = getattr(self.connector, "aclose", None)
         if aclose is not None:

@@ -1,6 +1,8 @@
 """Running commands on nodes over SSH (asyncssh), with one-line error messages.
 
-One connection per node; commands run as parallel channels on it. Host keys are
+One connection per node; commands run as parallel channels on it, at most
+``max_channels`` at once (sshd refuses a connection's sessions beyond its MaxSessions).
+Keepalives notice a peer that stopped answering within seconds. Host keys are
 always verified: against the configured known_hosts file, or with ``accept-new``
 against a pinned file that learns a node's key on first contact and never again.
 Nodes behind a jump host (ssh_config ``ProxyJump``) share one connection to it,
@@ -71,18 +73,57 @@ class _OutputCut(Exception):
         self.stream = stream
 
 
+# Session channels (commands) open at once on one connection. sshd refuses those beyond its
+# MaxSessions, 10 by default, and counts a session until it has read our close, a moment after
+# we saw the command end: back-to-back commands get 1 open in 20 refused at 8, 1 in 8 at 10.
+DEFAULT_MAX_CHANNELS = 8
+# A session refused anyway (one sshd still counts, a node with a lower MaxSessions, a command
+# we gave up on that still runs there) is asked for again after a wait, doubling from the
+# first to the longest: within the command's timeout, or for a stream (none) this long.
+_REOPEN_FIRST_S, _REOPEN_MAX_S = 0.05, 1.0
+_STREAM_REOPEN_S = 10.0
+# A keepalive after each interval without a byte from the peer; the connection is dropped
+# after COUNT_MAX + 1 intervals of silence (~9 s): a dead node's commands fail then, and a
+# long-lived Sessions opens a new connection, instead of waiting for TCP to give up.
+KEEPALIVE_INTERVAL_S = 3.0
+KEEPALIVE_COUNT_MAX = 2
+
+
 def decoded(rc: int | None, out: bytes, err: bytes) -> CommandResult:
     """``run``'s result from ``run_raw``'s: the output as UTF-8, bad bytes replaced."""
     return CommandResult(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
 
 
 class AsyncsshSession:
-    def __init__(self, conn: asyncssh.SSHClientConnection, name: str, host: str | None = None) -> None:
+    """Commands on one node over one connection. At most ``max_channels`` of ``run_raw``
+    and ``stream`` hold a channel at once; the others wait for one to end. TCP connections
+    (``open_connection``) are not counted: sshd's MaxSessions leaves forwarding alone."""
+
+    def __init__(
+        self,
+        conn: asyncssh.SSHClientConnection,
+        name: str,
+        host: str | None = None,
+        *,
+        max_channels: int = DEFAULT_MAX_CHANNELS,
+    ) -> None:
+        if max_channels < 1:
+            raise ValueError(f"{name}: max_channels must be at least 1, not {max_channels}")
         self._conn = conn
         self._name = name
         # The node's address as SSH reached it: ssh_config's HostName for an alias.
         self.host = host or name
         self.max_output = MAX_OUTPUT_BYTES
+        self.max_channels = max_channels
+        self._slots = asyncio.Semaphore(max_channels)
+
+    def is_closed(self) -> bool:
+        """Whether the connection has ended (closed, lost, or dropped by keepalive)."""
+        return self._conn.is_closed()
+
+    async def wait_closed(self) -> None:
+        """Return once the connection has ended."""
+        await self._conn.wait_closed()
 
     async def run(self, command: str, *, timeout: float) -> CommandResult:
         return decoded(*await self.run_raw(command, timeout=timeout))
@@ -90,24 +131,34 @@ class AsyncsshSession:
     async def run_raw(
         self, command: str, *, timeout: float, input: bytes | None = None
     ) -> tuple[int | None, bytes, bytes]:
-        try:
-            async with asyncio.timeout(timeout):
-                proc = await self._conn.create_process(command, encoding=None, input=input)
-                done = False
-                try:
-                    out, err = await _read_both(proc, self.max_output)
-                    await proc.wait_closed()  # the exit status comes after the output
-                    done = True
-                finally:
-                    if not done:
-                        _stop(proc)
-        except TimeoutError:  # before OSError: TimeoutError is one
-            raise SSHError(f"{self._name}: command timed out after {timeout:.3g}s") from None
-        except _OutputCut as e:
-            cap = f"{self.max_output / (1 << 20):g} MiB"
-            raise SSHError(f"{self._name}: command output over {cap} on {e.stream}, cut") from None
-        except (asyncssh.Error, OSError) as e:
-            raise SSHError(f"{self._name}: {ssh_error_message(e)}") from e
+        """Run ``command``: (exit status, stdout, stderr). Raises SSHError. ``timeout`` counts
+        from when a channel is free (beyond ``max_channels`` a command waits its turn first)
+        and covers the channel's opening, asked for again while the server refuses it."""
+        refused: list[asyncssh.ChannelOpenError] = []
+        async with self._slots:
+            try:
+                async with asyncio.timeout(timeout):
+                    proc = await self._open_session(
+                        lambda: self._conn.create_process(command, encoding=None, input=input), timeout, refused
+                    )
+                    done = False
+                    try:
+                        out, err = await _read_both(proc, self.max_output)
+                        await proc.wait_closed()  # the exit status comes after the output
+                        done = True
+                    finally:
+                        if not done:
+                            _stop(proc)
+            except TimeoutError:  # before OSError: TimeoutError is one
+                if refused:  # never got a channel: say why, not just that time ran out
+                    why = ssh_error_message(refused[-1])
+                    raise SSHError(f"{self._name}: {why} (still refused after {timeout:.3g}s)") from None
+                raise SSHError(f"{self._name}: command timed out after {timeout:.3g}s") from None
+            except _OutputCut as e:
+                cap = f"{self.max_output / (1 << 20):g} MiB"
+                raise SSHError(f"{self._name}: command output over {cap} on {e.stream}, cut") from None
+            except (asyncssh.Error, OSError) as e:
+                raise SSHError(f"{self._name}: {ssh_error_message(e)}") from e
         status, sig = proc.exit_status, proc.exit_signal
         if status is None and sig is None:
             # asyncssh reports a connection that died mid-command this way, not as an exception.
@@ -122,7 +173,9 @@ class AsyncsshSession:
     async def open_connection(self, host: str, port: int) -> tuple[Any, Any]:
         """A TCP connection from the node to ``host:port`` (the node's own engine, on
         127.0.0.1), carried by this SSH connection: (reader, writer) streams as asyncio's.
-        Works where the engine's port cannot be reached from here (a bastion, a laptop)."""
+        Works where the engine's port cannot be reached from here (a bastion, a laptop).
+        Not held to ``max_channels``: sshd's MaxSessions does not count forwarded
+        connections, and one refused names a port the node cannot reach (not retried)."""
         try:
             return await self._conn.open_connection(host, port)
         except (asyncssh.Error, OSError) as e:
@@ -130,18 +183,51 @@ class AsyncsshSession:
 
     async def stream(self, command: str, write: Callable[[bytes], None]) -> int | None:
         """Run ``command`` and hand its output to ``write`` as it comes (``logs -f``), until it
-        ends or the caller is cancelled; returns its exit status."""
-        try:
-            proc = await self._conn.create_process(command, encoding=None, stderr=asyncssh.STDOUT)
-        except (asyncssh.Error, OSError) as e:
-            raise SSHError(f"{self._name}: {ssh_error_message(e)}") from e
-        try:
-            while data := await proc.stdout.read(65536):
-                write(data)
-            await proc.wait_closed()
-            return proc.exit_status
-        finally:
-            _stop(proc)
+        ends or the caller is cancelled; returns its exit status. Holds one of the
+        ``max_channels`` for as long as it runs."""
+        async with self._slots:
+            try:
+                proc = await self._open_session(
+                    lambda: self._conn.create_process(command, encoding=None, stderr=asyncssh.STDOUT), _STREAM_REOPEN_S
+                )
+            except (asyncssh.Error, OSError) as e:
+                raise SSHError(f"{self._name}: {ssh_error_message(e)}") from e
+            try:
+                while data := await proc.stdout.read(65536):
+                    write(data)
+                await proc.wait_closed()
+                return proc.exit_status
+            finally:
+                _stop(proc)
+
+    async def _open_session(
+        self,
+        open_: Callable[[], Any],
+        patience: float,
+        refused: list[asyncssh.ChannelOpenError] | None = None,
+    ) -> asyncssh.SSHClientProcess:
+        """``open_()``, which opens a session channel, asked for again after a short wait while
+        the server refuses it and the connection is up, for up to ``patience`` seconds; then
+        the refusal is raised. ``refused`` holds the refusals while none has succeeded."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + patience
+        wait = _REOPEN_FIRST_S
+        while True:
+            try:
+                proc = await open_()
+            except asyncssh.ChannelOpenError as e:
+                # asyncssh's own "SSH connection closed" is final; sshd's "open failed" (and
+                # another server's shortage) passes once one of its sessions is freed.
+                if self._conn.is_closed() or loop.time() + wait > give_up:
+                    raise
+                if refused is not None:
+                    refused.append(e)
+            else:
+                if refused is not None:
+                    refused.clear()
+                return proc
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, _REOPEN_MAX_S)
 
 
 async def _read_both(proc: asyncssh.SSHClientProcess, cap: int) -> tuple[bytes, bytes]:
@@ -205,10 +291,26 @@ class _RouteError(ValueError):
 
 
 class AsyncsshConnector:
-    """Opens verified SSH connections. ``pinned_known_hosts`` backs ``accept-new``."""
+    """Opens verified SSH connections. ``pinned_known_hosts`` backs ``accept-new``.
+    ``max_channels``: the commands a session runs at once, for a target that sets none
+    (its ``max_channels``, once the inventory has it). ``keepalive_interval_s`` and
+    ``keepalive_count_max``: a connection whose peer sends nothing for
+    ``(keepalive_count_max + 1) * keepalive_interval_s`` is dropped."""
 
-    def __init__(self, pinned_known_hosts: Path | None = None) -> None:
+    def __init__(
+        self,
+        pinned_known_hosts: Path | None = None,
+        *,
+        max_channels: int = DEFAULT_MAX_CHANNELS,
+        keepalive_interval_s: float = KEEPALIVE_INTERVAL_S,
+        keepalive_count_max: int = KEEPALIVE_COUNT_MAX,
+    ) -> None:
+        if max_channels < 1:
+            raise ValueError(f"max_channels must be at least 1, not {max_channels}")
         self.pinned = pinned_known_hosts
+        self.max_channels = max_channels
+        self.keepalive_interval_s = keepalive_interval_s
+        self.keepalive_count_max = keepalive_count_max
         self._pin_lock = asyncio.Lock()
         # Parsed known_hosts files by path, re-read when the file changes: asyncssh given a
         # path parses every key in it on every connect, which is quadratic in the fleet size.
@@ -244,7 +346,9 @@ class AsyncsshConnector:
                      own_algs=own_algs)  # fmt: skip
         conn = await self._connect(target, node, paths, via, route[-1].label if route else "")
         try:
-            yield AsyncsshSession(conn, target.name, host=real[0])
+            # A node's own limit (a MaxSessions below 10) comes with its target.
+            limit = getattr(target, "max_channels", None) or self.max_channels
+            yield AsyncsshSession(conn, target.name, host=real[0], max_channels=limit)
         finally:
             conn.close()
             with suppress(TimeoutError, asyncio.TimeoutError, OSError, asyncssh.Error):
@@ -363,8 +467,8 @@ class AsyncsshConnector:
                     encryption_algs=_CIPHERS,
                     connect_timeout=target.connect_timeout_s,
                     login_timeout=target.connect_timeout_s,
-                    keepalive_interval=max(1.0, target.command_timeout_s / 3),
-                    keepalive_count_max=3,
+                    keepalive_interval=self.keepalive_interval_s,
+                    keepalive_count_max=self.keepalive_count_max,
                     server_host_key_algs=host_key_algs,
                 ),
                 timeout=target.connect_timeout_s + 1,
@@ -644,7 +748,9 @@ def _narrowed(trust: object) -> bool:
 def _tunnel(dest: _Dest, via: asyncssh.SSHClientConnection | None) -> object:
     """asyncssh's ``tunnel`` for ``dest``: the hop before it, or for a jump host that is
     the first hop, none at all (its route was read from ssh_config already: never follow
-    ProxyJump again); a node without a route leaves it to ssh_config (``()``)."""
+    ProxyJump again); a node without a route leaves it to ssh_config (``()``). Each node
+    behind a hop is a forwarded channel on the hop's connection, for as long as the node's
+    connection lasts: not held to ``max_channels`` (MaxSessions does not count it)."""
     if via is not None:
         return via
     return None if dest.jump else ()
