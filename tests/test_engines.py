@@ -208,3 +208,60 @@ def test_llamacpp_cpu_replica_touches_no_gpu() -> None:
     assert argv[argv.index("-dev") + 1] == "none"  # no offloading device, whatever the backend
     assert LLAMA.env(spec) == {"CUDA_VISIBLE_DEVICES": ""}  # empty: no device visible to CUDA
     assert "-dev" not in LLAMA.command(LaunchSpec(model="x", served_name="x", host="h", port=1, gpus=(0,)))
+
+
+# ---------------------------------------------------------------------------- API keys
+
+
+KEY = "ck-" + "ab" * 32
+
+
+def test_vllm_takes_its_key_from_its_environment_never_its_command_line() -> None:
+    spec = LaunchSpec(model="/models/llama-70b", served_name="llama-70b", host="0.0.0.0", port=8000,
+                      gpus=(0, 1), tensor_parallel=2, api_key=KEY)  # fmt: skip
+    assert VLLM.api_key_env == "VLLM_API_KEY"
+    assert VLLM.command(spec, binary="vllm") == [
+        "vllm", "serve", "/models/llama-70b",
+        "--served-model-name", "llama-70b",
+        "--host", "0.0.0.0", "--port", "8000",
+        "--tensor-parallel-size", "2",
+    ]  # fmt: skip
+    assert VLLM.env(spec) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_API_KEY": KEY}
+    assert "VLLM_API_KEY" not in VLLM.env(dataclasses.replace(spec, api_key=None))  # no key: an open engine
+
+
+def test_a_multi_node_vllm_key_goes_to_vllm_serve_not_to_ray() -> None:
+    head = _multi_node(0, api_key=KEY)
+    argv = VLLM.command(head, binary="/opt/vllm/bin/vllm")
+    assert KEY not in argv[2]
+    start, rest = argv[2].split(" && unset NCCL_IB_HCA && exec ")
+    # The Ray head's daemons (they outlive this shell) start without the key in their environment.
+    assert start == "(unset VLLM_API_KEY && exec /opt/vllm/bin/ray start --head --port=6379 --num-gpus=8)"
+    assert shlex.split(rest)[:2] == ["/opt/vllm/bin/vllm", "serve"]
+    assert VLLM.env(head)["VLLM_API_KEY"] == KEY
+    worker = _multi_node(1, api_key=KEY)
+    assert "VLLM_API_KEY" not in VLLM.env(worker) and KEY not in " ".join(VLLM.command(worker))
+
+
+def test_llamacpp_takes_its_key_from_its_environment_never_its_command_line() -> None:
+    spec = LaunchSpec(model="/m/tiny.gguf", served_name="tiny", host="127.0.0.1", port=8080, cpus=4, api_key=KEY)
+    assert LLAMA.api_key_env == "LLAMA_API_KEY"
+    assert LLAMA.command(spec, binary="llama-server") == [
+        "llama-server", "-m", "/m/tiny.gguf", "--alias", "tiny", "--host", "127.0.0.1", "--port", "8080",
+        "--metrics", "-t", "4", "-ngl", "0", "-dev", "none",
+    ]  # fmt: skip
+    assert LLAMA.env(spec) == {"CUDA_VISIBLE_DEVICES": "", "LLAMA_API_KEY": KEY}
+    gpu = LaunchSpec(model="x", served_name="x", host="h", port=1, gpus=(3,), api_key=KEY)
+    assert LLAMA.env(gpu) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "3", "LLAMA_API_KEY": KEY}
+
+
+@given(st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=80))
+def test_no_key_ever_reaches_an_argv(tail: str) -> None:
+    key = "ck-" + tail
+    for engine, spec in (
+        (VLLM, LaunchSpec(model="m", served_name="m", host="h", port=1, gpus=(0,), api_key=key)),
+        (VLLM, _multi_node(0, api_key=key)),
+        (LLAMA, LaunchSpec(model="m.gguf", served_name="m", host="h", port=1, api_key=key)),
+    ):
+        assert engine.env(spec)[engine.api_key_env] == key
+        assert not any(key in a for a in engine.command(spec, binary="bin"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -474,17 +475,22 @@ def test_cli_watches_the_api_keys_file(tmp_path):
         assert _poll(lambda: (status("old-key"), status("new-key")), until=(401, 200)) == (401, 200)
         keys.write_bytes(b"\xff\n")  # unusable: the previous keys stay
 
-        def keys_error() -> object:
-            return httpx.get(base + "/health", timeout=2).json()["last_keys_error"]
+        def health_of(key: str | None) -> dict:
+            auth = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.get(base + "/health", headers=auth, timeout=2).json()
 
-        assert _poll(lambda: keys_error() is not None, until=True)
-        health = httpx.get(base + "/health", timeout=2).json()
+        def keys_error(key: str) -> object:  # /health's detail needs a valid key: "no detail" without one
+            return health_of(key).get("last_keys_error", "no detail")
+
+        assert _poll(lambda: keys_error("new-key") is not None, until=True)
+        health = health_of("new-key")
         assert health["status"] == "degraded" and "not UTF-8" in health["last_keys_error"]
+        assert health_of(None) == health_of("wrong-key") == {"status": "degraded"}  # no detail without a key
         assert status("new-key") == 200
         metrics = httpx.get(base + "/metrics", timeout=2).text
         assert 'clusterctl_router_api_keys_reloads_total{result="rejected"} 1.0' in metrics
         keys.write_text("third-key\n")
-        assert _poll(lambda: keys_error() is None, until=True)
+        assert _poll(lambda: keys_error("third-key") is None, until=True)
         assert (status("new-key"), status("third-key")) == (401, 200)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -581,3 +587,30 @@ def test_serve_router_help_paragraphs_wrap_at_the_terminal_width() -> None:
     assert any("SIGHUP; an invalid new one is logged and the previous one keeps serving." in ln for ln in lines)
     assert any("2 bad config, API keys file or option value, an access log" in ln for ln in lines)
     assert any(ln.startswith("- {url:") and "draining: true}" in ln for ln in lines)  # the example stays verbatim
+
+
+def test_an_endpoint_may_carry_its_engines_key(tmp_path) -> None:
+    p = write(
+        tmp_path,
+        """\
+        models:
+          tiny:
+            endpoints:
+              - {url: "http://198.18.0.11:8080", engine: llamacpp, replica: tiny/0, api_key: "ck-0123abcd"}
+              - {url: "http://198.18.0.12:8080", engine: llamacpp, replica: tiny/1}
+        """,
+    )
+    views = endpoint_views(load_router_config(p))
+    assert views["http://198.18.0.11:8080"].api_key == "ck-0123abcd"
+    assert views["http://198.18.0.12:8080"].api_key is None  # an engine without one: nothing is sent
+    table = build_table(load_router_config(p))
+    w = table.workers["http://198.18.0.11:8080"]
+    assert w.head_lines == b"198.18.0.11:8080\r\nAuthorization: Bearer ck-0123abcd\r\n"
+    assert table.workers["http://198.18.0.12:8080"].head_lines == b"198.18.0.12:8080\r\n"
+    assert "ck-0123abcd" not in json.dumps(w.snapshot(0.0))  # /health's detail never shows it
+
+
+def test_a_password_in_an_endpoint_url_is_not_repeated_in_the_error() -> None:
+    with pytest.raises(ValueError, match="give api_key") as e:
+        RouterConfig.model_validate({"models": {"m": {"endpoints": [{"url": "http://me:hunter2@h:8080"}]}}})
+    assert "hunter2" not in e.value.errors()[0]["msg"] and "***@h:8080" in e.value.errors()[0]["msg"]

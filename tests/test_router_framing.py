@@ -110,7 +110,7 @@ def test_http10_with_transfer_encoding_is_refused_and_the_connection_closes(flee
 
 def test_well_formed_extensions_and_trailers_are_served(fleet) -> None:
     half = len(CHAT) // 2
-    body = b'%x ; a = b;c="d \\" e"\r\n%s\r\n%x;z\r\n%s\r\n0;last\r\nX-Check: 1\r\nX-Other:\r\n\r\n' % (
+    body = b'%x;a=b;c="d \\" e"\r\n%s\r\n%x;z\r\n%s\r\n0;last\r\nX-Check: 1\r\nX-Other:\r\n\r\n' % (
         half,
         CHAT[:half],
         len(CHAT) - half,
@@ -192,9 +192,8 @@ def test_x_forwarded_for_is_appended_with_the_client_address_and_proto_is_set() 
     [
         (b"1f", 31),
         (b"1f;name=value", 31),
-        (b"A \t;x", 10),
         (b"a;x;y=z", 10),
-        (b'5 ; a = "b c"', 5),
+        (b'5;a="b c"', 5),
         (b'5;a="\\"q"', 5),
         (b"0;last", 0),
     ],
@@ -217,6 +216,9 @@ def test_a_chunk_size_line_with_well_formed_extensions_is_read(line: bytes, size
         b'5;a="x"y',
         b"5;a=b=c",
         b"5;(a)",
+        b"A \t;x",  # whitespace around ";" or "=" (the RFC's BWS): llhttp refuses it, so does the router
+        b'5 ; a = "b c"',
+        b"5;a =b",
         b"5\x00",
         b"5;a=\x7f",
     ],

@@ -288,7 +288,7 @@ def test_a_config_and_keys_from_pipes_serve(tmp_path):
         while sum("is not a regular file: not watched" in line for line in list(lines)) < 2:
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             time.sleep(0.05)
-        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+        health = httpx.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer k1"}, timeout=2).json()
         assert health["last_keys_error"] is None and health["last_reload_error"] is None
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer k1"},
                          timeout=2).status_code == 200  # fmt: skip

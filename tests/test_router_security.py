@@ -106,9 +106,12 @@ def test_a_chunk_size_is_hex_digits_only(size: bytes) -> None:
         ChunkedDecoder().feed(b"1\r\nA\r\n" + size + b"\r\nXXXXXXXX\r\n0\r\n\r\n")
 
 
-def test_chunk_extensions_and_padding_before_them_are_still_read() -> None:
+def test_chunk_extensions_are_still_read_and_padding_before_them_is_not() -> None:
+    """Extensions are read (and ignored); whitespace before one is refused, as llhttp refuses
+    it: a chunk line the router reads one way, a parser behind it must not read another."""
     assert parse_chunk_size(b"1f;name=value") == 31
-    assert parse_chunk_size(b"A \t;x") == 10
+    with pytest.raises(ValueError):
+        parse_chunk_size(b"A \t;x")
     payload, rest = ChunkedDecoder().feed(b"3;x=y\r\nabc\r\n0\r\n\r\nnext")
     assert (payload, rest) == (b"abc", b"next")
 
@@ -362,3 +365,66 @@ def test_the_clients_api_key_never_reaches_an_engine() -> None:
     fwd = req.forward.lower()
     assert b"authorization" not in fwd and b"sk-router" not in fwd
     assert b"x-trace: 1" in fwd  # other headers do go through
+
+
+# ---------------------------------------------------------------------------- /health behind the keys
+
+
+def _health(port: int, key: str | None = None, method: bytes = b"GET") -> tuple[int, bytes, bytes]:
+    auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
+    out = _exchange(port, b"%s /health HTTP/1.1\r\nHost: r\r\n%bConnection: close\r\n\r\n" % (method, auth), timeout=3)
+    head, _, body = out.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), head, body
+
+
+def test_health_shows_its_detail_only_to_a_client_with_a_key() -> None:
+    """With client keys, a stranger learns "ok" or "degraded" (with the same status code) and
+    nothing of the engines behind the router: no URL, replica, model or error."""
+    f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=3).start(api_keys=ApiKeys({digest("sk-good")}))
+    try:
+        for key in (None, "sk-wrong", "Bearer"):
+            status, _, body = _health(f.port, key)
+            assert (status, json.loads(body)) == (200, {"status": "ok"})
+            for secret in (b"127.0.0.1", b"r0", b"sim", b"endpoints", b"http://"):
+                assert secret not in body
+        status, _, body = _health(f.port, "sk-good")
+        doc = json.loads(body)
+        assert status == 200 and doc["status"] == "ok" and len(doc["endpoints"]) == 2
+        assert {e["url"] for e in doc["endpoints"]} == {e.url for e in f.engines}
+        # HEAD: the GET answer's head, each its own length.
+        _, head, body = _health(f.port, None, b"HEAD")
+        assert body == b"" and b"Content-Length: %d" % len(b'{"status":"ok"}') in head
+        # Degraded (no endpoint would take a request): the status, still without detail, still 200.
+        for e in f.engines:
+            f.lt.run(e.refuse())
+        deadline = time.monotonic() + 15  # (polled from here: the loop thread serves the answers)
+        status, _, body = _health(f.port)
+        while json.loads(body) != {"status": "degraded"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+            status, _, body = _health(f.port)
+        assert status == 200 and json.loads(body) == {"status": "degraded"}
+        assert json.loads(_health(f.port, "sk-good")[2])["unavailable_models"] == ["sim"]
+    finally:
+        f.close()
+
+
+def test_health_without_client_keys_shows_its_detail_to_anyone() -> None:
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=3).start()
+    try:
+        status, _, body = _health(f.port)
+        doc = json.loads(body)
+        assert status == 200 and doc["status"] == "ok" and doc["endpoints"][0]["url"] == f.engines[0].url
+    finally:
+        f.close()
+
+
+def test_a_draining_router_says_so_without_detail_to_a_stranger() -> None:
+    f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=3).start(api_keys=ApiKeys({digest("sk-good")}))
+    try:
+        f.router._draining = True  # as stop() sets it: /health answers 503
+        status, _, body = _health(f.port)
+        assert (status, json.loads(body)) == (503, {"status": "draining"})
+        assert "endpoints" in json.loads(_health(f.port, "sk-good")[2])
+    finally:
+        f.router._draining = False
+        f.close()

@@ -297,6 +297,65 @@ def test_concurrent_requests_show_in_the_running_gauge(sb: Sandbox) -> None:
     assert gauges() == (0.0, 0.0)
 
 
+# ---------------------------------------------------------------------------- API key
+
+
+def test_with_its_key_in_the_environment_it_serves_v1_only_with_the_key_as_vllm_does(sb: Sandbox) -> None:
+    """Started as the adapter starts vLLM (its argv, VLLM_API_KEY in its environment): a client
+    going around the router gets 401 on every /v1 route, while /health and /metrics stay open;
+    the router, given the replica's key, is served; the key is printed nowhere."""
+    from simengine import Fleet
+
+    from cluster_cli.engines import LaunchSpec, get_engine
+    from cluster_cli.launch.keys import replica_key
+
+    key = replica_key(b"k" * 32, "tiny", 0, 7)
+    port = free_port()
+    adapter = get_engine("vllm")
+    spec = LaunchSpec(model="/models/tiny", served_name="tiny", host="127.0.0.1", port=port, gpus=(0,), api_key=key)
+    argv = adapter.command(spec, binary=VLLM)
+    assert not any(key in a for a in argv)
+    p = sb.start("vllm", argv, **adapter.env(spec))
+    wait_healthy(sb, p, port)
+    url = f"http://127.0.0.1:{port}"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with httpx.Client(trust_env=False, timeout=10) as c:
+        for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}, {"Authorization": f"Basic {key}"}):
+            assert c.get(f"{url}/v1/models", headers=auth).status_code == 401
+            r = c.post(f"{url}/v1/chat/completions", json=chat, headers=auth)
+            assert (r.status_code, r.json()) == (401, {"error": "Unauthorized"})
+        assert c.post(f"{url}/v1/no-such-route", json={}).status_code == 401  # any /v1 path, as the middleware
+        assert c.get(f"{url}/health").status_code == 200
+        assert c.get(f"{url}/metrics").status_code == 200  # open in vLLM: the router's scrape needs no key
+        assert c.get(f"{url}/version").status_code == 200
+        for scheme in ("Bearer", "bearer"):  # vLLM reads the scheme in any case
+            assert c.get(f"{url}/v1/models", headers={"Authorization": f"{scheme} {key}"}).status_code == 200
+
+    f = Fleet(0)
+    ep = {"url": url, "engine": "vllm", "replica": "tiny/0", "api_key": key}
+    f.start(
+        cfg={"models": {"tiny": {"endpoints": [ep]}}, "router": {"scrape_interval_s": 0.1, "health_interval_s": 0.2}}
+    )
+    try:
+        with httpx.Client(trust_env=False, timeout=30) as c:
+            r = c.post(f"{f.base}/chat/completions", json=chat, headers={"Authorization": "Bearer client-key"})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"]
+            text = c.post(
+                f"{f.base}/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True}
+            )
+            assert text.status_code == 200 and text.text.rstrip().endswith("data: [DONE]")
+        (w,) = f.router.table.workers.values()
+        f.lt.wait_for(lambda: w.scraped.running is not None, what="a scrape")
+    finally:
+        f.close()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(10) == 0
+    log = sb.log("vllm")
+    assert key not in log and key[3:20] not in log
+    assert "VLLM_API_KEY" not in log
+
+
 # ---------------------------------------------------------------------------- the process tree
 
 
@@ -397,6 +456,42 @@ def test_pipeline_parallel_serve_is_healthy_only_once_the_worker_node_joined(sb:
     assert p.wait(10) == 0
     wait_for(lambda: not sb.titled().get("ray::RayWorkerWrapper"), 5, "the Ray workers to end with the driver")
     assert worker.poll() is None and ray_nodes(sb, rport) == 2
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(x.decode(errors="replace").partition("=")[::2] for x in raw if x)
+
+
+def test_a_two_node_replica_started_as_the_adapter_says_keeps_its_key_from_the_ray_daemons(sb: Sandbox) -> None:
+    """The adapter's own shard-0 script (Ray head, then vllm serve) and worker command, with a
+    key: vllm serve has it and wants it on /v1; the Ray head's daemon (it outlives the script)
+    was started without it; the worker node never had it."""
+    from cluster_cli.engines import LaunchSpec, get_engine
+
+    adapter = get_engine("vllm")
+    key = "ck-" + "9" * 64
+    rport, port = free_port(), free_port()
+    common = {"model": "/models/tiny", "served_name": "tiny", "host": "127.0.0.1", "port": port, "nodes": 2,
+              "head_address": "127.0.0.1", "ray_port": rport, "node_address": "127.0.0.1", "api_key": key}  # fmt: skip
+    head = LaunchSpec(gpus=(0,), node_rank=0, **common)  # type: ignore[arg-type]
+    worker = LaunchSpec(gpus=(1,), node_rank=1, **common)  # type: ignore[arg-type]
+    p = sb.start("vllm", adapter.command(head, binary=VLLM), **adapter.env(head))
+    sb.start("worker", adapter.command(worker, binary=VLLM), **adapter.env(worker))
+    wait_healthy(sb, p, port, timeout=30)
+    url = f"http://127.0.0.1:{port}"
+    assert httpx.get(f"{url}/v1/models", trust_env=False).status_code == 401
+    bearer = {"Authorization": f"Bearer {key}"}
+    assert httpx.get(f"{url}/v1/models", headers=bearer, trust_env=False).status_code == 200
+
+    titled = sb.titled()
+    (daemon,) = [pid for title, pids in titled.items() if "gcs_server" in title for pid in pids]
+    assert "VLLM_API_KEY" not in _environ(daemon)  # the Ray head's daemon
+    assert _environ(p.pid)["VLLM_API_KEY"] == key  # vllm serve itself (the script exec'd it)
+    raylets = [pid for title, pids in titled.items() if "raylet" in title and "gcs" not in title for pid in pids]
+    assert raylets and all("VLLM_API_KEY" not in _environ(pid) for pid in raylets)  # the worker node's
+    for text in (sb.log("vllm"), sb.log("worker")):
+        assert key not in text
 
 
 def test_pipeline_parallel_serve_gives_up_when_the_nodes_do_not_join(sb: Sandbox) -> None:

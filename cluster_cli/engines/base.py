@@ -120,6 +120,10 @@ class LaunchSpec:
     # networks, Ray and vLLM may each pick another one and never find each other (vLLM's
     # troubleshooting guide: set VLLM_HOST_IP per node); given, both are told.
     node_address: str | None = None
+    # The API key the engine's API server demands (``Authorization: Bearer KEY``): given to it in
+    # its environment only (VLLM_API_KEY, LLAMA_API_KEY), never on its command line, where any
+    # user of the node could read it (ps, /proc/PID/cmdline). None: the engine is open.
+    api_key: str | None = field(default=None, repr=False)
 
 
 def cuda_env(gpus: tuple[int, ...], uuids: tuple[str, ...] = ()) -> dict[str, str]:
@@ -142,6 +146,7 @@ class Engine(Protocol):
     supports_cpu: bool
     health_path: str
     metrics: MetricMapping
+    api_key_env: str  # the variable the engine reads its API key from (LaunchSpec.api_key goes there)
 
     def validate_profile(self, *, gpu_class: str | None, gpus: int, nodes: int) -> str | None:
         """Return a one-line reason the profile cannot run on this engine, or None."""
@@ -152,5 +157,6 @@ class Engine(Protocol):
         ...
 
     def env(self, spec: LaunchSpec) -> dict[str, str]:
-        """Extra environment of the shard's process; an empty value is meaningful and must be kept."""
+        """Extra environment of the shard's process; an empty value is meaningful and must be kept.
+        It carries ``spec.api_key`` (in the engine's own variable) for the shard that serves HTTP."""
         ...

@@ -18,6 +18,11 @@ class LlamaCpp:
     name = "llamacpp"
     supports_cpu = True
     health_path = "/health"
+    # llama-server takes its key from --api-key, else from LLAMA_API_KEY; with one, /health,
+    # /v1/health, /models and /v1/models (and the web UI's static files) stay open, and every
+    # other route, /metrics and /v1/chat/completions included, wants "Authorization: Bearer KEY"
+    # ("Bearer" spelt so: "bearer" is refused) or answers 401 (docs/engines.md).
+    api_key_env = "LLAMA_API_KEY"
     metrics = MetricMapping(LLAMACPP_RUNNING, LLAMACPP_WAITING, None)
 
     def validate_profile(self, *, gpu_class: str | None, gpus: int, nodes: int) -> str | None:
@@ -55,4 +60,7 @@ class LlamaCpp:
     def env(self, spec: LaunchSpec) -> dict[str, str]:
         # The replica's GPU for a CUDA build (the catalog's GPUs are NVIDIA ones, numbered as
         # nvidia-smi numbers them); a CPU replica also hides every GPU from CUDA.
-        return cuda_env(spec.gpus, spec.gpu_uuids)
+        env = cuda_env(spec.gpus, spec.gpu_uuids)
+        if spec.api_key:
+            env[self.api_key_env] = spec.api_key
+        return env

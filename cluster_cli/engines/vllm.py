@@ -31,6 +31,10 @@ class VLLM:
     name = "vllm"
     supports_cpu = False
     health_path = "/health"
+    # vLLM's OpenAI server takes its key from --api-key, else from VLLM_API_KEY; with one, every
+    # /v1 route wants "Authorization: Bearer KEY" (401 otherwise), while /health, /ping,
+    # /version and /metrics stay open (docs/engines.md).
+    api_key_env = "VLLM_API_KEY"
     metrics = MetricMapping.vllm()
 
     def validate_profile(self, *, gpu_class: str | None, gpus: int, nodes: int) -> str | None:
@@ -62,6 +66,11 @@ class VLLM:
         serve += ["--pipeline-parallel-size", str(spec.nodes), "--distributed-executor-backend", "ray"]
         serve += spec.extra_args
         head = [_ray_binary(binary), "start", "--head", f"--port={spec.ray_port}", *_ray_resources(spec)]
+        start_head = shlex.join(head)
+        if spec.api_key:
+            # The key is vllm serve's alone: the Ray daemons started here (GCS, raylet, dashboard)
+            # and the workers they spawn do not get it from this shell.
+            start_head = f"(unset {self.api_key_env} && exec {start_head})"
         # Current vLLM (since early 2026) copies the driver's NCCL_* variables onto every Ray
         # worker, which would push this node's HCA names onto the other nodes; older releases
         # copy none (the unset is then harmless). Each node's raylet carries its own
@@ -72,7 +81,7 @@ class VLLM:
         join = ""
         if spec.head_address:
             join = f"RAY_ADDRESS={shlex.quote(f'{spec.head_address}:{spec.ray_port}')} && export RAY_ADDRESS && "
-        script = f"{shlex.join(head)} && unset NCCL_IB_HCA && {join}exec {shlex.join(serve)}"
+        script = f"{start_head} && unset NCCL_IB_HCA && {join}exec {shlex.join(serve)}"
         return ["sh", "-c", script]
 
     def env(self, spec: LaunchSpec) -> dict[str, str]:
@@ -82,4 +91,6 @@ class VLLM:
             env["NCCL_IB_HCA"] = "=" + ",".join(spec.hcas)
         if spec.nodes > 1 and spec.node_address:
             env["VLLM_HOST_IP"] = spec.node_address  # the address Ray was told (--node-ip-address)
+        if spec.api_key and (spec.nodes == 1 or spec.node_rank == 0):
+            env[self.api_key_env] = spec.api_key  # the shard that runs vllm serve; a Ray worker serves no HTTP
         return env

@@ -3,6 +3,9 @@
 Written in exactly the format ``serve-router`` reads, atomically (a temporary file beside it,
 fsynced, renamed over the old one), so a running router's live reload never reads half a
 file. What else the file holds (a ``router:`` section of tunables) is kept.
+
+An endpoint may carry the ``api_key`` its engine demands (``keys.replica_key``): the file is
+therefore always written 0600, and one found open to others is closed on the next write.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,16 +42,27 @@ def default_path(state_path: Path) -> Path:
     return state_path.with_name("router.yaml")
 
 
-def render(records: Iterable[ReplicaRecord], cat: Catalog | None) -> dict[str, Any]:
+Keys = Mapping[str, str] | Callable[[ReplicaRecord], str | None]
+
+
+def render(records: Iterable[ReplicaRecord], cat: Catalog | None, keys: Keys | None = None) -> dict[str, Any]:
     """``engines`` (each one's metric mapping: the catalog's, else the adapter's) and ``models``
-    (the ready replicas' endpoints, by model, in replica order)."""
+    (the ready replicas' endpoints, by model, in replica order).
+
+    ``keys`` gives each endpoint the API key its engine demands, which the router sends it:
+    a mapping of replica names (``MODEL/N``, as ``keys.published_keys`` makes) to keys, or a
+    function of the record (``lambda rec: keys.record_key(secret, rec)``, which also tells
+    generations apart). A replica it has no key for gets none (an engine started without one)."""
     models: dict[str, dict[str, Any]] = {}
     engines: dict[str, Any] = {}
     for rec in sorted(records, key=lambda r: (r.replica.model, r.replica.replica, r.generation)):
         if rec.status != READY or rec.desired != UP or not rec.endpoint:
             continue
         eng = rec.replica.engine
-        ep = {"url": rec.endpoint, "engine": eng, "replica": rec.name}
+        ep: dict[str, Any] = {"url": rec.endpoint, "engine": eng, "replica": rec.name}
+        key = _key_of(keys, rec)
+        if key:
+            ep["api_key"] = key
         models.setdefault(rec.replica.model, {"endpoints": []})["endpoints"].append(ep)
         if eng not in engines:
             cfg = cat.engines.get(eng) if cat is not None else None
@@ -60,9 +74,17 @@ def render(records: Iterable[ReplicaRecord], cat: Catalog | None) -> dict[str, A
     return {"engines": engines, "models": models}
 
 
+def _key_of(keys: Keys | None, rec: ReplicaRecord) -> str | None:
+    if keys is None:
+        return None
+    if callable(keys):
+        return keys(rec)
+    return keys.get(rec.name)
+
+
 def write(path: Path, doc: dict[str, Any]) -> None:
     """Replace the models and engines of the router config at ``path`` with ``doc``'s, keeping
-    its other sections; atomically. Raises ConfigError."""
+    its other sections; atomically, as a 0600 file (it may hold engine keys). Raises ConfigError."""
     old: dict[str, Any] = {}
     try:
         text = path.read_text()
@@ -82,7 +104,12 @@ def write(path: Path, doc: dict[str, Any]) -> None:
     body = "# Written by clusterctl up/down: the ready replicas. Other sections are kept.\n"
     body += yaml.dump(merged, Dumper=_DUMPER, sort_keys=False, default_flow_style=False)
     if body == text:
-        return  # unchanged: no rewrite (a watching router re-reads nothing)
+        # Unchanged: no rewrite (a watching router re-reads nothing); but a file an older
+        # clusterctl left readable by others is closed now.
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_mode & 0o077:
+                os.chmod(path, 0o600)
+        return
     folder = path.parent if str(path.parent) else Path(".")
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -94,8 +121,7 @@ def write(path: Path, doc: dict[str, Any]) -> None:
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
-        with contextlib.suppress(OSError):
-            os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o600)  # (mkstemp's own mode, whatever the umask: said once more all the same)
         os.replace(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):

@@ -49,9 +49,20 @@ def profile_of(cat: Catalog, rec: ReplicaRecord) -> Profile:
     return p
 
 
-def shard_starts(rec: ReplicaRecord, cat: Catalog, inv: Inventory, facts: dict[str, NodeFacts]) -> list[ShardStart]:
+def shard_starts(
+    rec: ReplicaRecord,
+    cat: Catalog,
+    inv: Inventory,
+    facts: dict[str, NodeFacts],
+    *,
+    api_key: str | None = None,
+) -> list[ShardStart]:
     """What every shard of ``rec`` runs (shard 0 first). ``rec.port`` must be set; a
-    multi-node replica's Ray head port is ``rec.extra_ports[0]``."""
+    multi-node replica's Ray head port is ``rec.extra_ports[0]``.
+
+    ``api_key`` (``keys.record_key(secret, rec)``) is the key shard 0's API server demands: it goes
+    into that shard's environment in the engine's own variable (its 0600 environment file on
+    the node), never into an argv. None: the engine is open to whoever reaches its port."""
     r = rec.replica
     engine = get_engine(r.engine)
     if engine is None:
@@ -90,9 +101,10 @@ def shard_starts(rec: ReplicaRecord, cat: Catalog, inv: Inventory, facts: dict[s
             extra_args=extra,
             hcas=s.hcas,
             node_address=n.host if len(r.shards) > 1 else None,
+            api_key=api_key if rank == 0 else None,
         )
         argv = engine.command(spec, binary=binary)
-        env = {**p.env, **engine.env(spec)}  # the adapter's pinning wins over a profile's
+        env = {**p.env, **engine.env(spec)}  # the adapter's pinning (and key) wins over a profile's
         binaries = [binary]
         if len(r.shards) > 1:
             binaries = [posixpath.join(posixpath.dirname(binary), "ray") if "/" in binary else "ray"]

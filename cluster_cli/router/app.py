@@ -359,7 +359,11 @@ class Router:
         write = conn.write if req.method == b"GET" else lambda data: conn.write(head_only(data))
         if path == b"/health":
             status = 200 if not self._draining else 503
-            write(response(status, self._health_body(), keep_alive=conn.keep_alive))
+            # With client keys, a caller without one learns the router's status alone: the
+            # detail names every engine's URL (and its state), which a stranger has no use for.
+            keys = self.api_keys
+            detail = keys is None or keys.check(req.header(b"authorization"))
+            write(response(status, self._health_body(detail), keep_alive=conn.keep_alive))
             return status
         if path == b"/metrics":
             write(response(200, self.metrics.render(), keep_alive=conn.keep_alive, ctype=b"text/plain; version=0.0.4"))
@@ -381,8 +385,9 @@ class Router:
             return 200
         raise AssertionError(f"_unroutable let {path!r} through")  # it names every route above
 
-    def _health_body(self) -> bytes:
-        """The router's state. ``status`` is "draining" (answered with 503) while it shuts down,
+    def _health_body(self, detail: bool = True) -> bytes:
+        """The router's state (without ``detail``: ``{"status": ...}`` alone). ``status`` is
+        "draining" (answered with 503) while it shuts down,
         "degraded" while some model has no endpoint that would take a request now, by the
         balancer's own test (each one draining, removed or with its breaker open: a request
         would get 503; a half-open one whose probe is out still counts, requests wait for it),
@@ -399,6 +404,8 @@ class Router:
             status = "degraded"
         else:
             status = "ok"
+        if not detail:
+            return json.dumps({"status": status}, separators=(",", ":")).encode()
         body = {
             "status": status,
             "models": {n: len(e.queue) for n, e in t.models.items()},
@@ -548,8 +555,10 @@ class Router:
         trace.model = model
 
         waits_long = obj.get("stream") is not True  # its answer starts only once it is generated
-        head_tail = b"\r\n%s%sContent-Length: %d\r\n\r\n" % (req.forward, _forwarded(req, conn), len(req.body))
-        start_line = req.method + b" " + req.target + b" HTTP/1.1\r\nHost: "
+        # The client's own Authorization never goes upstream (http.REQUEST_DROP): the engine gets
+        # its own key, the endpoint's (in ``w.head_lines``), or none.
+        head_tail = b"%s%sContent-Length: %d\r\n\r\n" % (req.forward, _forwarded(req, conn), len(req.body))
+        start_line = req.method + b" " + req.target + b" HTTP/1.1\r\nHost: "  # then w.head_lines
 
         loop = asyncio.get_running_loop()
         rp = self.retry_policy
@@ -617,7 +626,7 @@ class Router:
                     # A half-open breaker's probe holds the endpoint's one slot until its head
                     # comes: it is bounded by the idle timeout, not the response timeout.
                     up.waits_long = waits_long and ex.probe is None
-                    up.send(start_line + w.host_header + head_tail + req.body, ex)
+                    up.send(start_line + w.head_lines + head_tail + req.body, ex)
                     code = await fut
                 except UpstreamError as e:  # connect failed
                     lease.release(False)

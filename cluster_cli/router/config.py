@@ -9,6 +9,7 @@ models:
     endpoints:
       - {url: "http://198.18.0.11:8080", engine: llamacpp, replica: tiny-0}
       - {url: "http://198.18.0.12:8080", engine: llamacpp, replica: tiny-1, draining: true}
+      - {url: "http://198.18.0.13:8080", engine: llamacpp, replica: tiny-2, api_key: "ck-..."}
 router:                                     # optional; every key has a default
   policy: least_load                        # least_load | p2c | round_robin
   admission: {max_queue: 256, max_wait_s: 30}
@@ -19,6 +20,11 @@ metric names (``cluster_cli.engines``); ``metrics: {}`` always means vLLM's name
 Unknown keys are rejected; every error is one line naming the file and the field. Values are
 not converted between types: a boolean must be a YAML boolean, a count a YAML integer (not
 ``true`` nor ``4.0``), a number of seconds a YAML number (an integer will do).
+
+An endpoint's ``api_key`` is the key its engine demands: the router sends it as
+``Authorization: Bearer KEY`` with every request to that engine (proxied ones, health checks,
+metric scrapes), never the client's own. It appears in no error message, log line, metric or
+``/health`` answer, nor in the repr of the config.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
@@ -37,6 +43,9 @@ from cluster_cli.config.load import load_model
 from cluster_cli.engines import MetricMapping, get_engine
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+# What an engine key may hold: visible ASCII, no blank (a header value the engines read as one
+# token; a CR or LF would split the request). 4096: the longest any engine could want.
+_API_KEY = re.compile(r"[\x21-\x7e]{1,4096}")  # (fullmatch: "$" would let a final newline in)
 
 
 class _Strict(BaseModel):
@@ -63,6 +72,15 @@ class EndpointSpec(_Strict):
     replica: str | None = None
     draining: StrictBool = False
     max_inflight: StrictInt | None = Field(default=None, ge=1)
+    api_key: str | None = Field(default=None, repr=False)
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, v: str | None) -> str | None:
+        # The message never holds the value: it is a secret, and errors are printed and logged.
+        if v is not None and not _API_KEY.fullmatch(v):
+            raise ValueError("an engine key is 1-4096 visible ASCII characters, no blanks")
+        return v
 
     @field_validator("url")
     @classmethod
@@ -79,9 +97,10 @@ class EndpointSpec(_Strict):
         if parts.path not in ("", "/") or parts.query or parts.fragment:
             raise ValueError(f"{v!r}: give the server's base URL without a path")
         if "@" in parts.netloc:
-            # The router sends no credentials: a user part would be ignored, and the engine's
-            # refusals would read as its failures.
-            raise ValueError(f"{v!r}: credentials in an endpoint URL are not supported (the router sends none)")
+            # Not sent: a user part would be ignored, and the engine's refusals would read as its
+            # failures. (The message leaves them out: they may be a password.)
+            shown = urlsplit(v)._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+            raise ValueError(f"{shown!r}: credentials in an endpoint URL are not supported (give api_key)")
         if parts.port == 0:
             raise ValueError(f"{v!r}: bad port")
         # One spelling per server, so that duplicates are found and a URL listed under several
@@ -178,7 +197,7 @@ class RouterConfig(_Strict):
         """Engines are known; a URL listed under several models has one engine and one replica
         name (it is one upstream); a replica name belongs to one URL (metrics and the access
         log tell replicas apart by it)."""
-        by_url: dict[str, tuple[str, EndpointSpec]] = {}
+        by_url: dict[str, tuple[str, EndpointSpec]] = {}  # each URL's first entry
         by_replica: dict[str, tuple[str, str]] = {}
         for mname, m in self.models.items():
             for i, ep in enumerate(m.endpoints):
@@ -189,6 +208,8 @@ class RouterConfig(_Strict):
                 pmodel, prev = by_url.setdefault(ep.url, (mname, ep))
                 if prev.engine != ep.engine:
                     raise ValueError(f"{where}.engine: {ep.url} is listed as both {prev.engine} and {ep.engine}")
+                if prev.api_key != ep.api_key:  # (the keys themselves are not shown)
+                    raise ValueError(f"{where}.api_key: {ep.url} has another api_key (or none) under {pmodel}")
                 if replica_name(prev) != replica_name(ep):
                     raise ValueError(
                         f"{where}.replica: {ep.url} is {_replica_desc(ep)} here but {_replica_desc(prev)}"
@@ -257,6 +278,7 @@ class EndpointView:
     metrics: MetricMapping
     health_path: str
     models: tuple[str, ...]
+    api_key: str | None = field(default=None, repr=False)  # what the engine demands (sent as a bearer token)
 
 
 def endpoint_views(cfg: RouterConfig) -> dict[str, EndpointView]:
@@ -278,6 +300,7 @@ def endpoint_views(cfg: RouterConfig) -> dict[str, EndpointView]:
                     "metrics": cfg.metric_mapping(ep.engine),
                     "health_path": cfg.health_path(ep.engine),
                     "models": [],
+                    "api_key": ep.api_key,
                 },
             )
             cur["draining"] = cur["draining"] or ep.draining

@@ -19,7 +19,9 @@ from cluster_cli.router.worker import Worker
 
 async def check_one(w: Worker, timeout: float, interval: float = 0.0) -> bool:
     try:
-        status, _ = await fetch(w.view.host, w.view.port, w.view.health_path, timeout, max_bytes=65536)
+        key = w.view.api_key  # the engine's own key, when it has one
+        auth = {"api_key": key} if key else {}
+        status, _ = await fetch(w.view.host, w.view.port, w.view.health_path, timeout, max_bytes=65536, **auth)
         ok = status == 200
     except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
         ok = False

@@ -81,13 +81,13 @@ _HEADER_BLOCK = re.compile(rb"(?:\r\n[" + re.escape(_TOKEN_CHARS) + rb"]+:[\t\x2
 # A request target is visible ASCII only (RFC 9112 3.2): no spaces, no controls, no 8-bit bytes.
 _TARGET = re.compile(rb"[\x21-\x7e]+")
 _TOKEN = rb"[" + re.escape(_TOKEN_CHARS) + rb"]+"
-# RFC 9112 7.1.1: chunk-size *( BWS ";" BWS name [ BWS "=" BWS ( token / quoted-string ) ] ),
-# the CRLF excluded. Nothing else: a bare CR or LF inside (which another parser may take as the
-# line's end, and so the body's framing) or a space after a size alone fails it.
+# RFC 9112 7.1.1: chunk-size *( ";" name [ "=" ( token / quoted-string ) ] ), the CRLF
+# excluded. The RFC's optional whitespace (BWS) around ";" and "=" is refused, as llhttp
+# refuses it: a request the router hands on must frame the same in every parser behind it.
+# Nothing else either: a bare CR or LF inside (which another parser may take as the line's
+# end, and so the body's framing) or a space after a size alone fails it.
 _QUOTED = rb'"(?:[\t \x21\x23-\x5b\x5d-\x7e\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
-_CHUNK_LINE = re.compile(
-    rb"([0-9A-Fa-f]{1,16})(?:[ \t]*;[ \t]*" + _TOKEN + rb"(?:[ \t]*=[ \t]*(?:" + _TOKEN + rb"|" + _QUOTED + rb"))?)*"
-)
+_CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;" + _TOKEN + rb"(?:=(?:" + _TOKEN + rb"|" + _QUOTED + rb"))?)*")
 # A trailer line is a header line (RFC 9112 7.1.2): the rules of _HEADER_BLOCK, one line.
 _FIELD_LINE = re.compile(_TOKEN + rb":[\t\x20-\x7e\x80-\xff]*")
 MAX_LENGTH_DIGITS = 15  # a Content-Length beyond this is no body anyone sends (and int() of a huge one is slow)
@@ -525,6 +525,17 @@ def host_header(host: str, port: int) -> bytes:
     return b"%s:%d" % (host.encode(), port)
 
 
+def bearer_line(api_key: str | None) -> bytes:
+    """The ``Authorization: Bearer KEY`` header line (with its CRLF) that carries an engine's
+    key, or b"" for none. A key that would not be one header token (a blank, a CR or LF, a
+    non-ASCII character) raises ValueError, whose message does not show it."""
+    if not api_key:
+        return b""
+    if not all(0x21 <= ord(c) <= 0x7E for c in api_key):
+        raise ValueError("an engine key must be visible ASCII characters without blanks")
+    return b"Authorization: Bearer " + api_key.encode("ascii") + b"\r\n"
+
+
 async def fetch(
     host: str,
     port: int,
@@ -533,18 +544,21 @@ async def fetch(
     max_bytes: int = 4 << 20,
     *,
     connect: Callable[[str, int], Awaitable[tuple[Any, Any]]] | None = None,
+    api_key: str | None = None,
 ) -> tuple[int, bytes]:
     """A small GET (health checks, metric scrapes): returns (status, body). Raises
     OSError/TimeoutError/ValueError. The response is read by ``parse_response_head``, as every
     response the router relays. ``connect`` opens the connection (default: TCP from here; an
-    SSH session's ``open_connection`` reaches an engine only its node can)."""
+    SSH session's ``open_connection`` reaches an engine only its node can). ``api_key``: the
+    engine's key, sent as ``Authorization: Bearer KEY`` (llama-server wants it for /metrics)."""
+    auth = bearer_line(api_key)
 
     async def go() -> tuple[int, bytes]:
         reader, writer = await (connect or asyncio.open_connection)(host, port)
         try:
             writer.write(
-                b"GET %s HTTP/1.1\r\nHost: %s\r\nAccept: */*\r\nConnection: close\r\n\r\n"
-                % (path.encode(), host_header(host, port))
+                b"GET %s HTTP/1.1\r\nHost: %s\r\n%sAccept: */*\r\nConnection: close\r\n\r\n"
+                % (path.encode(), host_header(host, port), auth)
             )
             while True:
                 try:

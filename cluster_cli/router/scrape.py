@@ -154,7 +154,9 @@ async def scrape_one(w: Worker, timeout: float, now: Callable[[], float]) -> Non
         return
     started = now()
     try:
-        status, body = await fetch(w.view.host, w.view.port, "/metrics", timeout)
+        key = w.view.api_key  # the engine's own key: llama-server wants it for /metrics
+        auth = {"api_key": key} if key else {}
+        status, body = await fetch(w.view.host, w.view.port, "/metrics", timeout, **auth)
         if status != 200:
             raise ValueError(f"HTTP {status}")
         names = mapped_names(mapping)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from cluster_cli.router.breaker import Breaker, BreakerConfig, State
 from cluster_cli.router.config import EndpointView
-from cluster_cli.router.http import host_header
+from cluster_cli.router.http import bearer_line, host_header
 
 CAP_WINDOW_S = 30.0
 ADMIT_WINDOW_S = 0.15  # a request sent this recently may still wait for its engine's next step (10-100 ms)
@@ -68,6 +68,7 @@ class Worker:
         "drain_rate",
         "engine_gen",
         "failed",
+        "head_lines",
         "health_ok",
         "host_header",
         "inflight",
@@ -93,6 +94,9 @@ class Worker:
         self.url = view.url
         self.view = view
         self.host_header = host_header(view.host, view.port)  # "[::1]:8000": "::1:8000" is refused by nginx
+        # What every proxied request's head gets after "Host: ": the host, then the engine's own key
+        # when it has one (the client's Authorization is never relayed: http.REQUEST_DROP).
+        self.head_lines = self.host_header + b"\r\n" + bearer_line(view.api_key)
         self.breaker = Breaker(breaker_cfg, clock=clock, name=view.replica)
         self.inflight = 0
         self.completed = 0
@@ -117,10 +121,13 @@ class Worker:
 
         The exceptions are what was learned of the engine: when ``max_inflight`` changes,
         every capacity estimate so far was clipped to the old limit, so it restarts from the
-        new one (None: unknown); when the engine or its metric mapping changes (the same URL
-        now serves another engine), the scraped load is dropped too. Returns whether the
+        new one (None: unknown); when the engine, its metric mapping or its key changes (the same
+        URL now serves another engine, or another generation of it), the scraped load is dropped too. Returns whether the
         capacity estimate started over."""
-        new_engine = view.engine != self.view.engine or view.metrics != self.view.metrics
+        # Another key at the same URL is another engine too: a new generation of the replica.
+        new_engine = (
+            view.engine != self.view.engine or view.metrics != self.view.metrics or view.api_key != self.view.api_key
+        )
         restart = new_engine or view.max_inflight != self.view.max_inflight
         if restart:
             self.cap = view.max_inflight
@@ -130,6 +137,7 @@ class Worker:
             self.scraped = Scraped()
             self.engine_gen += 1  # a scrape started before this is the old engine's: dropped
         self.view = view
+        self.head_lines = self.host_header + b"\r\n" + bearer_line(view.api_key)  # a new engine here: its own key
         self.breaker.cfg = breaker_cfg
         self.breaker.name = view.replica
         self.stale_s = stale_s
