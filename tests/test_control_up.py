@@ -114,7 +114,7 @@ def _starts(monkeypatch: Any) -> None:
     from cluster_cli.control import up as upmod
     from cluster_cli.launch.shards import folder
 
-    def starts(rec: ReplicaRecord, cat: Any, inv: Any, facts: Any) -> list[Any]:
+    def starts(rec: ReplicaRecord, cat: Any, inv: Any, facts: Any, **kw: Any) -> list[Any]:
         return [SimpleNamespace(node=s.node, run=ShardRun(s.node, folder("~/r", rec), f"{rec.name}.g{rec.generation}.s{i}"))
                 for i, s in enumerate(rec.replica.shards)]  # fmt: skip
 
@@ -246,7 +246,6 @@ def test_down_keeps_the_catalogs_metric_mappings_in_the_router_config(tmp_path: 
                 return await down(astore, nodes, ready[:1], router_config=tmp_path / "router.yaml",  # type: ignore[arg-type]
                                   report=lambda _: None)  # fmt: skip
 
-        monkeypatch.setattr("cluster_cli.launch.routerconf.PICKUP_S", 0)
         asyncio.run(go())
     doc = yaml.safe_load((tmp_path / "router.yaml").read_text())
     assert doc["engines"]["llamacpp"]["metrics"] == mapping

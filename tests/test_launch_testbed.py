@@ -98,10 +98,19 @@ def _router(config: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
     raise AssertionError(f"serve-router did not start: {(tmp / 'router.out').read_text()}")
 
 
-def _chat(base_url: str, stream: bool) -> str:
+def _engine_key(state: Path, name: str) -> str:
+    """The API key of replica ``name``'s engine, as the cluster secret beside the state gives it."""
+    from cluster_cli.launch import keys
+
+    with Store(state, readonly=True) as s:
+        (rec,) = [r for r in s.records() if r.name == name]
+    return keys.record_key(keys.load_secret(keys.secret_path(state)), rec)
+
+
+def _chat(base_url: str, stream: bool, key: str = "none") -> str:
     from openai import OpenAI
 
-    client = OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=30)
+    client = OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
     msgs = [{"role": "user", "content": "hello"}]
     if stream:
         parts = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, stream=True)
@@ -133,10 +142,14 @@ def test_up_serves_three_replicas_through_a_router_started_before_it(fleet) -> N
         assert {x["state"] for x in doc["replicas"]} == {"ready"}
         assert sorted(n for x in doc["replicas"] for n in x["nodes"]) == ["cpu-01", "cpu-02", "cpu-03"]
 
-        # Each replica answers directly...
+        # Each engine keeps its API behind its own key: a client that goes around the router
+        # gets 401...
+        import openai
+
         for x in doc["replicas"]:
-            assert _chat(x["endpoint"] + "/v1", stream=False) is not None
-        # ...and through the router, which picked them up without a restart.
+            with pytest.raises(openai.AuthenticationError):
+                _chat(x["endpoint"] + "/v1", stream=False)
+        # ...while the router, which picked them up without a restart, is served.
         published = yaml.safe_load(config.read_text())
         assert [e["replica"] for e in published["models"]["tiny"]["endpoints"]] == ["tiny/0", "tiny/1", "tiny/2"]
         base = f"http://127.0.0.1:{port}/v1"
@@ -160,7 +173,7 @@ def test_up_serves_three_replicas_through_a_router_started_before_it(fleet) -> N
         try:
             node0 = doc["replicas"][0]["nodes"][0]
             _wait(lambda: b"tail" in cluster.ssh(node0, "ps -eo args | grep -v grep | grep 'tail -n 0 -f'").stdout)
-            _chat(doc["replicas"][0]["endpoint"] + "/v1", stream=False)
+            _chat(doc["replicas"][0]["endpoint"] + "/v1", stream=False, key=_engine_key(state, "tiny/0"))
             time.sleep(1.0)
             follow.send_signal(signal.SIGINT)
             out, ferr = follow.communicate(timeout=15)
@@ -492,3 +505,61 @@ def test_a_second_up_reads_no_hardware_again_until_it_has_something_to_place(fle
     assert [x["state"] for x in json_out(r)["replicas"] if x["action"] == "start"] == ["ready"]
     with Store(state) as s:
         assert {f.name: (f.cpus, f.memory_mib) for f in s.nodes()} == real
+
+
+def test_down_of_a_replica_under_streaming_load_fails_no_request(fleet) -> None:
+    """Four clients stream through the router without pause while one replica is taken down:
+    it is published draining (no new request reaches it), its streams run to their end, and
+    only then is its engine stopped. Not one request fails."""
+    import threading
+
+    from openai import OpenAI
+
+    state, inv = fleet["state"], fleet["inventory"]
+    # Streams of a few seconds (the tiny model writes thousands of tokens a second): longer
+    # than any fixed pause before a stop, so only a drain that waits for them lets them end.
+    cat = _catalog(fleet["tmp"] / "two.yaml", fleet["model"], fleet["binary"], replicas=2, args=["-c", "32768"])
+    config = state.parent / "router.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("models: {}\n")
+    router, port = _router(config, fleet["tmp"])
+    stop = threading.Event()
+    done: list[int] = []
+    failed: list[str] = []
+
+    def client() -> None:
+        c = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        while not stop.is_set():
+            try:
+                parts = c.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6000, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                n = sum(1 for p in parts if p.choices and p.choices[0].delta.content)
+                done.append(n)
+            except Exception as e:  # every failure is the finding
+                failed.append(f"{type(e).__name__}: {e}")
+
+    try:
+        r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60")
+        assert r.returncode == 0, r.stderr
+        _wait(lambda: _models(port) == ["tiny"])
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        _wait(lambda: len(done) >= 4, timeout=60)  # streams going on both replicas
+        down = ctl(state, "down", "tiny/0", "-o", "json")
+        assert down.returncode == 0, down.stderr
+        served = len(done)
+        _wait(lambda: len(done) >= served + 8, timeout=60)  # and on after it, on tiny/1
+        stop.set()
+        for t in threads:
+            t.join(90)
+    finally:
+        stop.set()
+        router.terminate()
+        router.wait(30)
+    assert failed == [], failed[:3]
+    assert len(done) >= 12 and min(done) > 0
+    st = json_out(ctl(state, "status", "--no-check", "-o", "json"))["replicas"]
+    assert [(x["name"], x["state"]) for x in st] == [("tiny/0", "stopped"), ("tiny/1", "ready")]

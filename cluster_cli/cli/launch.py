@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from cluster_cli.config.inventory import Inventory
 
 ROUTER_CONFIG_HELP = "Router config to write (default: router.yaml beside the state, .clusterctl/router.yaml)."
+DRAIN_HELP = "Seconds a replica being stopped may finish the requests in flight on it (its router drains it first)."
 
 UP_EXAMPLE = """
 Examples:
@@ -103,17 +104,14 @@ def up(
     ),
     timeout: float = typer.Option(600.0, "--timeout", min=1, help="Seconds each replica may take to become ready."),
     parallel: int = typer.Option(64, "--parallel", "-p", min=1, help="Nodes probed at once."),
+    drain_timeout: float = typer.Option(60.0, "--drain-timeout", min=0, help=DRAIN_HELP),
     output: ui.Output = ui.OUTPUT_OPTION,
 ) -> None:
     """Start the catalog's replicas on the nodes and publish them to the router."""
     import asyncio
 
     from cluster_cli.config.catalog import load_catalog
-    from cluster_cli.control import discovery
-    from cluster_cli.control.checks import HealthChecks, expects_new
     from cluster_cli.control.runs import Runs
-    from cluster_cli.control.sessions import Sessions
-    from cluster_cli.control.up import up as run_up
 
     state: App = ctx.obj
     inventory = recorded_inventory(inventory, state.state_path)
@@ -122,55 +120,15 @@ def up(
         cat = load_catalog(catalog)
     except ClusterctlError as e:
         ui.fail(e)
-    from cluster_cli.launch.routerconf import default_path
-
-    rc_path = router_config or default_path(state.state_path)
     store = open_store(state.state_path, actor="up")
     runs = Runs(state.state_path)
     progress = _Progress(output is ui.Output.table or ui.err.is_terminal)
 
     async def go() -> Any:
-        # One SSH connection per node for all of it: the probe's are the launch's.
-        async with Sessions(inv, _connector(state.state_path)) as sessions, AsyncStore(store) as astore:
-            observed = None
-            records = await astore.records()
-            health = HealthChecks(records, sessions)
-            reprobe = None
-
-            async def probe(steady: bool, on_done: Any = None) -> Any:
-                return await _probe_and_save(inv, inventory, astore, sessions.connector_view(), parallel, progress,
-                                             on_done, steady=steady)  # fmt: skip
-
-            async def fleet() -> Any:
-                return await discovery.fleet(inv, astore, placeable=True)
-
-            async def full() -> Any:
-                seen = await probe(False)
-                return await fleet(), seen
-
-            if check_version is None:
-                # Every replica the catalog asks for is held: check them, without reading the
-                # hardware again unless something has to be placed after all.
-                steady = not expects_new(cat, records)
-                observed = await probe(steady, health.node_done)
-                reprobe = full if steady else None
-            return await run_up(
-                inv,
-                cat,
-                astore,
-                sessions,
-                fleet,
-                router_config=rc_path,
-                expect_version=check_version,
-                timeout_s=timeout,
-                report=progress,
-                observed=observed,
-                runs=runs,
-                health=health,
-                reprobe=reprobe,
-                catalog_doc=cat.model_dump(mode="json"),
-                catalog_source=str(catalog.resolve()),
-            )
+        async with _cluster(state.state_path, inv, inventory, store, router_config, runs=runs, parallel=parallel,
+                            drain_s=drain_timeout) as c:  # fmt: skip
+            return await c.reconcile(cat, expect_version=check_version, timeout_s=timeout, report=progress,
+                                     catalog_source=str(catalog.resolve()))  # fmt: skip
 
     try:
         with runs:
@@ -192,23 +150,15 @@ def up(
     raise typer.Exit(ExitCode.OK if result.complete else ExitCode.UNPLACED)
 
 
-async def _probe_and_save(
-    inv: Inventory, path: Path, store: Any, connector: Any, parallel: int, report: Any, on_done: Any, *, steady: bool
+def _cluster(
+    state_path: Path, inv: Inventory, inventory: Path, store: Any, router_config: Path | None, **kw: Any
 ) -> Any:
-    """discover's probe and save: fresh facts for the plan, and what the same batch saw of the
-    recorded shards and (unless ``steady``) the ports. ``steady``: only the running replicas
-    are checked; the hardware is as the state last saw it."""
-    from cluster_cli.control import discovery
-    from cluster_cli.launch.observe import Observed
+    """The cluster's control plane for this command (``Cluster.open``)."""
+    from cluster_cli.control.cluster import Cluster
+    from cluster_cli.launch.routerconf import default_path
 
-    report("nodes", "probing", f"{len(inv.nodes)} node(s)")
-    observed = Observed()
-    facts = await discovery.probe(inv, connector=connector, parallel=parallel, store=store, observed=observed,
-                                  ports=not steady, hardware=not steady, on_done=on_done)  # fmt: skip
-    await discovery.save(store, facts, path, observed)
-    down = [f.name for f in facts if not f.reachable]
-    report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))
-    return observed
+    rc_path = router_config or default_path(state_path)
+    return Cluster.open(inv, inventory.resolve(), store, _connector(state_path), rc_path, **kw)
 
 
 def _render_up(result: Any) -> None:
@@ -260,16 +210,14 @@ def down(
     ),
     catalog: Path | None = typer.Option(None, "--catalog", "-c", help="Accepted for symmetry with up; not needed."),
     router_config: Path | None = typer.Option(None, "--router-config", help=ROUTER_CONFIG_HELP),
+    drain_timeout: float = typer.Option(60.0, "--drain-timeout", min=0, help=DRAIN_HELP),
     output: ui.Output = ui.OUTPUT_OPTION,
 ) -> None:
     """Stop replicas and release their GPUs and ports."""
     import asyncio
 
-    from cluster_cli.control.replicas import down as run_down
     from cluster_cli.control.replicas import select
     from cluster_cli.control.runs import Runs
-    from cluster_cli.control.sessions import Sessions
-    from cluster_cli.launch.routerconf import default_path
 
     if not names and not all_:
         ui.abort("name the replicas (MODEL/N) or models to stop, or give --all")
@@ -277,7 +225,8 @@ def down(
         ui.abort("give replica names or --all, not both")
     state: App = ctx.obj
     store = open_store(state.state_path, actor="down", create=False)
-    inv = inventory_or_abort(recorded_inventory(inventory, state.state_path), state_path=state.state_path)
+    inv_path = recorded_inventory(inventory, state.state_path)
+    inv = inventory_or_abort(inv_path, state_path=state.state_path)
     try:
         # Those wanted up, the fenced ones (their stop was not confirmed: it is tried again),
         # and those an interrupted down left stopping.
@@ -287,15 +236,13 @@ def down(
     except ClusterctlError as e:
         store.close()
         ui.fail(e)
-    rc_path = router_config or default_path(state.state_path)
     say = ui.info if output is ui.Output.table else (lambda _: None)
-
     runs = Runs(state.state_path)
 
     async def go() -> Any:
-        async with Sessions(inv, _connector(state.state_path)) as sessions, AsyncStore(store) as astore:
-            return await run_down(astore, sessions, targets, router_config=rc_path, report=say, owner=runs.id,
-                                  alive=runs.alive)  # fmt: skip
+        async with _cluster(state.state_path, inv, inv_path, store, router_config, runs=runs,
+                            drain_s=drain_timeout) as c:  # fmt: skip
+            return await c.down(targets, report=say)
 
     try:
         with runs:
@@ -335,18 +282,18 @@ def status(
     import asyncio
 
     from cluster_cli.control.replicas import status as run_status
-    from cluster_cli.control.sessions import Sessions
 
     state: App = ctx.obj
     store = open_store(state.state_path, actor="status", create=False)
 
     async def go() -> Any:
-        async with AsyncStore(store) as astore:
-            if not check:
+        if not check:  # what the state recorded: no node, no inventory needed
+            async with AsyncStore(store) as astore:
                 return await run_status(astore, None), await astore.fences()
-            inv = inventory_or_abort(recorded_inventory(inventory, state.state_path), state_path=state.state_path)
-            async with Sessions(inv, _connector(state.state_path)) as sessions:
-                return await run_status(astore, sessions), await astore.fences()
+        inv_path = recorded_inventory(inventory, state.state_path)
+        inv = inventory_or_abort(inv_path, state_path=state.state_path)
+        async with _cluster(state.state_path, inv, inv_path, store, None) as c:
+            return await c.status(check=True)
 
     try:
         rows, fences = asyncio.run(go())
@@ -414,6 +361,7 @@ Examples:
   clusterctl logs tiny/0
   clusterctl logs llama-70b/1 --shard 1 -n 200
   clusterctl logs tiny/0 -f        # follow until Ctrl-C
+  clusterctl logs tiny/0 --previous # the instance before the last restart: why it died
 """
 
 
@@ -424,6 +372,9 @@ def logs(
     shard: int = typer.Option(0, "--shard", help="Which shard of a multi-node replica (0 = the head)."),
     lines: int = typer.Option(100, "-n", "--lines", min=0, help="Lines from the end."),
     follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines until Ctrl-C."),
+    previous: bool = typer.Option(
+        False, "--previous", "-p", help="The log of the instance before the last start (why it died)."
+    ),
     inventory: Path | None = typer.Option(
         None, "--inventory", "-i", envvar=INVENTORY_ENV, help=RECORDED_INVENTORY_HELP
     ),
@@ -451,7 +402,9 @@ def logs(
 
     async def go() -> int | None:
         async with Sessions(inv, _connector(state.state_path)) as sessions:
-            return await run_logs(sessions, rec, shard=shard, lines=lines, follow=follow, write=write)
+            return await run_logs(
+                sessions, rec, shard=shard, lines=lines, follow=follow, write=write, previous=previous
+            )
 
     try:
         rc = asyncio.run(go())

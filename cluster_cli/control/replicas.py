@@ -9,10 +9,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cluster_cli.control.publish import DRAIN_S, drained, engine_keys, publish
 from cluster_cli.engines import get_engine
 from cluster_cli.errors import ClusterctlError, ConfigError, SSHError
 from cluster_cli.launch import node as nodeops
-from cluster_cli.launch import remote, routerconf
+from cluster_cli.launch import remote
 from cluster_cli.state.records import DOWN, FENCED, READY, UNHEALTHY, UP, ReplicaRecord
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ async def down(
     report: Callable[[str], None],
     owner: str | None = None,
     alive: Callable[[str | None], bool] = lambda _: False,
+    drain_s: float = DRAIN_S,
 ) -> list[Downed]:
     """Mark ``targets`` wanted down (a run starting one meanwhile sees it and stops what it
     started), take them out of the router config, then stop each whole and release it,
@@ -62,7 +64,9 @@ async def down(
     confirmed is fenced: its GPUs stay held until a later stop confirms it gone. Targets
     fenced by an earlier stop are stopped again, and freed once confirmed gone; one an
     interrupted ``down`` left stopping is stopped now (one whose ``down`` is still going,
-    ``alive``, is left to it). ``owner``: this run, recorded on what it stops."""
+    ``alive``, is left to it). ``owner``: this run, recorded on what it stops. Published
+    draining first, each is stopped once the routers on this host have no request left on
+    it, or after ``drain_s``."""
     from cluster_cli.control import stops
 
     fenced = [t for t in targets if t.status == FENCED]
@@ -75,14 +79,11 @@ async def down(
             (theirs if t.owner != owner and alive(t.owner) else marked).append(t)
             continue
         marked += await _want_down(store, t, owner)
-    keys = {t.key for t in marked}
-    left = [r for r in await store.records() if r.key not in keys]
     sessions.prefetch(sorted({run.node for t in marked for run in t.shards}))  # connect while the router catches up
-    if router_config.exists() or left:
-        stored = await store.catalog()  # the catalog's metric mappings stay in the router config
-        routerconf.write(router_config, routerconf.render(left, _catalog(stored.doc) if stored else None))
-        if any(t.status == READY for t in targets):  # published: let a running router see it go first
-            await asyncio.sleep(routerconf.PICKUP_S)
+    published = router_config.exists() or bool(await store.records())
+    if published:  # draining: no new request reaches them, those in flight finish
+        await publish(store, router_config)
+        await drained(router_config, {t.name for t in marked}, drain_s)
 
     async def one(rec: ReplicaRecord) -> Downed:
         stopped = await stops.stop_shards(rec, sessions)
@@ -95,7 +96,10 @@ async def down(
         return _downed(rec, "; ".join(f"{f.node}: {f.reason}" for f in still), report)
 
     busy = [Downed(t.name, [s.node for s in t.replica.shards], False, "being stopped by another down") for t in theirs]
-    return busy + list(await asyncio.gather(*(one(r) for r in marked), *(again(r) for r in fenced)))
+    done = list(await asyncio.gather(*(one(r) for r in marked), *(again(r) for r in fenced)))
+    if published:
+        await publish(store, router_config)  # the stopped ones leave it
+    return busy + done
 
 
 async def _want_down(store: AsyncStore, rec: ReplicaRecord, owner: str | None) -> list[ReplicaRecord]:
@@ -116,15 +120,6 @@ async def _want_down(store: AsyncStore, rec: ReplicaRecord, owner: str | None) -
         except StaleRecord:
             continue  # changed once more: the next down takes it
     return out
-
-
-def _catalog(doc: dict[str, Any]) -> Any:
-    from cluster_cli.config.catalog import Catalog
-
-    try:
-        return Catalog.model_validate(doc)
-    except ValueError:
-        return None  # a catalog this clusterctl no longer reads: the engines' own mappings
 
 
 def _downed(rec: ReplicaRecord, problem: str, report: Callable[[str], None]) -> Downed:
@@ -168,11 +163,15 @@ class Row:
 _UNKNOWN = {"running": None, "waiting": None, "kv_cache_usage": None}
 
 
-async def status(store: AsyncStore, sessions: Sessions | None) -> list[Row]:
+async def status(
+    store: AsyncStore, sessions: Sessions | None, *, log_cap: Callable[[str], int | None] = lambda _: None
+) -> list[Row]:
     """Every replica with its state as seen now (``sessions`` None: as last recorded) and its
     engine's load, scraped through the node's SSH session. What it sees is recorded only if
-    the row is still as it was read: a replica restarted meanwhile keeps its new processes."""
+    the row is still as it was read: a replica restarted meanwhile keeps its new processes.
+    ``log_cap``: per node, the size its shards' logs are trimmed to as they are checked."""
     records = await store.records(include_down=True, include_fenced=True)
+    key_of = engine_keys(store) if sessions is not None else None
 
     async def one(rec: ReplicaRecord) -> Row:
         if rec.status == FENCED or rec.desired != UP:  # stopping, stopped or fenced: as recorded
@@ -181,14 +180,15 @@ async def status(store: AsyncStore, sessions: Sessions | None) -> list[Row]:
             return Row(rec, rec.status, dict(_UNKNOWN))
         try:
             for run in rec.shards:
-                (ok,) = await nodeops.alive(await sessions.get(run.node), [run])
+                (ok,) = await nodeops.alive(await sessions.get(run.node), [run], trim_bytes=log_cap(run.node))
                 if not ok:
                     return Row(rec, UNHEALTHY, dict(_UNKNOWN), f"its engine on {run.node} is not running")
             s = await sessions.get(rec.shards[0].node)
-            why = await nodeops.ready(s, rec.port, rec.replica.model)
+            key = key_of(rec) if key_of is not None else None
+            why = await nodeops.ready(s, rec.port, rec.replica.model, api_key=key)
             if why is not None:
                 return Row(rec, UNHEALTHY, dict(_UNKNOWN), why)
-            return Row(rec, READY, await _load(s, rec))
+            return Row(rec, READY, await _load(s, rec, key))
         except (SSHError, OSError) as e:
             return Row(rec, UNHEALTHY, dict(_UNKNOWN), f"cannot be checked: {e}")
 
@@ -199,14 +199,14 @@ async def status(store: AsyncStore, sessions: Sessions | None) -> list[Row]:
     return rows
 
 
-async def _load(session: Any, rec: ReplicaRecord) -> dict[str, float | None]:
+async def _load(session: Any, rec: ReplicaRecord, key: str | None = None) -> dict[str, float | None]:
     from cluster_cli.router.scrape import mapped_names, parse_metrics, resolve
 
     engine = get_engine(rec.replica.engine)
     if engine is None or rec.port is None:
         return dict(_UNKNOWN)
     try:
-        code, body = await nodeops.get(session, rec.port, "/metrics")
+        code, body = await nodeops.get(session, rec.port, "/metrics", api_key=key)
     except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError):
         return dict(_UNKNOWN)
     if code != 200:
@@ -231,11 +231,19 @@ def find(store: Store, name: str, shard: int = 0) -> ReplicaRecord:
 
 
 async def logs(
-    sessions: Sessions, rec: ReplicaRecord, *, shard: int, lines: int, follow: bool, write: Callable[[bytes], None]
+    sessions: Sessions,
+    rec: ReplicaRecord,
+    *,
+    shard: int,
+    lines: int,
+    follow: bool,
+    write: Callable[[bytes], None],
+    previous: bool = False,
 ) -> int | None:
+    """Print a shard's log (``previous``: the one before its last start, ``log.1``)."""
     run = rec.shards[shard]
     s = await sessions.get(run.node)
-    cmd = remote.log_command(run.run_dir, lines=lines, follow=follow)
+    cmd = remote.log_command(run.run_dir, lines=lines, follow=follow, previous=previous)
     stream = getattr(s, "stream", None)
     if stream is None:
         res = await s.run(cmd, timeout=nodeops.SCRIPT_TIMEOUT_S)

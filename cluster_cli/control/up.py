@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 from cluster_cli.control import stops
 from cluster_cli.control.checks import HealthChecks, find_dead
 from cluster_cli.control.discovery import Fleet
+from cluster_cli.control.publish import DRAIN_S, drained, engine_keys, publish
 from cluster_cli.errors import ClusterctlError, SSHError
 from cluster_cli.launch import node as nodeops
-from cluster_cli.launch import routerconf
 from cluster_cli.launch.observe import Observed
 from cluster_cli.launch.shards import pick_port, profile_of, shard_starts
 from cluster_cli.state.launches import StaleRecord, StaleVersion
@@ -119,6 +119,7 @@ async def up(
     reprobe: Callable[[], Awaitable[tuple[Fleet, Observed]]] | None = None,
     catalog_doc: dict[str, Any] | None = None,
     catalog_source: str | None = None,
+    drain_s: float = DRAIN_S,
 ) -> UpResult:
     """Apply the catalog to the cluster. ``fleet`` reads the nodes, replicas and state version
     from one snapshot of the state (a cordon is in all three or in none); ``observed``: what
@@ -175,7 +176,7 @@ async def up(
             # Out of the router first, then stopped and released; what the plan starts (a
             # replica placed anew on the GPUs it had) is placed again once they are free:
             # never on GPUs whose engine may still run.
-            outcomes += await _stop_all(stopping, cat, store, sessions, router_config, report)
+            outcomes += await _stop_all(stopping, cat, store, sessions, router_config, report, me, drain_s)
             view = await fleet()
             current = await _also_check(view, current, dead, sessions, seen, busy, theirs, checks)
             continue
@@ -230,7 +231,7 @@ async def up(
         outcomes.append(Outcome(replica_name(u.model, u.replica), u.model, "unplaced", "unplaced", reason=why))
         report(replica_name(u.model, u.replica), "unplaced", why)
 
-    routerconf.write(router_config, routerconf.render(await store.records(), cat))
+    await publish(store, router_config, cat=cat)
     outcomes.sort(key=lambda o: (o.model, int(o.name.rpartition("/")[2])))
     return UpResult(outcomes, await store.version(), router_config)
 
@@ -242,16 +243,26 @@ async def _stop_all(
     sessions: Sessions,
     router_config: Path,
     report: Report,
+    owner: str | None,
+    drain_s: float,
 ) -> list[Outcome]:
-    """Replicas the plan does not keep: out of the router config first (no new request
-    reaches them), then each stopped and released (fenced where its stop is not confirmed)."""
-    gone = {rec.key for rec, _ in stopping}
-    live = [r for r in await store.records() if r.key not in gone]
-    routerconf.write(router_config, routerconf.render(live, cat))
-    await asyncio.sleep(routerconf.PICKUP_S)
-    for rec, _ in stopping:
+    """Replicas the plan does not keep: marked wanted down and published draining first (no
+    new request reaches them, those in flight finish), then each stopped and released
+    (fenced where its stop is not confirmed). One another command changed meanwhile is its."""
+    marked = []
+    for rec, why in stopping:
+        got = await stops.cas(
+            store, rec, lambda cur, why=why: store.want_down(cur, why=f"stopping: {why or 'no longer in the catalog'}",
+                                                             owner=owner),
+            same=lambda cur, rec=rec: cur.desired == "up" and cur.shards == rec.shards,
+        )  # fmt: skip
+        if got is not None:
+            marked.append((got, why))
+    await publish(store, router_config, cat=cat)
+    await drained(router_config, {rec.name for rec, _ in marked}, drain_s)
+    for rec, _ in marked:
         report(rec.name, "stopping", "")
-    return list(await asyncio.gather(*(_stop(rec, why, store, sessions, report) for rec, why in stopping)))
+    return list(await asyncio.gather(*(_stop(rec, why, store, sessions, report) for rec, why in marked)))
 
 
 async def _finish_stops(store: AsyncStore, sessions: Sessions, runs: Runs | None, report: Report) -> list[Outcome]:
@@ -391,8 +402,9 @@ async def _launch(
     out = Outcome(rec.name, rec.replica.model, action, STARTING, nodes)
     report(rec.name, "starting", ", ".join(nodes))
     runs: list[Any] = []  # what may run of it: the shards' markers, then their processes
+    key = engine_keys(store)(rec)
     try:
-        starts = shard_starts(rec, cat, inv, facts)
+        starts = shard_starts(rec, cat, inv, facts, api_key=key)
         first = await sessions.get(starts[0].node)
         endpoint = _endpoint(inv, rec, getattr(first, "host", None))
         runs = [s.run for s in starts]
@@ -411,7 +423,7 @@ async def _launch(
             raise failed
         rec = await _record(store, replace(rec, shards=tuple(runs), started_at=time.time()))
         report(rec.name, "loading", f"pid {head.pid} on {head.node}")
-        await _wait_ready(rec, sessions, deadline, report)
+        await _wait_ready(rec, sessions, deadline, report, key)
         rec = await _record(store, replace(rec, status=READY, detail=None))
         out.state, out.endpoint = READY, rec.endpoint
         report(rec.name, "ready", rec.endpoint or "")
@@ -450,13 +462,13 @@ async def _record(store: AsyncStore, rec: ReplicaRecord) -> ReplicaRecord:
         raise _TakenAway(f"changed by another command while this one started it ({what})") from None
 
 
-async def _wait_ready(rec: ReplicaRecord, sessions: Sessions, deadline: float, report: Report) -> None:
+async def _wait_ready(rec: ReplicaRecord, sessions: Sessions, deadline: float, report: Report, key: str) -> None:
     last = ""
     head = rec.shards[0]
     assert rec.port is not None
     polls = 0
     while True:
-        why = await nodeops.ready(await sessions.get(head.node), rec.port, rec.replica.model)
+        why = await nodeops.ready(await sessions.get(head.node), rec.port, rec.replica.model, api_key=key)
         if why is None:
             return
         for run in rec.shards:

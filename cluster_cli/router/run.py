@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cluster_cli.errors import ConfigError
+from cluster_cli.router import serving
 from cluster_cli.router.accesslog import AccessLog
 from cluster_cli.router.app import Router
 from cluster_cli.router.config import RouterConfig
@@ -96,6 +97,8 @@ async def serve(
                 router.reject_keys(f"{keys_path}: {type(e).__name__}: {e}")
 
     keys_task = loop.create_task(_watch_keys()) if keys_file is not None else None
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
+    announce_task = loop.create_task(_announce(config_path, url, source, router))
     gc_threshold = gc.get_threshold()
     tune_gc()
 
@@ -124,5 +127,29 @@ async def serve(
                 loop.remove_signal_handler(sig)
         if keys_task is not None:
             keys_task.cancel()
+        announce_task.cancel()
         await router.stop(grace)
+        serving.remove(config_path)
         untune_gc(gc_threshold)
+
+
+async def _announce(config_path: Path, url: str, source: FileSource, router: Router, every: float = 0.2) -> None:
+    """Keep this router's serving file (``router/serving.py``) beside the config: which
+    config it loaded, and what is in flight on each draining endpoint. Written when either
+    changes, and every second at least (its time says it is alive)."""
+    last: tuple[object, ...] | None = None
+    written = 0.0
+    while True:
+        draining = {
+            w.view.replica: w.inflight for w in router.table.workers.values() if w.view.draining and w.view.replica
+        }
+        for w in router.table.retired:  # removed from the config, still finishing what it had
+            if w.view.replica and w.inflight:
+                draining[w.view.replica] = draining.get(w.view.replica, 0) + w.inflight
+        now = asyncio.get_running_loop().time()
+        state = (source.applied_sha256, tuple(sorted(draining.items())))
+        if state != last or now - written >= 1.0:
+            serving.write(config_path, url=url, config_sha256=source.applied_sha256, loaded_at=source.applied_at,
+                          draining=draining)  # fmt: skip
+            last, written = state, now
+        await asyncio.sleep(every)

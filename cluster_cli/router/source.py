@@ -19,6 +19,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -222,6 +223,8 @@ class FileSource:
         self.path = Path(path)
         self.transform = transform or (lambda c: c)
         self.file = WatchedFile(self.path, interval=interval)
+        self.applied_sha256: str | None = None  # the digest of the file's bytes last applied
+        self.applied_at: float | None = None
 
     @property
     def interval(self) -> float:
@@ -234,7 +237,16 @@ class FileSource:
         return self.transform(load_router_config(self.path, data))
 
     def load(self) -> RouterConfig:
-        return self._config(self.file.read())
+        content = self.file.read()
+        cfg = self._config(content)
+        self._applied(content)
+        return cfg
+
+    def _applied(self, content: Content) -> None:
+        from cluster_cli.router.serving import digest
+
+        if content[0] is not None:
+            self.applied_sha256, self.applied_at = digest(content[0]), time.time()
 
     def trigger(self) -> None:
         self.file.trigger()
@@ -255,3 +267,5 @@ class FileSource:
             except Exception as e:
                 log.exception("applying %s failed", self.path)
                 reject(f"{self.path}: could not be applied: {type(e).__name__}: {e}")
+            else:
+                self._applied(content)

@@ -1,0 +1,163 @@
+"""A cluster's control plane, opened once: its state, inventory, SSH sessions and router
+config, and the operations every command calls (and ``supervise``'s loop will, every tick).
+
+``up`` is one :meth:`Cluster.reconcile`; ``down`` and ``status`` are :meth:`Cluster.down` and
+:meth:`Cluster.status`. A command opens the cluster, calls one operation and renders its
+result; nothing here prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cluster_cli.control import discovery
+from cluster_cli.control.sessions import Sessions
+from cluster_cli.state.aio import AsyncStore
+
+if TYPE_CHECKING:
+    from cluster_cli.config.catalog import Catalog
+    from cluster_cli.config.inventory import Inventory
+    from cluster_cli.control.replicas import Downed, Row
+    from cluster_cli.control.runs import Runs
+    from cluster_cli.control.up import Report, UpResult
+    from cluster_cli.launch.observe import Observed
+    from cluster_cli.probe.runner import Connector
+    from cluster_cli.state.records import Fence, ReplicaRecord
+    from cluster_cli.state.store import Store
+
+
+def _quiet(name: str, phase: str, detail: str) -> None:
+    pass
+
+
+@dataclass
+class Cluster:
+    """One cluster for one command or one long-running loop. Open with :meth:`open`."""
+
+    inv: Inventory
+    inventory_path: Path
+    store: AsyncStore
+    sessions: Sessions
+    router_config: Path
+    runs: Runs | None = None
+    parallel: int = 64
+    drain_s: float = 60.0  # how long a replica being stopped may finish what is in flight on it
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        inv: Inventory,
+        inventory_path: Path,
+        store: Store,
+        connector: Connector,
+        router_config: Path,
+        *,
+        runs: Runs | None = None,
+        parallel: int = 64,
+        drain_s: float = 60.0,
+    ) -> AsyncIterator[Cluster]:
+        """The cluster, its SSH sessions and its state's database thread open for the block
+        (``store`` is not to be used directly meanwhile)."""
+        async with Sessions(inv, connector) as sessions, AsyncStore(store) as astore:
+            yield cls(inv, inventory_path, astore, sessions, router_config, runs, parallel, drain_s)
+
+    # ---- observe ----------------------------------------------------------
+    async def observe(
+        self, *, steady: bool = False, report: Report = _quiet, on_done: Callable[[Any], None] | None = None
+    ) -> Observed:
+        """Probe every node and save its facts (discover's probe), and what the same batch saw
+        of the recorded shards and (unless ``steady``) the ports listening. ``steady``: only
+        the running replicas are checked; the hardware is as the state last saw it."""
+        from cluster_cli.launch.observe import Observed
+
+        report("nodes", "probing", f"{len(self.inv.nodes)} node(s)")
+        observed = Observed()
+        facts = await discovery.probe(self.inv, connector=self.sessions.connector_view(), parallel=self.parallel,
+                                      store=self.store, observed=observed, ports=not steady, hardware=not steady,
+                                      on_done=on_done)  # fmt: skip
+        await discovery.save(self.store, facts, self.inventory_path, observed)
+        down = [f.name for f in facts if not f.reachable]
+        report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))
+        return observed
+
+    async def fleet(self) -> discovery.Fleet:
+        """The nodes as placement takes them, the replicas held and the state version, from one
+        snapshot of the state."""
+        return await discovery.fleet(self.inv, self.store, placeable=True)
+
+    # ---- reconcile --------------------------------------------------------
+    async def reconcile(
+        self,
+        cat: Catalog,
+        *,
+        expect_version: int | None = None,
+        timeout_s: float = 600.0,
+        report: Report = _quiet,
+        catalog_source: str | None = None,
+    ) -> UpResult:
+        """One pass: probe (only the running replicas where the catalog asks for nothing new),
+        check what runs, place what is missing, stop what is not wanted, start, wait until
+        ready, publish. What ``up`` runs once. With ``expect_version`` nothing is probed: the
+        plan is the one ``place`` made from that state version."""
+        from cluster_cli.control.checks import HealthChecks, expects_new
+        from cluster_cli.control.up import up
+
+        records = await self.store.records()
+        health = HealthChecks(records, self.sessions)
+        observed = None
+        reprobe = None
+
+        async def full() -> Any:
+            seen = await self.observe(report=report)
+            return await self.fleet(), seen
+
+        if expect_version is None:
+            # Every replica the catalog asks for is held: check them, without reading the
+            # hardware again unless something has to be placed after all.
+            steady = not expects_new(cat, records)
+            observed = await self.observe(steady=steady, report=report, on_done=health.node_done)
+            reprobe = full if steady else None
+        return await up(
+            self.inv,
+            cat,
+            self.store,
+            self.sessions,
+            self.fleet,
+            router_config=self.router_config,
+            expect_version=expect_version,
+            timeout_s=timeout_s,
+            report=report,
+            observed=observed,
+            runs=self.runs,
+            health=health,
+            reprobe=reprobe,
+            catalog_doc=cat.model_dump(mode="json"),
+            catalog_source=catalog_source,
+            drain_s=self.drain_s,
+        )
+
+    # ---- down, status -----------------------------------------------------
+    async def down(self, targets: list[ReplicaRecord], *, report: Callable[[str], None]) -> list[Downed]:
+        """Take ``targets`` down (see :func:`cluster_cli.control.replicas.down`)."""
+        from cluster_cli.control.replicas import down
+
+        runs = self.runs
+        return await down(self.store, self.sessions, targets, router_config=self.router_config, report=report,
+                          owner=runs.id if runs is not None else None,
+                          alive=runs.alive if runs is not None else (lambda _: False), drain_s=self.drain_s)  # fmt: skip
+
+    async def status(self, *, check: bool = True) -> tuple[list[Row], list[Fence]]:
+        """Every replica as seen now (``check``: on its node) or as last recorded, and the fences."""
+        from cluster_cli.control.replicas import status
+
+        def cap(node: str) -> int | None:
+            n = self.inv.node(node)
+            return self.inv.log_max_bytes(n) if n is not None else None
+
+        rows = await status(self.store, self.sessions if check else None, log_cap=cap)
+        return rows, await self.store.fences()
