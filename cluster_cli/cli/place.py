@@ -37,7 +37,8 @@ Examples:
 
 --facts takes what 'clusterctl discover -o json' prints.
 Exit codes: 0 all replicas placed, 3 some unplaced (plan still printed),
-2 bad input. Applying a plan is 'clusterctl up' (not yet available).
+2 bad input. To apply exactly that plan: 'clusterctl up -c catalog.yaml
+--check-version N' with the state version it prints.
 """
 
 
@@ -61,7 +62,8 @@ def place(
 
     if not dry_run:
         ui.abort(
-            "applying a plan is 'clusterctl up' (not yet available); use 'clusterctl place --dry-run' to preview it"
+            "place only plans: preview with 'clusterctl place --dry-run', apply with 'clusterctl up' "
+            "(--check-version N applies exactly the plan made at state version N)"
         )
     state: App = ctx.obj
     inventory = recorded_inventory(inventory, state.state_path)
