@@ -250,3 +250,33 @@ def test_down_keeps_the_catalogs_metric_mappings_in_the_router_config(tmp_path: 
     doc = yaml.safe_load((tmp_path / "router.yaml").read_text())
     assert doc["engines"]["llamacpp"]["metrics"] == mapping
     assert [e["replica"] for e in doc["models"]["m"]["endpoints"]] == ["m/1"]
+
+
+def test_a_fixed_port_two_replicas_share_a_node_for_fails_the_second_alone(tmp_path: Path, monkeypatch: Any) -> None:
+    """A profile's ``port:`` is one per node: two replicas placed on one node cannot both have
+    it. The second is reported failed with why; the first starts; ``up`` goes on."""
+    from cluster_cli.config.catalog import Catalog
+
+    _starts(monkeypatch)
+    nodes = _Nodes(monkeypatch)
+
+    async def listening(session: Any) -> set[int]:
+        return set()
+
+    monkeypatch.setattr("cluster_cli.launch.node.listening", listening)
+    inv = Inventory.model_validate({"nodes": [{"name": "cpu-01", "host": "h1"}]})
+    cat = Catalog.model_validate({"models": [{"name": "m", "replicas": 2, "profiles": [
+        {"name": "p", "engine": "llamacpp", "model": "/m.gguf", "cpus": 1, "port": 9000}]}]})  # fmt: skip
+    with Store(tmp_path / "s.db", actor="up") as s:
+        s.save_discovery([replace(cpu_node("cpu-01"), probed_at=1.0)])
+
+        async def go() -> Any:
+            async with AsyncStore(s) as astore:
+                return await up(inv, cat, astore, nodes, lambda: discovery.fleet(inv, astore, placeable=True),  # type: ignore[arg-type]
+                                router_config=tmp_path / "router.yaml", timeout_s=5)  # fmt: skip
+
+        result = asyncio.run(go())
+        got = {o.name: o for o in result.outcomes}
+        assert (got["m/0"].state, got["m/1"].state) == ("ready", "failed"), got
+        assert "port 9000 is taken" in got["m/1"].reason and not result.complete
+        assert [(r.name, r.port) for r in s.records()] == [("m/0", 9000)]

@@ -182,7 +182,7 @@ async def up(
             continue
         by_node = {f.name: f for f in view.nodes}
         taken = await _taken_ports(result, sessions, store, seen)
-        new = _new_records(result, away, inv, cat, taken, me)
+        new, refused = _new_records(result, away, inv, cat, taken, me)
         try:
             # The version the plan was made from is checked and moved in the same statement.
             booked = await store.reserve(new, expect_version=view.version)
@@ -197,6 +197,9 @@ async def up(
         raise StaleVersion("the state kept moving while up planned: run it again")
     if catalog_doc is not None:
         await store.save_catalog(catalog_doc, source=catalog_source)
+    for o in refused:
+        report(o.name, "failed", o.reason)
+    outcomes += refused
 
     for rec in current:
         if rec.replica.key in away:
@@ -340,10 +343,12 @@ async def _taken_ports(result: Plan, sessions: Sessions, store: AsyncStore, seen
 def _new_records(
     result: Plan, away: dict[tuple[str, int], str], inv: Inventory, cat: Catalog, taken: dict[str, set[int]],
     owner: str | None,
-) -> list[ReplicaRecord]:  # fmt: skip
-    """The records of the plan's new replicas, each with its port(s). The state gives each its
-    generation when it reserves them (the next one of its ``MODEL/N``: never one used before)."""
-    out = []
+) -> tuple[list[ReplicaRecord], list[Outcome]]:  # fmt: skip
+    """The records of the plan's new replicas, each with its port(s), and an outcome for each
+    that can have none (a profile's fixed ``port:`` another replica or process takes on that
+    node, a range used up): that replica alone is not started. The state gives each record
+    its generation when it reserves them (the next one of its ``MODEL/N``)."""
+    out, refused = [], []
     for p in result.starts:
         r = p.replica
         if r.key in away:
@@ -354,18 +359,25 @@ def _new_records(
         lo, hi = inv.port_range(n) if n is not None else (8100, 8999)
         profile = profile_of(cat, ReplicaRecord(r))
         port = profile.port or pick_port(lo, hi, used)
+        why = None
         if port is None:
-            raise ClusterctlError(f"{head}: no free port left in {lo}-{hi} for {replica_name(r.model, r.replica)}")
-        used.add(port)
+            why = f"{head}: no free port left in {lo}-{hi}"
+        elif port in used:  # a fixed port: the profile's one per node
+            why = f"{head}: its profile's port {port} is taken there (by another replica or process): one per node"
         extra: tuple[int, ...] = ()
-        if len(r.shards) > 1:  # the replica's own Ray head port
-            ray = pick_port(lo, hi, used)
+        if why is None and len(r.shards) > 1:  # the replica's own Ray head port
+            ray = pick_port(lo, hi, used | {port})
             if ray is None:
-                raise ClusterctlError(f"{head}: no free port left in {lo}-{hi} for a Ray head")
-            used.add(ray)
-            extra = (ray,)
+                why = f"{head}: no free port left in {lo}-{hi} for a Ray head"
+            extra = () if ray is None else (ray,)
+        name = replica_name(r.model, r.replica)
+        if why is not None:
+            refused.append(Outcome(name, r.model, "start", FAILED, [s.node for s in r.shards], reason=why))
+            continue
+        used.add(port)  # type: ignore[arg-type]
+        used.update(extra)
         out.append(ReplicaRecord(r, status=PLANNED, port=port, extra_ports=extra, owner=owner))
-    return out
+    return out, refused
 
 
 def _endpoint(inv: Inventory, rec: ReplicaRecord, reached: str | None = None) -> str:
