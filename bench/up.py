@@ -392,6 +392,7 @@ import cluster_cli.cli.main  # typer app + every command module, as the console 
 import cluster_cli.cli.common as common
 import cluster_cli.control.discovery as discovery
 import cluster_cli.control.sessions as sessions
+import cluster_cli.control.lifecycle as lifecycle
 import cluster_cli.control.up as up
 import cluster_cli.launch.node as node
 import cluster_cli.launch.routerconf as routerconf
@@ -428,8 +429,8 @@ for obj, name, label in (
     (collect, "discover", "probe (discover's)"), (Store, "save_discovery", "save facts"),
     (discovery, "fleet", "fleet from state"), (up, "find_dead", "check kept replicas"),
     (placement, "plan", "placement"), (up, "_taken_ports", "ports in use (new nodes)"),
-    (Store, "reserve", "reserve"), (up, "_launch", "start + wait ready (per replica)"),
-    (up, "_wait_ready", "wait ready (per replica)"), (routerconf, "write", "router config"),
+    (Store, "reserve", "reserve"), (lifecycle, "start", "start + wait ready (per replica)"),
+    (lifecycle, "wait_ready", "wait ready (per replica)"), (routerconf, "write", "router config"),
     (sessions.Sessions, "get", "session (connect on first use)"), (sessions.Sessions, "aclose", "close sessions"),
     (node, "start", "start script"), (node, "stop", "stop script"), (node, "alive", "alive script"),
     (node, "ready", "ready check (/health, /v1/models)"), (node, "listening", "listening script"),

@@ -97,11 +97,11 @@ class _Nodes:
 
 
 def _launch_one(store: Store, nodes: _Nodes, rec: ReplicaRecord, inv: Inventory) -> Any:
-    from cluster_cli.control import up as upmod
+    from cluster_cli.control import lifecycle
 
     async def go() -> Any:
         async with AsyncStore(store) as astore:
-            out = await upmod._launch(rec, "start", inv, None, astore, nodes, {}, time.monotonic() + 5,  # type: ignore[arg-type]
+            out = await lifecycle.start(rec, "start", inv, None, astore, nodes, {}, time.monotonic() + 5,  # type: ignore[arg-type]
                                       lambda *a: None)  # fmt: skip
             await asyncio.sleep(0.6)  # the loop lives on (up waits for other replicas): a stray start would end
             return out
@@ -111,14 +111,14 @@ def _launch_one(store: Store, nodes: _Nodes, rec: ReplicaRecord, inv: Inventory)
 
 def _starts(monkeypatch: Any) -> None:
     """Shard starts without a catalog: each shard's run folder and marker."""
-    from cluster_cli.control import up as upmod
+    from cluster_cli.control import lifecycle
     from cluster_cli.launch.shards import folder
 
     def starts(rec: ReplicaRecord, cat: Any, inv: Any, facts: Any, **kw: Any) -> list[Any]:
         return [SimpleNamespace(node=s.node, run=ShardRun(s.node, folder("~/r", rec), f"{rec.name}.g{rec.generation}.s{i}"))
                 for i, s in enumerate(rec.replica.shards)]  # fmt: skip
 
-    monkeypatch.setattr(upmod, "shard_starts", starts)
+    monkeypatch.setattr(lifecycle, "shard_starts", starts)
 
 
 def test_a_failed_shard_start_waits_for_the_others_before_it_stops_them(tmp_path: Path, monkeypatch: Any) -> None:

@@ -21,9 +21,10 @@ from cluster_cli.state.aio import AsyncStore
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
     from cluster_cli.config.inventory import Inventory
+    from cluster_cli.control.lifecycle import Report
     from cluster_cli.control.replicas import Downed, Row
     from cluster_cli.control.runs import Runs
-    from cluster_cli.control.up import Report, UpResult
+    from cluster_cli.control.up import UpResult
     from cluster_cli.launch.observe import Observed
     from cluster_cli.probe.runner import Connector
     from cluster_cli.state.records import Fence, ReplicaRecord

@@ -13,25 +13,25 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster_cli.control import stops
+from cluster_cli.control import lifecycle, stops
 from cluster_cli.control.checks import HealthChecks, find_dead
 from cluster_cli.control.discovery import Fleet
-from cluster_cli.control.publish import DRAIN_S, drained, engine_keys, publish
-from cluster_cli.errors import ClusterctlError, SSHError
+from cluster_cli.control.lifecycle import Outcome, Report, kept, quiet
+from cluster_cli.control.publish import DRAIN_S, drained, publish
+from cluster_cli.errors import SSHError
 from cluster_cli.launch import node as nodeops
 from cluster_cli.launch.observe import Observed
-from cluster_cli.launch.shards import pick_port, profile_of, shard_starts
-from cluster_cli.state.launches import StaleRecord, StaleVersion
+from cluster_cli.launch.shards import pick_port, profile_of
+from cluster_cli.state.launches import StaleVersion
 from cluster_cli.state.records import (
     FAILED,
     PLANNED,
     READY,
     STARTING,
-    STOPPED,
     STOPPING,
     UNHEALTHY,
     ReplicaRecord,
@@ -43,40 +43,8 @@ if TYPE_CHECKING:
     from cluster_cli.config.inventory import Inventory
     from cluster_cli.control.runs import Runs
     from cluster_cli.control.sessions import Sessions
-    from cluster_cli.facts import NodeFacts
     from cluster_cli.placement import Plan
     from cluster_cli.state.aio import AsyncStore
-
-POLL_S = (0.05, 0.1, 0.2, 0.5)  # readiness checks: soon after the start, then every 0.5 s
-Report = Callable[[str, str, str], None]  # (replica name, phase, detail)
-
-
-@dataclass
-class Outcome:
-    """What ``up`` did with one replica."""
-
-    name: str
-    model: str
-    action: str  # start, restart, keep, stop, unplaced
-    state: str  # ready, failed, stopped, unplaced, ...
-    nodes: list[str] = field(default_factory=list)
-    endpoint: str | None = None
-    reason: str = ""
-    log: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "model": self.model,
-            "action": self.action,
-            "state": self.state,
-            "nodes": self.nodes,
-            "endpoint": self.endpoint,
-            "reason": self.reason or None,
-            "log": self.log,
-            "seconds": round(self.seconds, 2),
-        }
 
 
 @dataclass
@@ -98,10 +66,6 @@ class UpResult:
         }
 
 
-def _quiet(name: str, phase: str, detail: str) -> None:
-    pass
-
-
 async def up(
     inv: Inventory,
     cat: Catalog,
@@ -112,7 +76,7 @@ async def up(
     router_config: Path,
     expect_version: int | None = None,
     timeout_s: float = 600.0,
-    report: Report = _quiet,
+    report: Report = quiet,
     observed: Observed | None = None,
     runs: Runs | None = None,
     health: HealthChecks | None = None,
@@ -210,23 +174,25 @@ async def up(
                 lambda cur, why=why: store.observe(replace(cur, status=UNHEALTHY, detail=why)),
                 same=lambda cur: cur.desired == "up" and cur.status not in ("fenced", "stopping", "stopped"),
             )  # out of the router config
-            outcomes.append(replace(_kept(rec), state=UNHEALTHY, reason=why))
+            outcomes.append(replace(kept(rec), state=UNHEALTHY, reason=why))
             report(rec.name, "unhealthy", why)
     keeps = [_record_of(current, p.replica) for p in result.keeps]
     restart = [r for r in keeps if r is not None and r.key in dead]
     for rec in keeps:
         if rec is not None and rec.key in busy:
             why = "being started by another up"
-            outcomes.append(replace(_kept(rec), state=STARTING, reason=why))
+            outcomes.append(replace(kept(rec), state=STARTING, reason=why))
             report(rec.name, "starting", why)
         elif rec is not None and rec.key not in dead:
-            outcomes.append(_kept(rec))
+            outcomes.append(kept(rec))
             report(rec.name, "ready", "running")
 
     deadline = time.monotonic() + timeout_s
-    jobs = [_launch(rec, "start", inv, cat, store, sessions, by_node, deadline, report) for rec in booked.records]
+    jobs = [
+        lifecycle.start(rec, "start", inv, cat, store, sessions, by_node, deadline, report) for rec in booked.records
+    ]
     for rec in restart:
-        jobs.append(_restart(rec, dead[rec.key], me, inv, cat, store, sessions, by_node, deadline, report))
+        jobs.append(lifecycle.restart(rec, dead[rec.key], me, inv, cat, store, sessions, by_node, deadline, report))
     outcomes += await asyncio.gather(*jobs)
 
     for u in result.unplaced:
@@ -265,7 +231,7 @@ async def _stop_all(
     await drained(router_config, {rec.name for rec, _ in marked}, drain_s)
     for rec, _ in marked:
         report(rec.name, "stopping", "")
-    return list(await asyncio.gather(*(_stop(rec, why, store, sessions, report) for rec, why in marked)))
+    return list(await asyncio.gather(*(lifecycle.stop(rec, why, store, sessions, report) for rec, why in marked)))
 
 
 async def _finish_stops(store: AsyncStore, sessions: Sessions, runs: Runs | None, report: Report) -> list[Outcome]:
@@ -275,7 +241,9 @@ async def _finish_stops(store: AsyncStore, sessions: Sessions, runs: Runs | None
     mine = [r for r in left if runs is None or not runs.alive(r.owner)]
 
     async def one(rec: ReplicaRecord) -> Outcome:
-        out = await _stop(rec, "left stopping by an interrupted down", store, sessions, report, wanted_down=True)
+        out = await lifecycle.stop(
+            rec, "left stopping by an interrupted down", store, sessions, report, wanted_down=True
+        )
         return replace(out, action="stop")
 
     return list(await asyncio.gather(*(one(r) for r in mine)))
@@ -316,10 +284,6 @@ def _away(result: Plan) -> dict[tuple[str, int], str]:
     still run there, so it is neither stopped nor released (its engine would be left behind,
     unrecorded), nor replaced by this run."""
     return {p.replica.key: p.note for p in result.stops if p.note.endswith(" unreachable")}
-
-
-def _kept(rec: ReplicaRecord) -> Outcome:
-    return Outcome(rec.name, rec.replica.model, "keep", rec.status, [s.node for s in rec.replica.shards], rec.endpoint)
 
 
 async def _taken_ports(result: Plan, sessions: Sessions, store: AsyncStore, seen: Observed) -> dict[str, set[int]]:
@@ -378,172 +342,3 @@ def _new_records(
         used.update(extra)
         out.append(ReplicaRecord(r, status=PLANNED, port=port, extra_ports=extra, owner=owner))
     return out, refused
-
-
-def _endpoint(inv: Inventory, rec: ReplicaRecord, reached: str | None = None) -> str:
-    """Where the router finds ``rec``: the address SSH reached its head node at (``reached``:
-    ssh_config's HostName when the inventory names an alias), else the inventory's host."""
-    n = inv.node(rec.replica.shards[0].node)
-    host = reached or (n.host if n is not None else rec.replica.shards[0].node)
-    host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{rec.port}"
-
-
-class _TakenAway(ClusterctlError):
-    """The replica's row changed while this run started it (a ``down``, a release)."""
-
-
-async def _launch(
-    rec: ReplicaRecord,
-    action: str,
-    inv: Inventory,
-    cat: Catalog,
-    store: AsyncStore,
-    sessions: Sessions,
-    facts: dict[str, NodeFacts],
-    deadline: float,
-    report: Report,
-) -> Outcome:
-    """Start every shard of ``rec``, wait until it is ready. Its shards' markers are recorded
-    before anything starts, so that whatever starts can be found again. On any failure it is
-    stopped whole and released whole, or fenced where the stop could not be confirmed. When
-    another command changed its row meanwhile (a ``down``), what this run started is
-    stopped and the row is left as that command made it."""
-    t0 = time.monotonic()
-    nodes = [s.node for s in rec.replica.shards]
-    out = Outcome(rec.name, rec.replica.model, action, STARTING, nodes)
-    report(rec.name, "starting", ", ".join(nodes))
-    runs: list[Any] = []  # what may run of it: the shards' markers, then their processes
-    key = engine_keys(store)(rec)
-    try:
-        starts = shard_starts(rec, cat, inv, facts, api_key=key)
-        first = await sessions.get(starts[0].node)
-        endpoint = _endpoint(inv, rec, getattr(first, "host", None))
-        runs = [s.run for s in starts]
-        rec = await _record(store, replace(rec, shards=tuple(runs), status=STARTING, endpoint=endpoint, detail=None))
-        # Shard 0 first (a multi-node replica's Ray head), then the others together.
-        runs[0] = head = await nodeops.start(first, starts[0])
-
-        async def other(i: int, s: Any) -> None:
-            runs[i] = await nodeops.start(await sessions.get(s.node), s)
-
-        # Every start ends before a failure is acted on: a slower shard that starts after the
-        # stop ran would have nothing that knows of it.
-        ends = await asyncio.gather(*(other(i, s) for i, s in enumerate(starts) if i > 0), return_exceptions=True)
-        failed = next((e for e in ends if isinstance(e, BaseException)), None)
-        if failed is not None:
-            raise failed
-        rec = await _record(store, replace(rec, shards=tuple(runs), started_at=time.time()))
-        report(rec.name, "loading", f"pid {head.pid} on {head.node}")
-        await _wait_ready(rec, sessions, deadline, report, key)
-        rec = await _record(store, replace(rec, status=READY, detail=None))
-        out.state, out.endpoint = READY, rec.endpoint
-        report(rec.name, "ready", rec.endpoint or "")
-    except _TakenAway as e:
-        # Whatever this run started is its own to stop: the other command could not see it.
-        started = replace(rec, shards=tuple(runs))
-        stopped = await stops.stop_shards(started, sessions)
-        out.state, out.reason = STOPPED, f"{e}: what it started is stopped"
-        if stopped.left:  # kept in the state, whatever the other command made of the row
-            await store.fence_started(started, stopped.left, why=str(e))
-            out.state, out.reason = FAILED, f"{e}; its stop is not confirmed ({stopped.problem()})"
-        report(rec.name, out.state, out.reason)
-    except (ClusterctlError, OSError, ValueError) as e:
-        out.state, out.reason = FAILED, str(e)
-        out.log = list(getattr(e, "log", []) or [])
-        report(rec.name, "failed", out.reason)
-        with contextlib.suppress(StaleRecord):  # the failure, as an event of its own
-            rec = await store.observe(replace(rec, status=FAILED, detail=out.reason))
-        stopped = await stops.stop_shards(rec, sessions)
-        out.log = stopped.log or out.log
-        why = f"failed to start: {out.reason}"
-        if stopped.left:
-            why += f"; its stop is not confirmed ({stopped.problem()})"
-        await stops.release(store, rec, stopped, why=why)
-    out.seconds = time.monotonic() - t0
-    return out
-
-
-async def _record(store: AsyncStore, rec: ReplicaRecord) -> ReplicaRecord:
-    """``rec`` observed at its revision; raises _TakenAway when another command changed it."""
-    try:
-        return await store.observe(rec)
-    except StaleRecord:
-        cur = await store.record(*rec.key)
-        what = "released" if cur is None else f"{cur.status}, wanted {cur.desired}"
-        raise _TakenAway(f"changed by another command while this one started it ({what})") from None
-
-
-async def _wait_ready(rec: ReplicaRecord, sessions: Sessions, deadline: float, report: Report, key: str) -> None:
-    last = ""
-    head = rec.shards[0]
-    assert rec.port is not None
-    polls = 0
-    while True:
-        why = await nodeops.ready(await sessions.get(head.node), rec.port, rec.replica.model, api_key=key)
-        if why is None:
-            return
-        for run in rec.shards:
-            (ok,) = await nodeops.alive(await sessions.get(run.node), [run])
-            if not ok:
-                raise nodeops.LaunchError(f"the engine exited on {run.node}")
-        if why != last:
-            report(rec.name, "loading", why)
-            last = why
-        if time.monotonic() > deadline:
-            raise nodeops.LaunchError(f"not ready in time: {why}")
-        await asyncio.sleep(POLL_S[min(polls, len(POLL_S) - 1)])
-        polls += 1
-
-
-async def _restart(
-    rec: ReplicaRecord,
-    why: str,
-    me: str | None,
-    inv: Inventory,
-    cat: Catalog,
-    store: AsyncStore,
-    sessions: Sessions,
-    facts: dict[str, NodeFacts],
-    deadline: float,
-    report: Report,
-) -> Outcome:
-    """A kept replica that died: taken over by this run (``me``), what is left of it is
-    stopped, then it starts again on its own allocation (GPUs and port, same generation), one
-    restart more. Another run that took it over first keeps it; where what is left of it
-    cannot be stopped for sure, it is fenced instead."""
-    seen = rec
-    claimed = await store.claim(seen, replace(rec, status=UNHEALTHY, detail=why, restarts=rec.restarts + 1, owner=me))
-    if claimed is None:
-        why = "being restarted by another up"
-        report(rec.name, "starting", why)
-        return replace(_kept(seen), state=STARTING, reason=why)
-    report(rec.name, "restarting", why)
-    stopped = await stops.stop_shards(claimed, sessions)
-    if stopped.left:
-        reason = f"{why}; what is left of it could not be stopped ({stopped.problem()})"
-        await stops.release(store, claimed, stopped, why=reason)
-        report(rec.name, "failed", reason)
-        return Outcome(rec.name, rec.replica.model, "restart", FAILED, [s.node for s in rec.replica.shards],
-                       reason=reason, log=stopped.log)  # fmt: skip
-    out = await _launch(claimed, "restart", inv, cat, store, sessions, facts, deadline, report)
-    if not out.reason:
-        out.reason = f"restarted: {why}"
-    return out
-
-
-async def _stop(
-    rec: ReplicaRecord, why: str, store: AsyncStore, sessions: Sessions, report: Report, *, wanted_down: bool = False
-) -> Outcome:
-    """Stop a replica the plan does not keep (``why``: the plan's reason) and release it
-    (fenced where its stop could not be confirmed)."""
-    t0 = time.monotonic()
-    out = Outcome(rec.name, rec.replica.model, "stop", "stopped", [s.node for s in rec.replica.shards], reason=why)
-    stopped = await stops.stop_shards(rec, sessions)
-    if stopped.left:
-        out.state, out.reason = FAILED, stopped.problem()
-    await stops.release(store, rec, stopped, why=f"stopped ({why or 'no longer in the catalog'})",
-                        wanted_down=wanted_down)  # fmt: skip
-    report(rec.name, out.state, out.reason)
-    out.seconds = time.monotonic() - t0
-    return out

@@ -9,7 +9,7 @@ writer ever loses the other's work.
 * ``nodes``        facts from the last probe, one row per node (JSON: the facts are a document).
 * ``node_status``  ready, unreachable, lost, fencing; heartbeats (never a new state version).
 * ``cordons``      operator cordons, a table discover never writes.
-* ``replicas``, ``shards``, ``holds``, ``generations``, ``fences``: see ``launches.py``.
+* ``replicas``, ``shards``, ``holds``, ``generations``: see ``launches.py``; ``fences``: ``fences.py``.
 * ``catalogs``, ``leases``, ``events``: see ``desired.py``, ``leases.py``, ``eventlog.py``.
 * ``meta``         schema version, the state version (moved by every change placement reads),
                    the inventory the state follows.
@@ -34,6 +34,7 @@ from cluster_cli.state import schema
 from cluster_cli.state.backend import Backend, Tx
 from cluster_cli.state.desired import Desired
 from cluster_cli.state.eventlog import EventLog
+from cluster_cli.state.fences import FenceTable
 from cluster_cli.state.launches import LaunchTable
 from cluster_cli.state.leases import Lease, Leases
 from cluster_cli.state.schema import NODE_STATES, SCHEMA_VERSION
@@ -76,7 +77,7 @@ class NodeStatus:
         }
 
 
-class Store(LaunchTable, EventLog, Leases, Desired):
+class Store(LaunchTable, FenceTable, EventLog, Leases, Desired):
     """A handle on the state. Cheap to open; use as a context manager. ``actor`` names who
     writes (``up``, ``cordon``, ``supervise``...) in the events it records."""
 
