@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from cluster_cli.errors import ClusterctlError, SSHError
 from cluster_cli.launch import remote
-from cluster_cli.launch.remote import ShardRef
+from cluster_cli.launch.remote import ShardRef, TokenParts, parse_token
 from cluster_cli.router.http import fetch
 from cluster_cli.state.records import ShardRun
 
@@ -154,6 +155,185 @@ async def listening(session: Session) -> set[int]:
         except ValueError:
             continue
     return ports
+
+
+# ---- everything of clusterctl on a node: list, fence, heartbeat ---------------------------
+
+
+def _parts(token: str | None) -> TokenParts | None:
+    if token is None:
+        return None
+    try:
+        return parse_token(token)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class MarkedProcess:
+    """A process on the node that carries ``CLUSTERCTL_RUN=<token>`` (a shard's engine, one of
+    its workers, or what is left of a shard). ``token`` is as the node printed it (made
+    printable); ``parts`` is None for a token that is not a clusterctl marker."""
+
+    pid: int
+    start_time: int
+    token: str
+
+    @property
+    def parts(self) -> TokenParts | None:
+        return _parts(self.token)
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """A folder under the node's run folder: its name, the marker its ``env`` file ends with
+    (None: no env file, or no marker in it) and what its ``pid`` file records (None: none)."""
+
+    name: str
+    token: str | None = None
+    pid: int | None = None
+    start_time: int | None = None
+
+    @property
+    def parts(self) -> TokenParts | None:
+        return _parts(self.token)
+
+
+@dataclass
+class NodeRuns:
+    """Every marked process on a node and every folder under its run folder, as one listing
+    found them; ``boot_id``: the node's boot id then (None where it has none)."""
+
+    processes: list[MarkedProcess] = field(default_factory=list)
+    folders: list[RunFolder] = field(default_factory=list)
+    boot_id: str | None = None
+
+    def tokens(self) -> set[str]:
+        """Every token a process or a folder carries."""
+        return {p.token for p in self.processes} | {f.token for f in self.folders if f.token is not None}
+
+    def processes_of(self, token: str) -> list[MarkedProcess]:
+        return [p for p in self.processes if p.token == token]
+
+    def folders_of(self, token: str) -> list[RunFolder]:
+        return [f for f in self.folders if f.token == token]
+
+    @property
+    def shared(self) -> dict[str, list[str]]:
+        """Tokens found in more than one folder (a copied or moved folder): token -> names."""
+        by: dict[str, list[str]] = {}
+        for f in self.folders:
+            if f.token is not None:
+                by.setdefault(f.token, []).append(f.name)
+        return {t: names for t, names in by.items() if len(names) > 1}
+
+    @property
+    def malformed(self) -> set[str]:
+        """Tokens that are not clusterctl markers (``parse_token`` refuses them)."""
+        return {t for t in self.tokens() if _parts(t) is None}
+
+
+def _int(s: str) -> int | None:
+    return int(s) if s.isdigit() else None
+
+
+def _procs(payloads: list[str]) -> list[MarkedProcess]:
+    out = []
+    for line in payloads:
+        pid, _, rest = line.partition(" ")
+        st, _, token = rest.partition(" ")
+        if pid.isdigit() and st.isdigit() and token:
+            out.append(MarkedProcess(int(pid), int(st), token))
+    return out
+
+
+def _complete(script: remote.Script, out: str, what: str) -> None:
+    """Raise LaunchError unless the script got to its end (a listing cut short says nothing)."""
+    why = script.answers(out, "ERR")
+    if why:
+        raise LaunchError(f"{what}: {why[0]}")
+    if not script.answers(out, "END"):
+        raise LaunchError(f"{what}: the node's answer was cut short ({out.strip()[-200:]!r})")
+
+
+def read_runs(script: remote.Script, out: str) -> NodeRuns:
+    """What a ``runs_script`` or ``heartbeat_script`` answered (pure). Raises LaunchError when
+    it did not get to its end."""
+    _complete(script, out, "listing the node's runs")
+    res = NodeRuns(processes=_procs(script.answers(out, "PROC")))
+    for line in script.answers(out, "DIR"):
+        parts = line.split(" ", 3)
+        if len(parts) != 4 or not parts[3]:
+            continue
+        pid, st, token, name = parts
+        res.folders.append(RunFolder(name, None if token == "-" else token, _int(pid), _int(st)))
+    boot = script.answers(out, "BOOT")
+    res.boot_id = (boot[0] or None) if boot else None
+    return res
+
+
+async def list_runs(session: Session, run_dir: str) -> NodeRuns:
+    """Every process on the node that carries a clusterctl marker, and every folder under its
+    ``run_dir`` (the node's run folder, ``inventory.run_dir``), in one script that starts 4
+    processes (see ``remote.runs_script``)."""
+    script = remote.runs_script(run_dir)
+    return read_runs(script, await run_script(session, script))
+
+
+@dataclass
+class Fenced:
+    """What a fence did: the marked processes it stopped (gone now) and those left running,
+    the folders it removed, and those of tokens not kept it left (something of them runs)."""
+
+    stopped: list[MarkedProcess] = field(default_factory=list)
+    left: list[MarkedProcess] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.left and not self.held
+
+
+async def fence(session: Session, run_dir: str, keep: Iterable[str], grace_s: float = 10.0) -> Fenced:
+    """Stop every marked process on the node whose token is not in ``keep`` (TERM and CONT,
+    ``grace_s``, KILL, as ``stop`` does) and remove their folders under ``run_dir`` once
+    nothing of them runs. A process without a marker, or with a kept one, is never signalled.
+    Raises ValueError for a ``keep`` token that cannot be compared as written, LaunchError
+    when the node's answer was cut short."""
+    script = remote.fence_script(run_dir, keep, grace_s=grace_s)
+    out = await run_script(session, script, timeout=grace_s + 30)
+    _complete(script, out, "fencing the node")
+    left = _procs(script.answers(out, "LEFT"))
+    still = {p.pid for p in left}
+    return Fenced(
+        stopped=[p for p in _procs(script.answers(out, "TARGET")) if p.pid not in still],
+        left=left,
+        removed=script.answers(out, "REMOVED"),
+        held=script.answers(out, "HELD"),
+    )
+
+
+@dataclass
+class Beat:
+    """One heartbeat of a node: its boot id, whether each shard asked about still runs (the
+    same PID, start time and boot; in the order given), and what runs there besides."""
+
+    boot_id: str | None
+    alive: list[bool]
+    runs: NodeRuns
+
+
+async def heartbeat(session: Session, runs: list[ShardRun], run_dir: str, *, timeout: float = SCRIPT_TIMEOUT_S) -> Beat:
+    """One look at the node in one script (``remote.heartbeat_script``: 4 processes started
+    there, whatever the number of shards): its boot id, whether each of ``runs`` still runs,
+    and every marked process and folder. No nvidia-smi. Raises LaunchError when the answer
+    was cut short."""
+    script = remote.heartbeat_script((ref(r) for r in runs), run_dir)
+    out = await run_script(session, script, timeout=timeout)
+    listing = read_runs(script, out)
+    live = {int(i) for i in script.answers(out, "ALIVE") if i.isdigit()}
+    return Beat(listing.boot_id, [i in live for i in range(len(runs))], listing)
 
 
 async def get(

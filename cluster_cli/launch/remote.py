@@ -17,6 +17,7 @@ included, and never signals a stranger that reused a PID.
 
 from __future__ import annotations
 
+import re
 import secrets
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
@@ -209,6 +210,19 @@ class ShardRef:
     boot_id: str | None = None  # the node's boot id when it started: after a reboot its PID is another's
 
 
+def _ending_lines(grace_s: float, relist: str) -> list[str]:
+    """End the processes in ``$pids``: one TERM and a CONT each, up to ``grace_s`` for them to
+    go (``relist`` sets ``$pids`` anew: what is still there), then KILL, and up to 5 s more.
+    ``$pids`` is then what is left."""
+    steps = max(1, int(grace_s / 0.2))
+    return [
+        # CONT after TERM (as systemd does): a stopped (frozen) process acts on its TERM at once.
+        '[ -n "$pids" ] && { kill -TERM $pids; kill -CONT $pids; } 2>/dev/null',
+        f'i=0; while [ -n "$pids" ] && [ $i -lt {steps} ]; do sleep 0.2; i=$((i + 1)); {relist}; done',
+        f'if [ -n "$pids" ]; then kill -KILL $pids 2>/dev/null; i=0; while [ -n "$pids" ] && [ $i -lt 25 ]; do sleep 0.2; i=$((i + 1)); {relist}; done; fi',
+    ]
+
+
 def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None, gpu_check: bool = False,
                 remove: bool = True, tail: int = LOG_TAIL_LINES) -> Script:  # fmt: skip
     """Stop every process of a shard: TERM, up to ``grace_s``, then KILL; then check that none
@@ -216,7 +230,6 @@ def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None
     Answers ``LOG`` lines (the log's tail), then ``STOPPED N`` or ``LEFT PIDS``,
     ``PORT_OPEN P``, ``GPU PIDS``; ``GONE`` when the folder is not there."""
     nonce, framing = _framed()
-    steps = max(1, int(grace_s / 0.2))
     lines = [
         "set -u",
         *framing,
@@ -235,13 +248,7 @@ def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None
             f'procstat {ref.pid} && [ "$ps_start" = {ref.start_time} ] && '
             f'case " $pids " in *" {ref.pid} "*) ;; *) pids="$pids {ref.pid}";; esac'
         )
-    lines += [
-        "all=$pids",
-        # CONT after TERM (as systemd does): a stopped (frozen) process acts on its TERM at once.
-        '[ -n "$pids" ] && { kill -TERM $pids; kill -CONT $pids; } 2>/dev/null',
-        f'i=0; while [ -n "$pids" ] && [ $i -lt {steps} ]; do sleep 0.2; i=$((i + 1)); pids=$(ours); done',
-        'if [ -n "$pids" ]; then kill -KILL $pids 2>/dev/null; i=0; while [ -n "$pids" ] && [ $i -lt 25 ]; do sleep 0.2; i=$((i + 1)); pids=$(ours); done; fi',
-    ]
+    lines += ["all=$pids", *_ending_lines(grace_s, "pids=$(ours)")]
     if ref.pid is not None and ref.start_time is not None:
         lines.append(f'procstat {ref.pid} && [ "$ps_start" = {ref.start_time} ] && kill -KILL {ref.pid} 2>/dev/null')
     lines += [
@@ -271,8 +278,16 @@ def inspect_script(refs: Iterable[ShardRef], *, trim_bytes: int | None = None) -
     With ``trim_bytes``, also trims the logs over it, as ``trim_script`` does."""
     refs = list(refs)
     nonce, framing = _framed()
-    lines = ["set -u", *framing, f"RUN_ENV={RUN_ENV}", "token=", _FUNCS,
-             "boot=; { read -r boot </proc/sys/kernel/random/boot_id; } 2>/dev/null"]  # fmt: skip
+    lines = ["set -u", *framing, f"RUN_ENV={RUN_ENV}", "token=", _FUNCS, *_alive_lines(refs)]
+    if trim_bytes is not None:
+        lines += _trim_lines(refs, trim_bytes)
+    return _script(nonce, lines)
+
+
+def _alive_lines(refs: Sequence[ShardRef]) -> list[str]:
+    """Read the node's boot id into ``$boot``; answer ``ALIVE I`` or ``DEAD I`` for each ref
+    (builtins only: no process is started)."""
+    lines = ["boot=; { read -r boot </proc/sys/kernel/random/boot_id; } 2>/dev/null"]
     for i, r in enumerate(refs):
         if r.pid is None or r.start_time is None:
             lines.append(f'echo "@@$nonce DEAD {i}"')
@@ -282,9 +297,7 @@ def inspect_script(refs: Iterable[ShardRef], *, trim_bytes: int | None = None) -
             f'if {same_boot}procstat {r.pid} && [ "$ps_start" = {r.start_time} ]; '
             f'then echo "@@$nonce ALIVE {i}"; else echo "@@$nonce DEAD {i}"; fi'
         )
-    if trim_bytes is not None:
-        lines += _trim_lines(refs, trim_bytes)
-    return _script(nonce, lines)
+    return lines
 
 
 def trim_script(refs: Iterable[ShardRef], max_bytes: int) -> Script:
@@ -331,6 +344,239 @@ def listening_script() -> Script:
             'awk -v h="@@$nonce PORT" \'$4 == "0A" { n = split($2, a, ":"); print h " " a[n] }\' "$f"; done',
         ],
     )
+
+
+# ---- the node's marked processes and shard folders: list, fence, heartbeat ----------------
+
+_TOKEN = re.compile(
+    r"([A-Za-z0-9][A-Za-z0-9._-]{0,62})/(0|[1-9][0-9]{0,8})\.g(0|[1-9][0-9]{0,8})\.s(0|[1-9][0-9]{0,4})\.([0-9a-f]{16})"
+)
+
+
+@dataclass(frozen=True)
+class TokenParts:
+    """What a shard's marker says (``MODEL/N.gG.sR.HEX``, see ``shards._token``)."""
+
+    model: str
+    replica: int
+    generation: int
+    rank: int
+    nonce: str  # the 16 hex digits that make the marker the run's own
+
+    @property
+    def replica_name(self) -> str:
+        return f"{self.model}/{self.replica}"
+
+
+def parse_token(token: str) -> TokenParts:
+    """``MODEL/N.gG.sR.HEX`` read back; ValueError for anything else (a model name the catalog
+    would refuse, a number with a sign or leading zero, a nonce not 16 lowercase hex digits,
+    anything before or after)."""
+    m = _TOKEN.fullmatch(token) if isinstance(token, str) else None
+    if m is None:
+        raise ValueError(f"not a clusterctl marker: {printable(str(token))[:120]!r}")
+    return TokenParts(m[1], int(m[2]), int(m[3]), int(m[4]), m[5])
+
+
+# One awk over every marker on the node, from ``grep -z`` over /proc/*/environ (a line
+# "/proc/PID/environ:CLUSTERCTL_RUN=TOKEN" each, a newline in a value turned into \001 by tr),
+# and over the shard folders given as its arguments (read with getline in BEGIN's stead: awk
+# never opens them as input). It reads each process's /proc/PID/stat itself: no process per
+# process. ``mode``: ``list`` (PROC and DIR lines), ``strays`` (the PIDs of the processes whose
+# markers are all not in ENVIRON CLUSTERCTL_KEEP), ``targets`` (those, as TARGET lines),
+# ``final`` (those still there, as LEFT lines; the folders of tokens not kept: HELD when
+# something of theirs still runs, else "R NAME" for the shell to remove). A process in the
+# script's own session is skipped when the script itself carries a marker (``sess``): its
+# subshells and commands, before their exec, carry it too. Zombies do not run.
+_MARKS_AWK = r"""
+BEGIN {
+  for (i = 1; i < ARGC; i++) dirs[++nd] = ARGV[i]
+  ARGC = 1
+  nk = split(ENVIRON["CLUSTERCTL_KEEP"], ka, "\n")
+  for (i = 1; i <= nk; i++) if (ka[i] != "") keep[ka[i]] = 1
+  key = "/environ:" name "="
+  pre = "export " name "="
+  q = "\047"
+}
+function stat(pid,   f, l, r, s) {
+  f = "/proc/" pid "/stat"; l = ""
+  r = (getline l < f); close(f)
+  if (r <= 0 || !sub(/.*\) /, "", l)) return 0
+  split(l, s, " ")
+  if (s[1] == "Z" || s[1] == "X" || s[1] == "x") return 0
+  sid = s[4]; start = s[20]
+  return 1
+}
+function word(s) { gsub(/[ \t\r]/, "\001", s); return s }
+function text(s) { gsub(/[\r\n]/, "\001", s); return s }
+function folder(p,   n, nm, f, l, t, a, pid, st) {
+  n = p; sub(/\/+$/, "", n); nm = n; sub(/.*\//, "", nm)
+  t = ""; f = n "/env"
+  while ((getline l < f) > 0) if (substr(l, 1, length(pre)) == pre) t = substr(l, length(pre) + 1)
+  close(f)
+  if (length(t) >= 2 && substr(t, 1, 1) == q && substr(t, length(t)) == q) t = substr(t, 2, length(t) - 2)
+  pid = "-"; st = "-"; f = n "/pid"; l = ""
+  if ((getline l < f) > 0 && split(l, a, " ") >= 2 && a[1] ~ /^[0-9]+$/ && a[2] ~ /^[0-9]+$/) { pid = a[1]; st = a[2] }
+  close(f)
+  if (mode == "list") { print h "DIR " pid " " st " " (t == "" ? "-" : word(t)) " " text(nm); return }
+  if (t == "" || (t in keep)) return
+  if ((t in live) || (pid != "-" && stat(pid) && start == st) || nm ~ /[\r\n]/) print h "HELD " text(nm)
+  else print "R " nm
+}
+substr($0, 1, 6) == "/proc/" {
+  i = index($0, key)
+  pid = substr($0, 7, i - 7)
+  if (i < 8 || pid !~ /^[0-9]+$/ || pid == self) next
+  t = substr($0, i + length(key))
+  if (t == "") next
+  if (!(pid in tok)) { tok[pid] = t; order[++np] = pid }
+  epid[++ne] = pid; etok[ne] = t
+  if (t in keep) kept[pid] = 1
+}
+END {
+  for (j = 1; j <= np; j++) {
+    pid = order[j]
+    if (!stat(pid) || (sess != "" && sid == sess)) continue
+    run[pid] = 1
+    if (mode == "list") print h "PROC " pid " " start " " text(tok[pid])
+    else if (pid in kept) continue
+    else if (mode == "strays") print pid
+    else if (mode == "targets") print h "TARGET " pid " " start " " text(tok[pid])
+    else if (mode == "final") print h "LEFT " pid " " start " " text(tok[pid])
+  }
+  for (j = 1; j <= ne; j++) if (epid[j] in run) live[etok[j]] = 1
+  for (j = 1; j <= nd; j++) folder(dirs[j])
+  if (mode == "list" || mode == "final") print h "END"
+}
+"""
+
+# The shell side: which grep to use (one probe, no process per process unless the node's grep
+# has no -z), and ``marks MODE`` (the folders of $d go with list and final). Needs ``$keep``
+# (tokens kept, a line each), ``$d``, ``procstat`` and the framing.
+_MARKS = (
+    r"""
+nl='
+'
+put() { case $1 in *\\*) printf '%s\n' "$1";; *) echo "$1";; esac; }
+for c in grep tr awk; do command -v $c >/dev/null 2>&1 || { say ERR "no $c on the node"; exit 0; }; done
+me=; if [ -n "${CLUSTERCTL_RUN-}" ] && procstat $$; then me=$ps_sess; fi
+unset CLUSTERCTL_RUN
+zgrep=; CLUSTERCTL_ZPROBE=1 grep -qz '^CLUSTERCTL_ZPROBE=1$' /proc/self/environ 2>/dev/null && zgrep=1
+marks_awk="""
+    + shlex.quote(_MARKS_AWK)
+    + r"""
+marks() {
+  m_mode=$1
+  if [ "$m_mode" = list ] || [ "$m_mode" = final ]; then set -- "$d"/*/; [ -e "$1" ] || set --; else set --; fi
+  if [ -n "$zgrep" ]; then
+    LC_ALL=C grep -szH -- "^$RUN_ENV=." /proc/[0-9]*/environ 2>/dev/null | tr '\n\000' '\001\n' |
+      LC_ALL=C CLUSTERCTL_KEEP=$keep awk -v h="@@$nonce " -v mode="$m_mode" -v name="$RUN_ENV" -v self=$$ -v sess="$me" "$marks_awk" "$@"
+  else
+    for p in /proc/[0-9]*; do tr '\n\000' '\001\n' 2>/dev/null <"$p/environ" | sed -n "s#^$RUN_ENV=.#$p/environ:&#p"; done |
+      LC_ALL=C CLUSTERCTL_KEEP=$keep awk -v h="@@$nonce " -v mode="$m_mode" -v name="$RUN_ENV" -v self=$$ -v sess="$me" "$marks_awk" "$@"
+  fi
+}
+"""
+)
+
+
+def _marks_head(run_dir: str, keep: Sequence[str] = ()) -> tuple[str, list[str]]:
+    nonce, framing = _framed()
+    lines = [
+        "set -u",
+        *framing,
+        f"RUN_ENV={RUN_ENV}",
+        "token=",
+        _FUNCS,
+        f"d={dir_expr(run_dir)}",
+        f"keep={shlex.quote(chr(10).join(keep))}",
+        _MARKS,
+    ]
+    return nonce, lines
+
+
+def runs_script(run_dir: str) -> Script:
+    """Everything of clusterctl on the node: ``PROC PID START TOKEN`` for each process that
+    carries a marker (GPU or CPU, any shard, whatever started it; START: /proc/PID/stat field
+    22), ``DIR PID START TOKEN NAME`` for each folder under ``run_dir`` (PID and START from its
+    ``pid`` file, TOKEN from its ``env`` file; ``-`` where there is none), ``BOOT ID``, then
+    ``END`` (a listing without it was cut short: nothing can be concluded from it). A token's
+    blanks are written as \\x01 where another field follows. Processes whose environ cannot be
+    read (other users') are skipped quietly.
+
+    It starts 4 processes however many run on the node (a ``grep -z`` that checks the node's
+    grep reads NUL-separated input, then one ``grep -z | tr | awk`` over every
+    /proc/PID/environ); the folders and the stat files are read by that awk, the rest is
+    shell builtins. On a node whose grep has no ``-z`` it falls back to a ``tr | sed`` per
+    process."""
+    nonce, lines = _marks_head(run_dir)
+    lines += [
+        "boot=; { read -r boot </proc/sys/kernel/random/boot_id; } 2>/dev/null",
+        'echo "@@$nonce BOOT $boot"',
+        "marks list",
+    ]
+    return _script(nonce, lines)
+
+
+def check_keep(keep: Iterable[str]) -> list[str]:
+    """The tokens of ``keep``, each checked to be comparable as written (not empty, no blank
+    nor control character): ValueError otherwise, since a fence must not stop a process
+    because its token was mistyped into something else."""
+    out = []
+    for t in keep:
+        if not isinstance(t, str) or not t or not t.isprintable() or any(c.isspace() for c in t):
+            raise ValueError(f"fence: not a marker to keep: {printable(str(t))[:120]!r}")
+        out.append(t)
+    return out
+
+
+def fence_script(run_dir: str, keep: Iterable[str], *, grace_s: float = 10.0) -> Script:
+    """Stop every process on the node that carries a marker whose token is not in ``keep``
+    (one whose markers include a kept one, and one with no marker at all, is never signalled),
+    as the stop script does: one TERM and a CONT each, ``grace_s``, then KILL. Then remove the
+    folders under ``run_dir`` whose ``env`` names a token not kept, once no process of that
+    token runs and the process their ``pid`` file records (same start time) is gone too.
+
+    Answers ``TARGET PID START TOKEN`` for each process it signalled first, ``LEFT PID START
+    TOKEN`` for each process not kept still running at the end, ``REMOVED NAME`` for each
+    folder removed, ``HELD NAME`` for each folder of a token not kept that stays (something of
+    it still runs), then ``END``. A folder without a marker in its ``env`` is left alone."""
+    kept = check_keep(keep)
+    nonce, lines = _marks_head(run_dir, kept)
+    lines += [
+        "m=$(marks targets)",
+        "pids=; set -f; IFS=$nl",
+        'for l in $m; do put "$l"; l=${l#"@@$nonce TARGET "}; pids="$pids ${l%% *}"; done',
+        "unset IFS; set +f",
+        *_ending_lines(grace_s, "pids=$(marks strays)"),
+        "out=$(marks final)",
+        "set -f; IFS=$nl",
+        "for l in $out; do",
+        "  case $l in",
+        '    "R "*) n=${l#"R "}; p=$d/$n',
+        '      if [ -d "$p" ] && [ ! -L "$p" ] && rm -rf -- "$p" 2>/dev/null && [ ! -e "$p" ]; then put "@@$nonce REMOVED $n"; else put "@@$nonce HELD $n"; fi;;',
+        '    *) put "$l";;',
+        "  esac",
+        "done",
+        "unset IFS; set +f",
+    ]
+    return _script(nonce, lines)
+
+
+def heartbeat_script(refs: Iterable[ShardRef], run_dir: str) -> Script:
+    """One look at a node, cheap enough to run every 2 s: ``BOOT ID`` (the node's boot id),
+    ``ALIVE I`` / ``DEAD I`` for each ref as ``inspect_script`` answers (the same PID, start
+    time and boot), and the listing of ``runs_script`` (``PROC``, ``DIR``, ``END``). No
+    nvidia-smi, nothing per shard or per process but shell builtins and awk's reads.
+
+    It starts 4 processes on the node however many shards and processes it has (8 shards or
+    none): the probe of grep's ``-z``, then ``grep -z``, ``tr`` and ``awk`` once each (under
+    bash, dash, busybox sh and mksh alike, measured with ``strace -f``; see
+    ``tests/test_heartbeat.py``)."""
+    refs = list(refs)
+    nonce, lines = _marks_head(run_dir)
+    lines += [*_alive_lines(refs), 'echo "@@$nonce BOOT $boot"', "marks list"]
+    return _script(nonce, lines)
 
 
 def log_command(run_dir: str, *, lines: int, follow: bool, previous: bool = False) -> str:
