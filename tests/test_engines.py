@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from cluster_cli.engines import LaunchSpec, MetricMapping, get_engine
 from cluster_cli.engines.base import VLLM_KV_CACHE, VLLM_KV_CACHE_LEGACY, VLLM_RUNNING, VLLM_WAITING
+from cluster_cli.engines.vllm import RAY_HEAD_PORTS, RAY_NODE_PORTS
 
 VLLM = get_engine("vllm")
 LLAMA = get_engine("llamacpp")
@@ -121,7 +122,8 @@ def test_vllm_multi_node_head_starts_ray_head_then_serves() -> None:
     argv = VLLM.command(_multi_node(0, extra_args=("--max-model-len", "8192")), binary="/opt/vllm/bin/vllm")
     assert argv[:2] == ["sh", "-c"] and len(argv) == 3
     head, rest = argv[2].split(" && unset NCCL_IB_HCA && exec ")
-    assert shlex.split(head) == ["/opt/vllm/bin/ray", "start", "--head", "--port=6379", "--num-gpus=8"]
+    assert shlex.split(head) == ["/opt/vllm/bin/ray", "start", "--head", "--port=6379", "--num-gpus=8",
+                                 *RAY_HEAD_PORTS, *RAY_NODE_PORTS]  # fmt: skip
     # every word is quoted: a model path with a space and a ';' stays one argument
     assert shlex.split(rest) == [
         "/opt/vllm/bin/vllm", "serve", "/m/deep seek;x",
@@ -135,7 +137,8 @@ def test_vllm_multi_node_head_starts_ray_head_then_serves() -> None:
 
 def test_vllm_multi_node_workers_join_the_head() -> None:
     argv = VLLM.command(_multi_node(1, cpus=32, extra_args=("--max-model-len", "8192")), binary="vllm")
-    assert argv == ["ray", "start", "--block", "--address=10.0.0.12:6379", "--num-gpus=8", "--num-cpus=32"]
+    assert argv == ["ray", "start", "--block", "--address=10.0.0.12:6379", "--num-gpus=8", "--num-cpus=32",
+                    *RAY_NODE_PORTS]  # fmt: skip
     with pytest.raises(ValueError, match="head_address"):
         VLLM.command(dataclasses.replace(_multi_node(1), head_address=None))
 
@@ -149,7 +152,8 @@ def test_two_multi_node_replicas_sharing_nodes_get_their_own_ray_clusters() -> N
         common = {"gpus": gpus, "tensor_parallel": 4, "head_address": "10.0.0.12", "ray_port": port}
         head = VLLM.command(dataclasses.replace(_multi_node(0), **common), binary="vllm")[2]
         start, _, rest = head.partition(" && unset NCCL_IB_HCA && ")
-        assert shlex.split(start) == ["ray", "start", "--head", f"--port={port}", "--num-gpus=4"]
+        assert shlex.split(start) == ["ray", "start", "--head", f"--port={port}", "--num-gpus=4",
+                                      *RAY_HEAD_PORTS, *RAY_NODE_PORTS]  # fmt: skip
         assert rest.startswith(f"RAY_ADDRESS=10.0.0.12:{port} && export RAY_ADDRESS && exec vllm serve ")
         heads.append(port)
         workers.append(VLLM.command(dataclasses.replace(_multi_node(1), **common), binary="vllm")[3])
@@ -164,7 +168,7 @@ def test_vllm_multi_node_tells_ray_and_vllm_the_nodes_own_address() -> None:
         spec = _multi_node(rank, node_address=addr)
         argv = VLLM.command(spec, binary="vllm")
         ray = shlex.split(argv[2].split(" && ")[0]) if rank == 0 else argv
-        assert ray[-1] == f"--node-ip-address={addr}"
+        assert f"--node-ip-address={addr}" in ray
         assert VLLM.env(spec)["VLLM_HOST_IP"] == addr
     assert "VLLM_HOST_IP" not in VLLM.env(_multi_node(0))
     single = LaunchSpec(model="m", served_name="m", host="h", port=1, gpus=(0,), node_address="10.0.0.11")
@@ -236,7 +240,8 @@ def test_a_multi_node_vllm_key_goes_to_vllm_serve_not_to_ray() -> None:
     assert KEY not in argv[2]
     start, rest = argv[2].split(" && unset NCCL_IB_HCA && exec ")
     # The Ray head's daemons (they outlive this shell) start without the key in their environment.
-    assert start == "(unset VLLM_API_KEY && exec /opt/vllm/bin/ray start --head --port=6379 --num-gpus=8)"
+    ports = " ".join((*RAY_HEAD_PORTS, *RAY_NODE_PORTS))
+    assert start == f"(unset VLLM_API_KEY && exec /opt/vllm/bin/ray start --head --port=6379 --num-gpus=8 {ports})"
     assert shlex.split(rest)[:2] == ["/opt/vllm/bin/vllm", "serve"]
     assert VLLM.env(head)["VLLM_API_KEY"] == KEY
     worker = _multi_node(1, api_key=KEY)

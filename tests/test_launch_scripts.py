@@ -299,7 +299,7 @@ def fill(fs: Path, *, leave_pages: int = 0) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shell", SHELLS)
-@pytest.mark.parametrize("room,unwritten", [(0, "env"), (1, "cmd"), (2, "pid"), (3, "log")])
+@pytest.mark.parametrize("room,unwritten", [(0, "env"), (1, "cmd"), (2, "run"), (3, "pid"), (4, "log")])
 def test_a_start_on_a_full_disk_answers_which_file_and_starts_nothing(
     tiny_fs: Path, shell: str, room: int, unwritten: str
 ) -> None:

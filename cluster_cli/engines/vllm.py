@@ -27,6 +27,27 @@ def _ray_resources(spec: LaunchSpec) -> list[str]:
     return res
 
 
+# Every port a Ray node listens on besides the head's GCS port (the replica's own, from the
+# launcher): 0 makes the kernel, or Ray itself, pick one free at start, where Ray's fixed
+# defaults (dashboard agent 52365, workers 10002-19999) would collide between two Ray replicas
+# sharing a node. The runtime-env agent is left out: Ray refuses 0 for it, and picks a free
+# port for it by default.
+RAY_NODE_PORTS = (
+    "--node-manager-port=0",
+    "--object-manager-port=0",
+    "--dashboard-agent-listen-port=0",
+    "--dashboard-agent-grpc-port=0",
+    "--metrics-export-port=0",
+    "--min-worker-port=0",
+    "--max-worker-port=0",
+)
+# The head's own: no dashboard UI (vLLM needs none; its API server still starts, on a port the
+# kernel picks, as its default 8265 lies in clusterctl's default HTTP range). The Ray Client
+# server (10001, only where ray[client] is installed) is left as it is: Ray refuses a port for
+# it without ray[client], and vLLM does not use it (docs/engines.md).
+RAY_HEAD_PORTS = ("--include-dashboard=false", "--dashboard-port=0")
+
+
 class VLLM:
     name = "vllm"
     supports_cpu = False
@@ -53,6 +74,7 @@ class VLLM:
                 _ray_binary(binary), "start", "--block",
                 f"--address={spec.head_address}:{spec.ray_port}",
                 *_ray_resources(spec),
+                *RAY_NODE_PORTS,
             ]  # fmt: skip
         serve = [
             binary, "serve", spec.model,
@@ -65,7 +87,8 @@ class VLLM:
             return serve + list(spec.extra_args)
         serve += ["--pipeline-parallel-size", str(spec.nodes), "--distributed-executor-backend", "ray"]
         serve += spec.extra_args
-        head = [_ray_binary(binary), "start", "--head", f"--port={spec.ray_port}", *_ray_resources(spec)]
+        head = [_ray_binary(binary), "start", "--head", f"--port={spec.ray_port}", *_ray_resources(spec),
+                *RAY_HEAD_PORTS, *RAY_NODE_PORTS]  # fmt: skip
         start_head = shlex.join(head)
         if spec.api_key:
             # The key is vllm serve's alone: the Ray daemons started here (GCS, raylet, dashboard)

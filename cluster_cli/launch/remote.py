@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from cluster_cli.facts import printable
 
 RUN_ENV = "CLUSTERCTL_RUN"
+SYSTEMD_DIR = "/run/systemd/system"  # present where systemd is PID 1 (sd_booted(3))
+LINGER_DIR = "/var/lib/systemd/linger"  # a file per user whose manager outlives their sessions
 LOG_TAIL_LINES = 20
 # Room kept in ``pid`` before the engine starts: "PID STARTTIME" (at most 7 + 1 + 20 digits)
 # is then written over it in place, which needs no new block on a disk that filled meanwhile.
@@ -119,6 +121,18 @@ class StartScript:
     ports: Sequence[int] = ()  # must be free on the node
     binaries: Sequence[str] = ()  # must be found on the node's PATH (or be executable paths)
     files: Sequence[str] = ()  # must exist on the node (a model file)
+    # Where the node shows it runs systemd, and where logind lists the users whose manager
+    # outlives their sessions (lingering): other paths in tests only.
+    systemd_dir: str = SYSTEMD_DIR
+    linger_dir: str = LINGER_DIR
+
+
+def unit_name(token: str) -> str:
+    """The transient scope a shard runs in: ``clusterctl-<token>.scope``, the token's ``/``
+    as ``-`` and any other character systemd refuses in a unit name as ``_``. Unique per
+    shard run, as the token is (its last part is random)."""
+    safe = re.sub(r"[^A-Za-z0-9:_.-]", "_", token.replace("/", "-"))
+    return f"clusterctl-{safe[:230]}.scope"
 
 
 def start_script(s: StartScript) -> Script:
@@ -166,21 +180,22 @@ def start_script(s: StartScript) -> Script:
     lines += [
         # The previous instance's log (a crash's last lines) is kept, one generation.
         "if [ -f log ]; then mv -f -- log log.1 2>/dev/null || cant log.1; fi",
-        "rm -f env cmd pid",
+        "rm -f env cmd run pid started",
         f"cat >env <<'{eof}' 2>/dev/null || cant env",
         *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
         eof,
         f"cat >cmd <<'{eof}' 2>/dev/null || cant cmd",
         shlex.join(s.argv),
         eof,
+        # What the shard runs: the engine, only once the env file gave it the marker (the
+        # file's last line); ``started`` says it got that far. Run as ``sh ./run``, so that no
+        # "$" is in what systemd-run is given (since systemd 254 it expands variables there).
+        f"cat >run <<'{eof}' 2>/dev/null || cant run",
+        f'unset {RUN_ENV}; . ./env && [ -n "${{{RUN_ENV}-}}" ] && : >started && exec {shlex.join(s.argv)}',
+        eof,
         f"echo '{_PID_ROOM}' 2>/dev/null >pid || cant pid",
         'echo "== clusterctl: starting at $(date -u +%Y-%m-%dT%H:%M:%SZ)" 2>/dev/null >>log || cant log',
-        # No job control here: the background child is no process group leader, so setsid
-        # makes it a session leader without forking, and $! is the shard's PID. It runs the
-        # engine only once the env file gave it the marker (the file's last line).
-        f'setsid sh -c \'unset {RUN_ENV}; . ./env && [ -n "${{{RUN_ENV}-}}" ] && exec "$@"\' '
-        f"clusterctl-shard {shlex.join(s.argv)} </dev/null >>log 2>&1 &",
-        "pid=$!",
+        *_detach_lines(s),
         'procstat "$pid" || { sleep 0.2; err "the engine exited at once"; }',
         "st=$ps_start",
         # Answer only once the child leads a process group of its own (setsid has run): before
@@ -194,9 +209,49 @@ def start_script(s: StartScript) -> Script:
         # that a stop could not find by its record.
         'echo "$pid $st" 2>/dev/null 1<>pid || { o=$(ours); kill -KILL $pid $o 2>/dev/null; cant pid; }',
         "boot=; { read -r boot </proc/sys/kernel/random/boot_id; } 2>/dev/null",
+        'say VIA "$via"',
         'echo "@@$nonce OK $pid $st $boot"',
     ]
     return _script(nonce, lines)
+
+
+def _detach_lines(s: StartScript) -> list[str]:
+    """Start ``sh ./run`` detached from the SSH session; sets ``$pid`` (the engine's PID: every
+    step before the engine execs in place) and ``$via``.
+
+    Where systemd runs the node (``systemd_dir``), the shard gets a transient scope of its own
+    (``unit_name``), which logind's KillUserProcesses= does not reach at logout: for root on the
+    system manager (``systemd-run --scope``), for another user on their own manager
+    (``systemd-run --user --scope``) only where they linger, since without lingering systemd
+    stops that manager, and every scope in it, once their last session ends. systemd-run
+    --scope moves itself into the scope, then execs the command. A systemd-run that exits or
+    is still there after 10 s without the launcher having run (no bus, an old systemd-run, a
+    unit by that name) is killed and the shard is started with ``setsid`` alone, as where
+    there is no systemd: so it starts once, and only once. Either way ``setsid`` makes it a
+    session leader: the script has no job control, so the background child is no process
+    group leader and setsid needs no fork."""
+    unit = shlex.quote(unit_name(s.token))
+    return [
+        f"sd={shlex.quote(s.systemd_dir)}; lg={shlex.quote(s.linger_dir)}; via=setsid; pid=; scope=",
+        'if [ -d "$sd" ] && command -v systemd-run >/dev/null 2>&1; then',
+        "  uid=$(id -u 2>/dev/null)",
+        '  if [ "$uid" = 0 ]; then scope="systemd-run --scope"',
+        '  elif [ -n "$uid" ] && [ -e "$lg/$(id -un 2>/dev/null)" ]; then',
+        '    scope="systemd-run --user --scope"; XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/run/user/$uid}; export XDG_RUNTIME_DIR',
+        "  fi",
+        "fi",
+        'if [ -n "$scope" ]; then',
+        f"  $scope --quiet --collect --unit={unit} -- setsid sh ./run </dev/null >>log 2>&1 &",
+        "  pid=$!; i=0",
+        '  while [ ! -e started ] && procstat "$pid" && [ $i -lt 500 ]; do sleep 0.02; i=$((i + 1)); done',
+        f"  if [ -e started ]; then via={shlex.quote('scope ' + unit_name(s.token))}",
+        "  else",
+        '    kill -KILL "$pid" 2>/dev/null; wait "$pid" 2>/dev/null',
+        '    echo "== clusterctl: no systemd scope (see above), started with setsid" 2>/dev/null >>log; pid=',
+        "  fi",
+        "fi",
+        'if [ -z "$pid" ]; then rm -f started; setsid sh ./run </dev/null >>log 2>&1 & pid=$!; fi',
+    ]
 
 
 @dataclass(frozen=True)
