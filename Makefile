@@ -17,6 +17,7 @@ deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  need=""; \
 	  [ -x /usr/sbin/sshd ] || need="$$need openssh-server"; \
+	  command -v ssh >/dev/null || need="$$need openssh-client"; \
 	  command -v ip >/dev/null || need="$$need iproute2"; \
 	  command -v cmake >/dev/null || need="$$need cmake"; \
 	  command -v g++ >/dev/null || need="$$need g++"; \

@@ -26,7 +26,7 @@ from cluster_cli.probe.batch import BATCH_SHELL, Inline, build_script, parse_rec
 from cluster_cli.probe.collect import probe_node
 from cluster_cli.probe.commands import SMINFO_AFTER_IBSTAT, gid_record, sminfo_record
 from cluster_cli.probe.parsers.ibstat import parse_ibstat
-from cluster_cli.probe.runner import CommandResult
+from cluster_cli.ssh.session import CommandResult
 from testbed.hardware import parse_node
 
 

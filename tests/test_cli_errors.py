@@ -306,7 +306,7 @@ def test_a_cordon_on_a_node_since_removed_from_the_inventory_can_be_lifted(tmp_p
     ("files", "kh", "needle"),
     [
         ({"kh": "just-one-word\n"}, "kh", "known_hosts"),
-        ({"kh": "", "cfg": "Host 198.18.0.77\n  Port notanumber\n"}, "kh", "ssh_config:"),
+        ({"kh": "", "cfg": "Host 198.18.0.77\n  Port notanumber\n"}, "kh", "ssh_config (node a, host 198.18.0.77): "),
         ({"state.known_hosts/x": ""}, "accept-new", "pin file is not a regular file"),
         ({"state.known_hosts": "lonely\n"}, "accept-new", "pin file is unreadable"),
     ],
@@ -328,27 +328,27 @@ def test_local_ssh_file_mistakes_stop_before_any_node_is_contacted(
 
 
 def test_a_state_named_like_a_pin_file_never_shares_it() -> None:
-    from cluster_cli.cli.common import pinned_hosts_path
+    from cluster_cli.ssh.preflight import pinned_hosts_path
 
     assert pinned_hosts_path(Path("x/state.db")) == Path("x/state.known_hosts")
     assert pinned_hosts_path(Path("x/st.known_hosts")) == Path("x/st.known_hosts.pins")
 
 
-def test_ssh_config_checks_name_asyncssh_errors_and_skip_match_exec(tmp_path: Path) -> None:
+def test_ssh_config_checks_name_ssh_errors_and_skip_match_exec(tmp_path: Path) -> None:
     write_key(tmp_path / "id")
     (tmp_path / "kh").write_text("")
     body = "ssh_config: cfg\ndefaults: {identity_file: id, known_hosts: kh}\nnodes:\n  - {name: a, host: gpu1}\n"
     (tmp_path / "cfg").write_text("Host gpu*\n  HostName %u.example\n")
     r = run(tmp_path, "discover", "-i", str(inv(tmp_path, body)), "--timeout", "1")
-    assert r.exit_code == 2 and "ssh_config:" in r.output and "Traceback" not in r.output, r.output
-    from cluster_cli.cli.common import check_ssh_files
+    assert r.exit_code == 2 and "ssh_config (node a, host gpu1): " in r.output and "Traceback" not in r.output, r.output
     from cluster_cli.config.inventory import load_inventory
+    from cluster_cli.ssh.preflight import check_ssh_files
 
     marker = tmp_path / "ran"
     (tmp_path / "cfg").write_text(f'Match exec "touch {marker}"\n  Port 2222\n')
     p = inv(tmp_path, body)
     check_ssh_files(load_inventory(p), p)
-    assert not marker.exists()  # asyncssh runs it when it connects; the up-front check must not
+    assert not marker.exists()  # ssh -G runs it when a node connects; the up-front check must not
     (tmp_path / "cfg").write_text(f"Match host gpu1\n  Port 2222\nHost other\n  ProxyCommand touch {marker}\n")
     check_ssh_files(load_inventory(p), p)  # a valid config passes
 
@@ -428,8 +428,7 @@ def test_discover_warns_of_one_machine_under_two_names(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ssh_config_loops_and_the_implicit_user_config_are_configuration_errors(tmp_path: Path) -> None:
-    """Exit 2 before any node is contacted, one line, no state: an Include loop (asyncssh
-    recurses until Python gives up), and a bad line in ~/.ssh/config, which SSH reads when
+    """Exit 2 before any node is contacted, one line, no state: an Include loop, and a bad line in ~/.ssh/config, which SSH reads when
     the inventory names no ssh_config (it would otherwise fail every node, exit 1)."""
     write_key(tmp_path / "id")
     (tmp_path / "kh").write_text("")
@@ -438,7 +437,7 @@ def test_ssh_config_loops_and_the_implicit_user_config_are_configuration_errors(
     r = run(tmp_path, "discover", "-i", str(inv(tmp_path, "ssh_config: cfg\n" + body)), "--timeout", "1")
     assert r.exit_code == 2, r.output
     (line,) = error_lines(r)
-    assert "ssh_config: Include loop" in line and "Traceback" not in r.output
+    assert "ssh_config (node a, host 198.18.0.250): Include loop" in line and "Traceback" not in r.output
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)
     (home / ".ssh" / "config").write_text("Host *\n  Port notanumber\n")
@@ -448,14 +447,14 @@ def test_ssh_config_loops_and_the_implicit_user_config_are_configuration_errors(
     )  # fmt: skip
     assert r.exit_code == 2, r.output
     (line,) = error_lines(r)
-    assert line.startswith(f"error: {home}/.ssh/config (read since ") and "Invalid Port" in line, line
+    assert line.startswith(f"error: {home}/.ssh/config (read since ") and "Bad port 'notanumber'" in line, line
     assert not (tmp_path / "state.db").exists()
 
 
 def test_ssh_config_dev_null_means_none(tmp_path: Path) -> None:
     """`ssh -F /dev/null`: the usual way to read no ssh_config at all is accepted."""
-    from cluster_cli.cli.common import check_ssh_files
     from cluster_cli.config.inventory import load_inventory
+    from cluster_cli.ssh.preflight import check_ssh_files
 
     write_key(tmp_path / "id")
     (tmp_path / "kh").write_text("")
@@ -525,10 +524,10 @@ def test_a_private_key_open_to_other_users_is_warned_about(tmp_path: Path) -> No
 
 
 def test_a_match_exec_in_an_included_file_is_not_run_up_front(tmp_path: Path) -> None:
-    """The up-front check of ssh_config never runs `Match exec` commands (asyncssh runs them
-    when it connects), not even from a file the config includes."""
-    from cluster_cli.cli.common import check_ssh_files
+    """The up-front check of ssh_config never runs `Match exec` commands (ssh -G runs them
+    when a node connects), not even from a file the config includes."""
     from cluster_cli.config.inventory import load_inventory
+    from cluster_cli.ssh.preflight import check_ssh_files
 
     write_key(tmp_path / "id")
     (tmp_path / "kh").write_text("")

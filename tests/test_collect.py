@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cluster_cli.config.inventory import Inventory, Node
 from cluster_cli.probe.collect import facts_from_outputs
-from cluster_cli.probe.runner import CommandResult
+from cluster_cli.ssh.session import CommandResult
 
 FIX = Path(__file__).parent / "fixtures" / "probes"
 

@@ -346,7 +346,7 @@ def test_the_retry_offers_the_trusted_host_key_types_first() -> None:
     """After a dropped handshake the retry asks for the trusted types first (then the rest):
     a node that still has one uses it. asyncssh's own order puts RSA first, and a node with
     both keys, ed25519 the trusted one, was told its key had changed."""
-    from cluster_cli.probe.runner import _trusted_first
+    from cluster_cli.ssh.trust import trusted_first as _trusted_first
 
     ed = asyncssh.generate_private_key("ssh-ed25519").convert_to_public()
     algs = _trusted_first(([ed], [], []))

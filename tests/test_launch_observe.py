@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from cluster_cli.launch.observe import BOOT, STAT, Observed, node_commands, parse_listening, parse_stat
 from cluster_cli.probe.batch import build_script, parse_records
-from cluster_cli.probe.runner import CommandResult
+from cluster_cli.ssh.session import CommandResult
 from cluster_cli.state.records import ShardRun
 
 

@@ -16,7 +16,7 @@ from cluster_cli.probe.batch import BATCH_SHELL, build_script, parse_records
 from cluster_cli.probe.collect import facts_from_outputs
 from cluster_cli.probe.commands import LAUNCHED_AFTER_APPS
 from cluster_cli.probe.parsers.host import parse_launched
-from cluster_cli.probe.runner import CommandResult
+from cluster_cli.ssh.session import CommandResult
 
 INV = Inventory(gpu_classes={"A100": ["NVIDIA A100 80GB PCIe"]}, nodes=[Node(name="gpu-01", host="198.18.0.10")])
 GPUS = "".join(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster_cli.probe import libsearch
-from cluster_cli.probe.libsearch import find_in_dirs, loader_dirs, quick_find_library
+from cluster_cli.ssh import libsearch
+from cluster_cli.ssh.libsearch import find_in_dirs, loader_dirs, quick_find_library
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ctypes lookup differs elsewhere")
 
@@ -86,7 +86,7 @@ def test_importing_the_ssh_layer_runs_no_programs():
             spawned.append(a[0] if a else k.get("args"))
             return real(self, *a, **k)
         subprocess.Popen.__init__ = spy
-        import cluster_cli.probe.runner
+        import cluster_cli.ssh.connect
         from asyncssh.mac import get_mac_algs
         import ctypes.util
         print(repr(spawned))
@@ -108,7 +108,7 @@ def test_a_library_that_fails_to_load_anyway_falls_back_to_the_slow_import():
     code = textwrap.dedent(
         """
         import contextlib
-        from cluster_cli.probe import libsearch
+        from cluster_cli.ssh import libsearch
 
         @contextlib.contextmanager
         def broken():

@@ -1,4 +1,5 @@
-"""Nodes behind a jump host (ssh_config ``ProxyJump``), on real sshd nodes of the testbed.
+"""Nodes behind a jump host (ssh_config ``ProxyJump``), on real sshd nodes of the testbed, and
+the routes ssh_config gives (``ssh -G``: Include, Match, a hop's own ProxyJump, loops).
 
 One connection to each jump host serves every node behind it (a bastion with OpenSSH's
 default ``MaxStartups 10:30:100`` would drop most of 64 logins at once), and the jump
@@ -7,6 +8,8 @@ host's key is verified like a node's: against the inventory's known_hosts, or pi
 
 from __future__ import annotations
 
+import asyncio
+import getpass
 import json
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,10 @@ import yaml
 from typer.testing import CliRunner
 
 from cluster_cli.cli.main import app
-from cluster_cli.probe.runner import _host_port, _parse_hop
+from cluster_cli.config.inventory import SSHTarget
+from cluster_cli.ssh.messages import host_port as _host_port
+from cluster_cli.ssh.route import Resolver, RouteError
+from cluster_cli.ssh.route import split_hop as _parse_hop
 
 runner = CliRunner()
 
@@ -119,6 +125,32 @@ def test_accept_new_pins_jump_hosts_and_nodes_then_verifies(testbed_factory, tmp
     assert all(n["error"].startswith("jump host b2: host key not verifiable") for n in doc["nodes"])
 
 
+def test_include_and_match_route_nodes_through_the_jump_host(testbed_factory, tmp_path: Path) -> None:
+    """The route ssh_config gives through Include and Match (read by ``ssh -G``, as ssh reads
+    it) is the one used: n1 matches `Match originalhost` and goes through the jump host, n2
+    matches `Match host` on its HostName and goes straight; its definitions come from an
+    included file."""
+    c = testbed_factory("jump=cpu-only,n1=cpu-only,n2=cpu-only")
+    d = c.inventory_path.parent
+    inv = behind_jump(c, ["jump"], ["n1", "n2"], pattern="no-such-host")
+    (d / "conf.d").mkdir()
+    (d / "conf.d" / "nodes.conf").write_text((d / "ssh_config").read_text())
+    n2 = c.nodes["n2"]
+    (d / "ssh_config").write_text(
+        f"Include {d / 'conf.d'}/*.conf\n"
+        f"Match host {n2.host} originalhost node-n2\n  ProxyJump none\n"
+        "Match originalhost node-*\n  ProxyJump jump\n"
+    )
+    before = {n: len(logins(c.nodes[n])) for n in c.nodes}
+    code, doc, err = discover(tmp_path / "s.db", inv)
+    assert code == 0, err
+    assert all(n["reachable"] for n in doc["nodes"])
+    assert len(logins(c.nodes["jump"])) - before["jump"] == 1  # n1 only
+    if c.mode == "netns":
+        assert f"from {c.nodes['jump'].host} " in logins(c.nodes["n1"])[-1]
+        assert f"from {c.nodes['jump'].host} " not in logins(n2)[-1]
+
+
 def test_a_proxy_jump_loop_is_an_error_not_a_hang(testbed_factory, tmp_path: Path) -> None:
     c = testbed_factory("jump=cpu-only,n1=cpu-only")
     inv = behind_jump(c, ["jump"], ["n1"], pattern="*")  # `Host *` sends the jump host through itself
@@ -149,11 +181,11 @@ def test_two_jump_hosts_that_go_through_each_other_are_a_loop_not_a_hang(testbed
     (line,) = err.strip().splitlines()
     assert line.endswith("(node n1, host node-n1): ProxyJump loops through ja (ssh_config: ProxyJump ja)")
     # Each node's own loop, once the first is fixed (the route as connect time reads it).
-    from cluster_cli.probe.runner import _route, _RouteError
-
     for host, hop in (("node-n1", "ja"), ("node-n2", "jb")):
-        with pytest.raises(_RouteError, match=f"^ProxyJump loops through {hop} \\(ssh_config: ProxyJump {hop}\\)$"):
-            _route([str(cfg)], host, None, "root")
+        t = SSHTarget(name="n", host=host, port=None, user="root", identity_file=None, known_hosts="kh",
+                      ssh_config=str(cfg))  # fmt: skip
+        with pytest.raises(RouteError, match=f"^ProxyJump loops through {hop} \\(ssh_config: ProxyJump {hop}\\)$"):
+            asyncio.run(Resolver().route(t))
 
 
 def test_a_broken_chain_names_the_hop_that_could_not_reach_the_next(testbed_factory, tmp_path: Path) -> None:
@@ -235,3 +267,115 @@ def test_a_jump_host_logs_in_with_an_agent_held_identity_file_too(
         assert code == 0 and doc["nodes"][0]["reachable"], (doc, err)
     finally:
         os.kill(pid, signal.SIGTERM)
+
+
+def _route(tmp_path: Path, config: str, host: str = "n1", user: str | None = None):
+    """The route to ``host`` with ``config`` as the inventory's ssh_config, as the connector reads it."""
+    import asyncio
+
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(config)
+    t = SSHTarget(name="n1", host=host, port=None, user=user, identity_file=None, known_hosts="kh", ssh_config=str(cfg))
+    return asyncio.run(Resolver().route(t))
+
+
+def test_route_follows_a_proxy_jump_chain_and_a_first_hop_s_own_jump(tmp_path: Path) -> None:
+    r = _route(
+        tmp_path,
+        "Host n1\n  HostName 10.0.0.1\n  Port 2201\n  ProxyJump a,u@b:2222\n  IdentityFile /keys/%h\n"
+        "Host a\n  HostName 10.9.0.1\n  ProxyJump z\n"
+        "Host z\n  HostName 10.9.0.9\n  IdentityFile /keys/z\n",
+        user="root",
+    )
+    assert r.node.real == ("10.0.0.1", 2201) and r.node.keys == ("/keys/10.0.0.1",)
+    assert [(d.alias, d.host, d.port, d.user, d.keys) for d in r.hops] == [
+        ("jump:z", "10.9.0.9", 22, getpass.getuser(), ("/keys/z",)),
+        ("jump:a", "10.9.0.1", 22, getpass.getuser(), ()),
+        ("jump:[b]:2222", "b", 2222, "u", ()),  # pinned apart from b on port 22
+    ]
+    assert [d.label for d in r.hops] == ["jump host z: ", "jump host a: ", "jump host b:2222: "]
+    assert all(d.jump for d in r.hops)
+
+
+def test_route_without_proxy_jump_is_direct(tmp_path: Path) -> None:
+    r = _route(tmp_path, "Host n1\n  HostName 10.0.0.1\n")
+    assert (r.hops, r.node.real, r.node.keys, r.node.host_key_algs) == ((), ("10.0.0.1", 22), (), ())
+    r = _route(tmp_path, "Host n1\n  ProxyJump none\nHost *\n  ProxyJump j\n")  # `none`: the first match wins
+    assert (r.hops, r.node.real) == ((), ("n1", 22))
+    assert _route(tmp_path, "Host n1\n  HostKeyAlgorithms ssh-ed25519\n").node.host_key_algs == ("ssh-ed25519",)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        # `Host *` sends the jump host through itself
+        ("Host *\n  ProxyJump j\n", "ProxyJump loops through j (j's own ProxyJump is j)"),
+        # two jump hosts that each go through the other
+        ("Host n1\n  ProxyJump ja\nHost ja\n  ProxyJump jb\nHost jb\n  ProxyJump ja\n",
+         "ProxyJump loops through ja (ssh_config: ProxyJump ja)"),
+        # back through the node itself
+        ("Host n1\n  ProxyJump j\nHost j\n  ProxyJump n1\n", "ProxyJump loops through n1 (ssh_config: ProxyJump n1)"),
+        # ssh itself refuses a hop it cannot read, naming the line
+        ("Host n1\n  ProxyJump j:port\n", 'line 2: Invalid ProxyJump "j:port"'),
+        ("Host n1\n  Port notanumber\n", "line 2: Bad port 'notanumber'."),
+    ],
+)  # fmt: skip
+def test_route_refuses_loops_and_unreadable_lines(tmp_path: Path, config: str, message: str) -> None:
+    with pytest.raises(RouteError) as e:
+        _route(tmp_path, config)
+    assert str(e.value).endswith(message), str(e.value)
+
+
+def test_an_include_loop_is_named(tmp_path: Path) -> None:
+    with pytest.raises(RouteError, match="Include loop"):
+        _route(tmp_path, f"Include {tmp_path / 'ssh_config'}\n")
+
+
+def test_route_follows_only_a_first_hop_s_own_jump(tmp_path: Path) -> None:
+    # OpenSSH reaches a later hop through the one before it, whatever ssh_config says of it.
+    r = _route(tmp_path, "Host n1\n  ProxyJump a,b\nHost b\n  ProxyJump n1\n")
+    assert [d.alias for d in r.hops] == ["jump:a", "jump:b"]
+
+
+def test_route_reads_match_final_blocks_and_pins_by_the_resolved_port(tmp_path: Path) -> None:
+    r = _route(tmp_path, "Host b\n  Port 2222\nMatch final originalhost n1\n  ProxyJump b\n")
+    assert [(d.alias, d.real) for d in r.hops] == [("jump:[b]:2222", ("b", 2222))]
+
+
+def test_route_reads_includes_and_match_as_openssh_does(tmp_path: Path) -> None:
+    """Include (absolute, and a glob), `Match host` against the HostName already set,
+    `Match originalhost` against the name given, `Match user` against the login."""
+    (tmp_path / "conf.d").mkdir()
+    (tmp_path / "conf.d" / "10-n1").write_text("Host n1\n  HostName 10.0.0.1\n")
+    r = _route(
+        tmp_path,
+        f"Include {tmp_path / 'conf.d'}/*\n"
+        "Match host 10.0.0.1 originalhost n1\n  Port 2201\n"
+        "Match user deploy\n  ProxyJump bastion:2022\n"
+        "Host *\n  User deploy\n",
+    )
+    assert r.node.real == ("10.0.0.1", 2201)
+    assert r.node.user == "deploy"
+    # `Match user` is evaluated against the User known when it is read: not yet set here, so
+    # the local user name (as `ssh -G n1` says), and no jump host.
+    assert r.hops == () or [d.alias for d in r.hops] == ["jump:[bastion]:2022"]
+    expected = _ssh_g_says(tmp_path / "ssh_config", "n1")
+    assert (r.node.host, str(r.node.port), r.node.user) == (expected["hostname"], expected["port"], expected["user"])
+    assert bool(r.hops) == ("proxyjump" in expected)
+    r = _route(tmp_path, (tmp_path / "ssh_config").read_text(), user="deploy")  # the inventory's user
+    assert [(d.alias, d.real) for d in r.hops] == [("jump:[bastion]:2022", ("bastion", 2022))]
+
+
+def test_a_hop_s_own_user_port_and_uri_form(tmp_path: Path) -> None:
+    r = _route(tmp_path, "Host n1\n  ProxyJump ssh://ops@a:2223,u@b\nHost b\n  Port 2200\n  User x\n")
+    assert [(d.alias, d.host, d.port, d.user, d.label) for d in r.hops] == [
+        ("jump:[a]:2223", "a", 2223, "ops", "jump host a:2223: "),
+        ("jump:[b]:2200", "b", 2200, "u", "jump host b: "),  # the hop's user@ wins over ssh_config's User
+    ]
+
+
+def _ssh_g_says(cfg: Path, host: str, *extra: str) -> dict[str, str]:
+    import subprocess
+
+    out = subprocess.run(["ssh", "-G", "-F", str(cfg), *extra, host], capture_output=True, text=True, check=True)
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)

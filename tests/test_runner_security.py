@@ -12,8 +12,9 @@ import pytest
 
 from cluster_cli.config.inventory import ACCEPT_NEW, SSHTarget
 from cluster_cli.errors import SSHError
-from cluster_cli.probe import runner
-from cluster_cli.probe.runner import AsyncsshConnector
+from cluster_cli.ssh import channels
+from cluster_cli.ssh.connect import AsyncsshConnector
+from cluster_cli.ssh.route import Resolver
 
 Handler = Callable[[asyncssh.SSHServerProcess], Awaitable[None]]
 
@@ -186,7 +187,7 @@ def test_a_flooding_command_is_cut_at_the_cap_not_buffered_until_the_timeout(tmp
 def test_output_up_to_the_cap_comes_back_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _client(tmp_path)
     key = asyncssh.generate_private_key("ssh-ed25519")
-    monkeypatch.setattr(runner, "MAX_OUTPUT_BYTES", 1000)
+    monkeypatch.setattr(channels, "MAX_OUTPUT_BYTES", 1000)
 
     async def exact(proc: asyncssh.SSHServerProcess) -> None:
         proc.stdout.write(b"o" * 1000)
@@ -266,35 +267,33 @@ def test_an_ssh_config_identity_file_that_does_not_exist_is_skipped_as_openssh_d
     asyncio.run(main())
 
 
-def test_reading_ssh_config_off_the_loop_never_holds_up_the_exit() -> None:
-    """A `Match exec` that hangs: the node's deadline ends the wait, and asyncio.run returns
-    while the command still runs (the default executor would make it wait for the thread)."""
-    import threading
+def test_a_hung_match_exec_never_holds_up_the_exit(tmp_path: Path) -> None:
+    """ssh_config's `Match exec` runs a command while ``ssh -G`` resolves a host: one that
+    hangs is ended (ssh and the command) when the node's deadline gives up on the lookup."""
+    import os
+    import time
 
-    release = threading.Event()
-    started = threading.Event()
-
-    def hangs() -> str:
-        started.set()
-        release.wait(60)
-        return "late"
+    pid_file = tmp_path / "pid"
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f'Match exec "echo $$ > {pid_file}; exec sleep 60"\n  Port 2222\n')
+    t = SSHTarget(name="n1", host="h", port=None, user=None, identity_file=None, known_hosts="kh", ssh_config=str(cfg))
 
     async def main() -> None:
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(runner._off_loop(hangs), 0.2)
+            await asyncio.wait_for(Resolver().route(t), 1.0)
 
-    try:
-        asyncio.run(main())
-        assert started.wait(10) and not release.is_set()  # returned while hangs() was still running
-    finally:
-        release.set()
-    assert asyncio.run(_value(runner._off_loop(lambda: 42))) == 42
-    with pytest.raises(ZeroDivisionError):
-        asyncio.run(_value(runner._off_loop(lambda: 1 // 0)))
-
-
-async def _value(aw: Awaitable[int]) -> int:
-    return await aw
+    started = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - started < 5
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # the command is gone: killed with ssh's process group
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the Match exec command (pid {pid}) still runs")
 
 
 @pytest.mark.parametrize("kind", ["symlink", "dangling-symlink", "world-writable", "another-users"])

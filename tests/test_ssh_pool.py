@@ -20,9 +20,10 @@ import asyncssh
 import pytest
 
 from cluster_cli.config.inventory import Inventory, SSHTarget
-from cluster_cli.control.sessions import Sessions
 from cluster_cli.errors import SSHError
-from cluster_cli.probe.runner import DEFAULT_MAX_CHANNELS, AsyncsshConnector, AsyncsshSession
+from cluster_cli.ssh.channels import DEFAULT_MAX_CHANNELS, AsyncsshSession
+from cluster_cli.ssh.connect import AsyncsshConnector
+from cluster_cli.ssh.pool import Sessions
 
 
 @dataclass

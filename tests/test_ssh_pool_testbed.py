@@ -20,9 +20,10 @@ import pytest
 import yaml
 
 from cluster_cli.config.inventory import load_inventory
-from cluster_cli.control.sessions import Sessions
 from cluster_cli.errors import SSHError
-from cluster_cli.probe.runner import AsyncsshConnector, AsyncsshSession
+from cluster_cli.ssh.channels import AsyncsshSession
+from cluster_cli.ssh.connect import AsyncsshConnector
+from cluster_cli.ssh.pool import Sessions
 
 
 def _inventory(src: Path, **defaults: Any) -> Path:

@@ -22,7 +22,7 @@ import pytest
 
 from cluster_cli.config.inventory import load_inventory
 from cluster_cli.probe.commands import PROBES, sminfo_command
-from cluster_cli.probe.runner import AsyncsshSession
+from cluster_cli.ssh.channels import AsyncsshSession
 from testbed import Cluster, NodeSpec, parse_specs, render, unavailable_reason
 from testbed import cluster as tb_cluster
 from testbed import hardware as hw
@@ -523,7 +523,7 @@ def test_loopback_mode_serves_discover_without_namespaces(testbed_factory: Clust
     # The fallback for users without root: plain sshds on 127.0.0.1 ports. Forced here so that
     # a root CI run covers it too.
     from cluster_cli.probe.collect import discover
-    from cluster_cli.probe.runner import AsyncsshConnector
+    from cluster_cli.ssh.connect import AsyncsshConnector
 
     c = testbed_factory("a=hgx-h200x8:fabric=ib-a,b=cpu-only", mode="loopback")
     assert c.mode == "loopback"

@@ -16,7 +16,7 @@ from cluster_cli.state.records import ShardRun
 
 if TYPE_CHECKING:
     from cluster_cli.launch.shards import ShardStart
-    from cluster_cli.probe.runner import Session
+    from cluster_cli.ssh.session import Session
 
 SCRIPT_TIMEOUT_S = 60.0
 

@@ -55,7 +55,7 @@ import secrets
 import shlex
 from collections.abc import Mapping
 
-from cluster_cli.probe.runner import CommandResult
+from cluster_cli.ssh.session import CommandResult
 
 TIMED_OUT = 124
 NAME_RE = re.compile(r"[A-Za-z0-9_.:-]+")

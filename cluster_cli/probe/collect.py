@@ -43,7 +43,8 @@ from cluster_cli.probe.parsers.nvidia_smi import (
     widen_query_gpu,
 )
 from cluster_cli.probe.parsers.topology import parse_topo
-from cluster_cli.probe.runner import AsyncsshConnector, CommandResult, Connector, Session
+from cluster_cli.ssh.connect import AsyncsshConnector
+from cluster_cli.ssh.session import CommandResult, Connector, Session
 
 OnDone = Callable[[NodeFacts], None]
 _SIGNALS = frozenset(int(s) for s in signal.Signals)

@@ -16,7 +16,7 @@ from cluster_cli.errors import SSHError
 
 if TYPE_CHECKING:
     from cluster_cli.config.inventory import Inventory, SSHTarget
-    from cluster_cli.probe.runner import Connector, Session
+    from cluster_cli.ssh.session import Connector, Session
 
 # A node that failed to connect is tried again after these many seconds, doubling from the
 # first to the longest, with ``retry_failed``: a dead node costs one connect per wait, however
