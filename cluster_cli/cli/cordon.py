@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,8 @@ from cluster_cli.cli.common import (
     stored_inventory,
 )
 from cluster_cli.cli.main import App, app
+from cluster_cli.control import cordon as ops
 from cluster_cli.errors import ClusterctlError
-from cluster_cli.state.store import Store
 
 CORDON_EXAMPLE = """
 Examples:
@@ -51,11 +50,8 @@ def _check_node(inventory: Path, node: str) -> None:
 
 
 def _cordoned_in_state(path: Path, node: str) -> bool:
-    if not path.exists():
-        return False
     try:
-        with Store(path, readonly=True) as store:
-            return node in store.cordons()
+        return ops.is_cordoned(path, node)
     except ClusterctlError as e:
         ui.fail(e)
 
@@ -70,40 +66,22 @@ def cordon(
     ),
 ) -> None:
     """Cordon a node: placement puts nothing new on it. Survives re-discovery."""
-    reason = check_reason(reason)
+    try:
+        reason = ops.check_reason(reason)
+    except ClusterctlError as e:
+        ui.fail(e)
     state: App = ctx.obj
     # A cordon may come before the first discover (keep a node out from the start), so a
     # missing state is created, and said so: a typo in --state shows at once.
     inv = recorded_inventory(inventory, state.state_path)
     _check_node(inv, node)
-    # An inventory given here replaces a recorded one whose file is gone (later commands
-    # without -i would otherwise keep failing on it until the next discover).
     recorded = stored_inventory(state.state_path) if inventory is not None else None
-    gone = recorded is not None and not recorded.is_file()
     with open_store(state.state_path, actor="cordon", say_new=True) as store:
         try:
-            was = store.cordon(node, reason, inventory=inv.resolve(), replace_inventory=gone)
+            done = ops.cordon(store, node, reason, inventory=inv, recorded=recorded)
         except ClusterctlError as e:
             ui.fail(e)
-    ui.info(cordon_message(node, reason, was))
-
-
-MAX_REASON = 500  # characters: it is printed on every explanation line of the node
-
-
-def check_reason(reason: str) -> str:
-    """The reason, trimmed; a one-line error (exit 2, before anything is written) when it is
-    empty, holds a control character (newline, tab, ESC...) or is longer than ``MAX_REASON``.
-    It is shown by discover and place, so it must be one line of plain text."""
-    reason = reason.strip()
-    if not reason:
-        ui.abort("--reason must not be empty")
-    bad = next((c for c in reason if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
-    if bad is not None:
-        ui.abort(f"--reason: control character U+{ord(bad):04X} not allowed: give one line of plain text")
-    if len(reason) > MAX_REASON:
-        ui.abort(f"--reason: {len(reason)} characters, at most {MAX_REASON}")
-    return reason
+    ui.info(cordon_message(done.node, done.reason, done.was))
 
 
 def cordon_message(node: str, reason: str, was: dict[str, Any] | None) -> str:
@@ -138,7 +116,7 @@ def uncordon(
         _check_node(recorded_inventory(inventory, state.state_path), node)
     with open_store(state.state_path, actor="uncordon", create=False) as store:
         try:
-            was = store.uncordon(node)
+            was = ops.uncordon(store, node)
         except ClusterctlError as e:
             ui.fail(e)
     ui.info(f"{node} uncordoned" if was else f"{node} was not cordoned")

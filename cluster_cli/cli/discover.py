@@ -3,29 +3,25 @@
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 from rich.markup import escape
 
 from cluster_cli.cli import ui
-from cluster_cli.cli.common import INVENTORY_ENV, INVENTORY_HELP, inventory_or_abort, open_store, pinned_hosts_path
+from cluster_cli.cli.common import INVENTORY_ENV, INVENTORY_HELP, inventory_or_abort
 from cluster_cli.cli.main import App, app
-from cluster_cli.errors import ClusterctlError, ExitCode, SSHError
-from cluster_cli.facts import NodeFacts, lost_gpus_problem, printable, problem_key
-from cluster_cli.state.aio import using
-from cluster_cli.state.store import Store
+from cluster_cli.errors import ClusterctlError, ExitCode
+from cluster_cli.facts import NodeFacts, problem_key
+from cluster_cli.ssh.preflight import pinned_hosts_path
 
 if TYPE_CHECKING:  # asyncssh and asyncio load only when discover runs
-    from cluster_cli.config.inventory import SSHTarget
-    from cluster_cli.probe.runner import CommandResult, Connector, Session
+    from cluster_cli.control.discover import DiscoverResult
 
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 TERMINATED = 143  # 128 + SIGTERM
@@ -52,17 +48,6 @@ def _sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
-
-
-def _holds(store: Store, facts: list[NodeFacts]) -> bool:
-    """Whether the state holds this run's facts (its first node, probed at the same moment)."""
-    if not facts:
-        return False
-    try:
-        got = store.nodes([facts[0].name], unreadable=[])
-    except (ClusterctlError, KeyboardInterrupt):
-        return False
-    return bool(got) and got[0].probed_at == facts[0].probed_at
 
 
 async def _cancelled_by_sigterm(coro: Coroutine[Any, Any, _T]) -> _T:
@@ -125,111 +110,78 @@ def discover(
     # Imported here so that other commands (and --help) don't pay for asyncio and asyncssh.
     import asyncio
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from cluster_cli.control import discovery
-    from cluster_cli.probe.fabric import distrust_conflicting_ports, fabric_conflicts, fabric_warnings
-    from cluster_cli.probe.runner import AsyncsshConnector
+    from cluster_cli.control.discover import Discovery
 
     state: App = ctx.obj
     inv = inventory_or_abort(inventory, check_files=True, state_path=state.state_path)
-    nodes = inv.nodes
-    if node:
-        unknown = [n for n in node if inv.node(n) is None]
-        if unknown:
-            ui.abort(f"{inventory}: no node named {', '.join(map(repr, unknown))} in the inventory")
-        nodes = [n for n in inv.nodes if n.name in set(node)]
-    # A state that cannot be written is found now, before probing. A new one is made only to
-    # save the facts: until then another command (a cordon) may make it, and keep what it wrote.
-    store = open_store(state.state_path, actor="discover") if state.state_path.exists() else None
-    if store is None:
-        try:
-            Store.check_creatable(state.state_path)
-        except ClusterctlError as e:
-            ui.fail(e)
-    connector: Connector = AsyncsshConnector(pinned_known_hosts=pinned_hosts_path(state.state_path))
-    trace = Trace(connector) if state.verbose else None
+    try:
+        run = Discovery.open(inv, inventory, state.state_path, node, pinned_known_hosts=pinned_hosts_path(state.state_path),
+                             parallel=parallel, node_timeout_s=timeout, say=ui.info if state.verbose else None)  # fmt: skip
+    except ClusterctlError as e:
+        ui.fail(e)
     with _sigterm_interrupts():  # in-process callers (tests) get their own handler back
         try:
-            with Progress(
-                TextColumn("[bold]discover"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[last]}"),
-                TimeElapsedColumn(),
-                console=ui.err,
-                transient=True,
-                disable=output is not ui.Output.table or not ui.err.is_terminal,
-            ) as progress:
-                task = progress.add_task("discover", total=len(nodes), last="")
-
-                def done(f: NodeFacts) -> None:
-                    progress.update(task, advance=1, last=f"{f.name} {'ok' if f.reachable else 'unreachable'}")
-                    if trace is not None:
-                        trace.done(f)
-
-                facts = asyncio.run(_cancelled_by_sigterm(using(store, lambda astore: discovery.probe(
-                    inv, nodes, connector=trace or connector, parallel=parallel, node_timeout_s=timeout, store=astore,
-                    on_done=done,
-                ))))  # fmt: skip
+            with _progress(len(run.nodes), output) as done:
+                asyncio.run(_cancelled_by_sigterm(run.probe(on_done=done)))
             if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the loop's own handler went with it
                 with contextlib.suppress(ValueError):  # (not the main thread)
                     signal.signal(signal.SIGTERM, _on_sigterm)
         except KeyboardInterrupt as e:
             # Ctrl-C (or SIGTERM) while probing: facts are saved only after every node is done, in
             # one transaction, so none were. (Host keys pinned on first contact stay pinned.)
-            if store is not None:
-                store.close()
+            run.close()
             ui.info("interrupted: nothing saved")
             raise typer.Exit(_interrupted_code(e)) from None
-
-        saved = False
         try:
-            if store is None:
-                store = open_store(state.state_path, actor="discover")
-            probed = facts
-            facts = asyncio.run(using(store, lambda astore: discovery.save(astore, probed, inventory)))
-            saved = True
-            # Every node of the inventory, as it declares them now (fabrics, classes, labels): the
-            # fabric cross-check also covers nodes probed by an earlier run (``--node``). The facts
-            # are saved by now: a node not probed this time whose row cannot be read is warned of.
-            bad: list[str] = []
-            fleet = asyncio.run(using(store, lambda astore: discovery.fleet(inv, astore, bad))).nodes
-            for name in bad:
-                ui.warn(
-                    f"{store.path}: node {name}: its stored facts cannot be read; 'clusterctl discover --node {name}' replaces them"
-                )
+            result = asyncio.run(run.save())
         except ClusterctlError as e:
             ui.fail(e)
         except KeyboardInterrupt as e:  # the save is one transaction: rolled back whole, or done
-            # (A signal during the COMMIT itself lands after it, before ``saved`` is set: ask the state.)
-            saved = saved or (store is not None and _holds(store, facts))
-            ui.info("interrupted: the facts were saved" if saved else "interrupted: nothing saved")
+            ui.info("interrupted: the facts were saved" if run.saved() else "interrupted: nothing saved")
             raise typer.Exit(_interrupted_code(e)) from None
         finally:
-            if store is not None:
-                store.close()
-    prefixes = inv.declared_prefixes()
-    reachable = [f for f in fleet if f.reachable]
-    # A port whose subnet contradicts its declared fabric is shown off it, with the problem on its node.
-    shown = {f.name: f for f in distrust_conflicting_ports(fleet, prefixes)}
-    result = [shown[n.name] for n in nodes]
+            run.close()
+    _show(result, output, state.state_path)
 
+
+@contextlib.contextmanager
+def _progress(total: int, output: ui.Output) -> Iterator[Callable[[NodeFacts], None]]:
+    """A progress bar on a terminal's stderr for the table output; yields what to call per node done."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("[bold]discover"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[last]}"),
+        TimeElapsedColumn(),
+        console=ui.err,
+        transient=True,
+        disable=output is not ui.Output.table or not ui.err.is_terminal,
+    ) as progress:
+        task = progress.add_task("discover", total=total, last="")
+        yield lambda f: progress.update(task, advance=1, last=f"{f.name} {'ok' if f.reachable else 'unreachable'}")
+
+
+def _show(result: DiscoverResult, output: ui.Output, state_path: Path) -> NoReturn:
+    """The result as a table (with the fabric warnings) or data, then the exit code: 0 every
+    node answered, 1 some did not."""
+    for name in result.unreadable:  # saved by now: a node not probed this time is warned of
+        ui.warn(
+            f"{state_path}: node {name}: its stored facts cannot be read; 'clusterctl discover --node {name}' replaces them"
+        )
     if output is ui.Output.table:
-        render(result)
-        for c in fabric_warnings(reachable, prefixes):  # one line per fabric
+        render(result.nodes)
+        for c in result.fabric_warnings:  # one line per fabric
             ui.warn(c)
     else:
-        conflicts = fabric_conflicts(reachable, prefixes)  # every one, for scripts
-        ui.emit_data({"nodes": [f.to_dict() for f in result], "fabric_conflicts": conflicts}, output)
-        for f in result:  # stdout is for scripts; a person running it still sees what went wrong
+        ui.emit_data(result.to_dict(), output)
+        for f in result.nodes:  # stdout is for scripts; a person running it still sees what went wrong
             for problem in f.problems:
                 ui.warn(f"{f.name}: {problem}")
-    failed = [f for f in result if not f.reachable]
-    if output is not ui.Output.table:  # the table's own lines say it (a report saved to a file keeps it)
-        for f in failed:
+        for f in result.failed:  # the table's own lines say it (a report saved to a file keeps it)
             ui.err.print(f"[red]{f.name}[/]: {escape(f.error or '')}", highlight=False)
-    raise typer.Exit(ExitCode.PARTIAL if failed else ExitCode.OK)
+    raise typer.Exit(ExitCode.PARTIAL if result.failed else ExitCode.OK)
 
 
 def gpu_summary(f: NodeFacts) -> str:
@@ -268,13 +220,9 @@ def nvlink_summary(f: NodeFacts) -> str:
     return " ".join("{" + _ranges(d) + "}" for d in f.nvlink_domains)
 
 
-def node_problems(f: NodeFacts) -> list[str]:
-    """The GPUs' problems, then the node's, less the count of lost GPUs each listed already."""
-    summary = lost_gpus_problem(sum(g.lost for g in f.gpus))
-    return [f"gpu{g.index} {x}" for g in f.gpus for x in g.problems] + [p for p in f.problems if p != summary]
-
-
 def render(facts: list[NodeFacts]) -> None:
+    from cluster_cli.control.discover import node_problems
+
     rows = [
         [
             escape(f.name),
@@ -317,91 +265,3 @@ def _ago(seconds: float) -> str:
             n = int(seconds // size)
             return f"{n} {unit}{'s' if unit == 'day' and n != 1 else ''} ago"
     return f"{int(seconds)} s ago"
-
-
-# The record table that starts a probe batch's output (see probe/batch.py).
-_BATCH_TOKEN = re.compile(rb"@@CC ([0-9a-f]+) RC\n")
-
-
-class Trace:
-    """``discover -v``: lines on stderr, per node, for an operator finding the slow or failing
-    nodes of a fleet: how long connecting took, each remote command (the probes a batch ran,
-    with their exit codes) and how long it took, then the outcome and any problem. Wraps
-    the connector; stdout is left alone (``-o json`` stays clean)."""
-
-    def __init__(self, inner: Connector, say: Callable[[str], None] = ui.info) -> None:
-        self._inner = inner
-        self._say = lambda line: say(printable(line))  # errors and record names come from the node
-        self._started: dict[str, float] = {}
-        self._connect: dict[str, float] = {}
-        self._probe: dict[str, float] = {}
-
-    @asynccontextmanager
-    async def session(self, target: SSHTarget) -> AsyncIterator[Session]:
-        name = target.name
-        t0 = self._started[name] = time.monotonic()  # after the --parallel wait: its own time only
-        # A failed connect is told by ``done``: the node's whole time was spent on it.
-        async with self._inner.session(target) as s:
-            took = self._connect[name] = time.monotonic() - t0
-            self._say(f"{name}: connected to {target.host} in {took:.2f}s")
-            yield _TracedSession(s, name, self)
-
-    async def aclose(self) -> None:
-        aclose = getattr(self._inner, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-    def ran(self, name: str, command: str, took: float, outcome: str) -> None:
-        self._probe[name] = self._probe.get(name, 0.0) + took
-        self._say(f"{name}: ran {command!r} in {took:.2f}s: {outcome}")
-
-    def done(self, f: NodeFacts) -> None:
-        t0 = self._started.get(f.name)
-        total = f" after {time.monotonic() - t0:.2f}s" if t0 is not None else ""
-        if not f.reachable:
-            self._say(f"{f.name}: unreachable{total}: {f.error}")
-            return
-        steps = f"connect {self._connect.get(f.name, 0.0):.2f}s, probe {self._probe.get(f.name, 0.0):.2f}s"
-        problems = node_problems(f)
-        found = f"; {len(problems)} problem(s): {'; '.join(problems)}" if problems else "; no problems"
-        self._say(f"{f.name}: ok{total} ({steps}){found}")
-
-
-class _TracedSession:
-    def __init__(self, inner: Session, name: str, trace: Trace) -> None:
-        self._inner = inner
-        self._name = name
-        self._trace = trace
-
-    async def run(self, command: str, *, timeout: float) -> CommandResult:
-        from cluster_cli.probe.runner import decoded
-
-        return decoded(*await self.run_raw(command, timeout=timeout))
-
-    async def run_raw(
-        self, command: str, *, timeout: float, input: bytes | None = None
-    ) -> tuple[int | None, bytes, bytes]:
-        t0 = time.monotonic()
-        try:
-            rc, out, err = await self._inner.run_raw(command, timeout=timeout, input=input)
-        except SSHError as e:
-            self._trace.ran(self._name, command, time.monotonic() - t0, f"failed: {_own(e.message, self._name)}")
-            raise
-        self._trace.ran(self._name, command, time.monotonic() - t0, f"rc {rc}, {len(out)} bytes{_records(out)}")
-        return rc, out, err
-
-
-def _records(out: bytes) -> str:
-    """The probes a batch ran and their exit codes, from its output (none if it is not one)."""
-    from cluster_cli.probe.batch import TIMED_OUT, parse_records
-
-    m = _BATCH_TOKEN.search(out)
-    if m is None:
-        return ""
-    rcs = {n: r.rc for n, r in parse_records({}, out, m.group(1).decode()).items()}
-    shown = ("no result" if rc is None else "timed out" if rc == TIMED_OUT else f"rc {rc}" for rc in rcs.values())
-    return "; " + ", ".join(f"{n} {how}" for n, how in zip(rcs, shown, strict=True)) if rcs else ""
-
-
-def _own(message: str, name: str) -> str:
-    return message.removeprefix(f"{name}: ")

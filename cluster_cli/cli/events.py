@@ -1,7 +1,7 @@
 """``clusterctl events``: what happened to the cluster, and who did it; newest last, ``-f`` follows.
 
-The events come from the state (``Store.events``); this module only parses the options,
-asks the store and renders. Event text may come from nodes: it is printed with control
+The events come from the state (``cluster_cli.control.events``); this module only parses
+the options, asks for them and renders. Event text may come from nodes: it is printed with control
 characters shown as escapes and rich markup escaped.
 """
 
@@ -20,12 +20,10 @@ import yaml
 from rich.markup import escape
 
 from cluster_cli.cli import ui
-from cluster_cli.cli.common import open_store
 from cluster_cli.cli.main import App, app
+from cluster_cli.control import events as log
+from cluster_cli.control.events import EVENT_KINDS, Event, EventQuery
 from cluster_cli.errors import ClusterctlError
-from cluster_cli.state.eventlog import Event, Retention
-from cluster_cli.state.schema import EVENT_KINDS
-from cluster_cli.state.store import Store
 
 EVENTS_EXAMPLE = """
 Examples:
@@ -44,7 +42,6 @@ Newest last. --since takes 30s, 10m, 2h, 7d, or an ISO-8601 time
 --keep and --keep-max set how long and how many events the state keeps.
 """
 
-POLL_S = 0.5  # how often -f asks the state for new events
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
 _REPLICA = re.compile(r"^[^/\s]+(/\d+)?$")
@@ -72,10 +69,11 @@ def since_time(value: str, now: float) -> float:
         ui.abort(f"--since {value!r}: not a duration (30s, 10m, 2h, 7d) nor an ISO-8601 time (2024-05-01T12:00)")
 
 
-def _filters(since: str | None, node: str | None, replica: str | None) -> dict[str, Any]:
+def _query(lines: int, kind: list[str] | None, since: str | None, node: str | None, replica: str | None) -> EventQuery:
     if replica is not None and not _REPLICA.match(replica):
         ui.abort(f"--replica {replica!r}: give MODEL/N (tiny/0) or a model's name (tiny)")
-    return {"since": None if since is None else since_time(since, time.time()), "node": node, "replica": replica}
+    when = None if since is None else since_time(since, time.time())
+    return EventQuery(lines, _kinds(kind), when, node, replica)
 
 
 def _kinds(given: list[str] | None) -> frozenset[str]:
@@ -102,30 +100,15 @@ def cells(e: Event) -> list[str]:
     return [when] + [_plain(v) if v not in (None, "") else "-" for v in (e.kind, e.node, replica, e.actor, e.message)]
 
 
-def newest(store: Store, lines: int, kinds: frozenset[str], filters: dict[str, Any]) -> list[Event]:
-    """The newest ``lines`` events that match, newest last. ``kinds`` is not a filter the store
-    has: more events are read, four times as many each round, until enough match."""
-    if not kinds:
-        return store.events(lines, **filters)
-    want = max(lines, 1)
-    while lines:
-        got = store.events(want, **filters)
-        hit = [e for e in got if e.kind in kinds]
-        if len(hit) >= lines or len(got) < want:
-            return hit[-lines:]
-        want *= 4
-    return []
-
-
-def _show(store: Store, lines: int, kinds: frozenset[str], filters: dict[str, Any], output: ui.Output) -> None:
-    found = newest(store, lines, kinds, filters)
+def _show(store: Any, query: EventQuery, output: ui.Output) -> None:
+    found = log.newest(store, query)
     if output is not ui.Output.table:
         ui.emit_data({"events": [e.to_dict() for e in found]}, output)
     elif found:
         ui.print_table(COLUMNS, [[escape(c) for c in cells(e)] for e in found])
-    elif store.last_event_id() == 0:
+    elif log.is_empty(store):
         ui.info("no events yet")
-    elif lines:
+    elif query.lines:
         ui.info("no events match")
 
 
@@ -149,24 +132,17 @@ class _Stream:
         sys.stdout.flush()
 
 
-def _follow(store: Store, lines: int, kinds: frozenset[str], filters: dict[str, Any], output: ui.Output) -> None:
-    """The newest ``lines`` events, then every new one as it is written, until Ctrl-C (exit 0)."""
+def _follow(store: Any, query: EventQuery, output: ui.Output) -> None:
+    """The newest matching events, then every new one as it is written, until Ctrl-C (exit 0)."""
     try:
-        cursor = store.last_event_id()  # before the first read: nothing written meanwhile is missed
-        first = newest(store, lines, kinds, filters)
+        follow = log.Follow(store, query)
+        first = follow.first()
         stream = _Stream(output)
         stream.write(first)
-        if cursor == 0 and output is ui.Output.table:
+        if follow.was_empty and output is ui.Output.table:
             ui.info("no events yet; waiting for new ones (Ctrl-C to stop)")
-        cursor = max([cursor, *(e.id for e in first)])
-        while True:
-            time.sleep(POLL_S)
-            new = store.events(None, after_id=cursor, **filters)
-            if new:
-                cursor = new[-1].id
-                stream.write([e for e in new if not kinds or e.kind in kinds])
-            elif store.last_event_id() < cursor:  # every event was pruned: ids start again from 1
-                cursor = 0
+        for new in follow:
+            stream.write(new)
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
 
@@ -184,11 +160,10 @@ def _set_retention(path: Path, keep: str | None, keep_max: int | None, output: u
         if seconds is None or seconds <= 0:
             ui.abort(f"--keep {keep!r}: give a duration above zero (12h, 7d, 30d)")
         days = seconds / 86400
-    with open_store(path, actor="events", create=False) as store:
-        try:
-            kept: Retention = store.set_retention(days=days, max_events=keep_max)
-        except ClusterctlError as e:
-            ui.fail(e)
+    try:
+        kept = log.set_retention(path, days=days, max_events=keep_max)
+    except ClusterctlError as e:
+        ui.fail(e)
     if output is not ui.Output.table:
         ui.emit_data({"retention": {"days": kept.days, "max_events": kept.max_events}}, output)
     else:
@@ -227,18 +202,13 @@ def events(
             ui.abort("--keep and --keep-max set the retention: they do not go with -f")
         _set_retention(state.state_path, keep, keep_max, output)
         return
-    filters, kinds = _filters(since, node, replica), _kinds(kind)
+    query = _query(lines, kind, since, node, replica)
     try:
-        store = Store(state.state_path, readonly=True)
+        store = log.open_log(state.state_path, follow=follow)
     except ClusterctlError as e:
         ui.fail(e)
     with store:
-        if follow and store.on_disk_schema < store.schema:
-            ui.abort(
-                f"{state.state_path}: the state is at schema {store.on_disk_schema}: -f follows the file as this "
-                f"clusterctl writes it ({store.schema}); a command that writes upgrades it ('clusterctl status --no-check')"
-            )
         try:
-            (_follow if follow else _show)(store, lines, kinds, filters, output)
+            (_follow if follow else _show)(store, query, output)
         except ClusterctlError as e:
             ui.fail(e)

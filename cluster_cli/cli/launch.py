@@ -21,7 +21,6 @@ from cluster_cli.cli.common import (
 )
 from cluster_cli.cli.main import App, app
 from cluster_cli.errors import ClusterctlError, ExitCode
-from cluster_cli.state.aio import AsyncStore
 
 if TYPE_CHECKING:
     from cluster_cli.config.inventory import Inventory
@@ -43,12 +42,6 @@ reloads live. A second 'up' with nothing to do changes nothing.
 Exit codes: 0 every replica ready, 3 some could not be placed or started (the rest
 stay up), 2 bad input or --check-version out of date.
 """
-
-
-def _connector(state_path: Path) -> Any:
-    from cluster_cli.probe.runner import AsyncsshConnector
-
-    return AsyncsshConnector(pinned_known_hosts=pinned_hosts_path(state_path))
 
 
 class _Progress:
@@ -158,7 +151,9 @@ def _cluster(
     from cluster_cli.launch.routerconf import default_path
 
     rc_path = router_config or default_path(state_path)
-    return Cluster.open(inv, inventory.resolve(), store, _connector(state_path), rc_path, **kw)
+    return Cluster.open(
+        inv, inventory.resolve(), store, None, rc_path, pinned_known_hosts=pinned_hosts_path(state_path), **kw
+    )
 
 
 def _render_up(result: Any) -> None:
@@ -281,15 +276,14 @@ def status(
     """One row per replica: where it runs, its state, uptime, restarts and load."""
     import asyncio
 
-    from cluster_cli.control.replicas import status as run_status
+    from cluster_cli.control.status import recorded_status
 
     state: App = ctx.obj
     store = open_store(state.state_path, actor="status", create=False)
 
     async def go() -> Any:
         if not check:  # what the state recorded: no node, no inventory needed
-            async with AsyncStore(store) as astore:
-                return await run_status(astore, None), await astore.fences()
+            return await recorded_status(store)
         inv_path = recorded_inventory(inventory, state.state_path)
         inv = inventory_or_abort(inv_path, state_path=state.state_path)
         async with _cluster(state.state_path, inv, inv_path, store, None) as c:
@@ -301,13 +295,16 @@ def status(
         ui.fail(e)
     finally:
         store.close()
-    data = [r.to_dict() for r in rows]
     if output is not ui.Output.table:
-        ui.emit_data({"replicas": data, "fences": [f.to_dict() for f in fences]}, output)
-        raise typer.Exit(0)
+        ui.emit_data({"replicas": [r.to_dict() for r in rows], "fences": [f.to_dict() for f in fences]}, output)
+    else:
+        _render_status([r.to_dict() for r in rows], fences)
+
+
+def _render_status(data: list[dict[str, Any]], fences: list[Any]) -> None:
     if not data:
         ui.info("no replicas (clusterctl up starts them)")
-        raise typer.Exit(0)
+        return
     table = []
     for d in data:
         colour = {"ready": "green", "stopped": "dim"}.get(d["state"], "red")
@@ -382,9 +379,8 @@ def logs(
     """The engine's log, read from its node."""
     import asyncio
 
+    from cluster_cli.control.logs import shard_log
     from cluster_cli.control.replicas import find
-    from cluster_cli.control.replicas import logs as run_logs
-    from cluster_cli.control.sessions import Sessions
 
     state: App = ctx.obj
     store = open_store(state.state_path, actor="logs", create=False)
@@ -400,14 +396,9 @@ def logs(
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
 
-    async def go() -> int | None:
-        async with Sessions(inv, _connector(state.state_path)) as sessions:
-            return await run_logs(
-                sessions, rec, shard=shard, lines=lines, follow=follow, write=write, previous=previous
-            )
-
     try:
-        rc = asyncio.run(go())
+        rc = asyncio.run(shard_log(inv, rec, shard=shard, lines=lines, follow=follow, write=write, previous=previous,
+                                   pinned_known_hosts=pinned_hosts_path(state.state_path)))  # fmt: skip
     except ClusterctlError as e:
         ui.fail(e)
     except KeyboardInterrupt:

@@ -142,79 +142,29 @@ def serve_router(
         "their engine failed (a started stream gets an SSE error event and a clean end).",
     ),
 ) -> None:
-    from cluster_cli.router.accesslog import AccessLog
-    from cluster_cli.router.config import RouterConfig, with_overrides
-    from cluster_cli.router.run import install_uvloop, serve
+    from cluster_cli.control import router
 
     logging.basicConfig(
         level=getattr(logging, log_level.value.upper()),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    overrides: dict[str, dict[str, object]] = {
-        "": {"policy": policy.value if policy is not None else None},
-        "limits": {
-            "max_body_bytes": max_body_bytes,
-            "connect_timeout_s": connect_timeout,
-            "idle_timeout_s": idle_timeout,
-            "response_timeout_s": response_timeout,
-        },
-        "admission": {"max_queue": max_queue, "max_wait_s": queue_timeout},
-    }
-
-    flags = {
-        ("router", "policy"): "--policy",
-        ("router", "limits", "max_body_bytes"): "--max-body-bytes",
-        ("router", "limits", "connect_timeout_s"): "--connect-timeout",
-        ("router", "limits", "idle_timeout_s"): "--idle-timeout",
-        ("router", "limits", "response_timeout_s"): "--response-timeout",
-        ("router", "admission", "max_queue"): "--max-queue",
-        ("router", "admission", "max_wait_s"): "--queue-timeout",
-    }
-
-    def transform(cfg: RouterConfig) -> RouterConfig:
-        from pydantic import ValidationError
-
-        try:
-            return with_overrides(cfg, overrides)
-        except ValidationError as e:  # a flag's value the config's own rules refuse
-            first = e.errors()[0]
-            flag = flags.get(tuple(first["loc"]), ".".join(map(str, first["loc"])))
-            raise ConfigError(f"{flag} {first.get('input')}: {first['msg']}") from None
-
+    overrides = router.Overrides(policy.value if policy is not None else None, max_body_bytes, connect_timeout,
+                                 idle_timeout, response_timeout, max_queue, queue_timeout)  # fmt: skip
     if not host.strip():  # an unset $HOST in a script: that would listen on every interface
         ui.abort("--host is empty: give an address (0.0.0.0 to listen on every interface)")
-    if access_log == "off":
-        alog = AccessLog(None)
-    elif access_log == "-":
-        alog = AccessLog(sys.stderr)
-    else:
-        try:
-            alog = AccessLog.to_file(access_log)
-        except OSError as e:
-            ui.abort(f"--access-log: cannot open {access_log}: {e.strerror or e}")
+    try:
+        alog = router.access_log(access_log)
+    except OSError as e:
+        ui.abort(f"--access-log: cannot open {access_log}: {e.strerror or e}")
 
     def ready(bound: int) -> None:
         shown = f"[{host}]" if ":" in host else host
         ui.info(f"clusterctl router listening on http://{shown}:{bound} (config {config})")
 
-    install_uvloop()
     try:
-        import asyncio
-
-        asyncio.run(
-            serve(
-                config,
-                host=host,
-                port=port,
-                transform=transform,
-                keys_path=api_keys_file,
-                access_log=alog,
-                watch_interval=watch_interval,
-                grace=grace,
-                on_ready=ready,
-            )
-        )
+        router.serve(config, host=host, port=port, overrides=overrides, keys_path=api_keys_file, log=alog,
+                     watch_interval=watch_interval, grace=grace, on_ready=ready)  # fmt: skip
     except ConfigError as e:
         ui.fail(e)
     except OSError as e:

@@ -15,7 +15,7 @@ from cluster_cli.state.records import ReplicaRecord, ShardRun
 
 if TYPE_CHECKING:
     from cluster_cli.config.inventory import Inventory, Node
-    from cluster_cli.probe.runner import Connector
+    from cluster_cli.ssh.session import Connector
     from cluster_cli.state.aio import AsyncStore
 
 
