@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from fakenodes import FakeFleet
 from helpers import catalog, cpu_node, profile
 
 from cluster_cli.config.inventory import Inventory
@@ -48,52 +49,22 @@ def test_a_replica_no_node_can_take_is_reported_unplaced_in_places_words(tmp_pat
         assert stored is not None and stored.doc["models"][0]["name"] == "big"  # the desired state, kept
 
 
-# ---- the control flow against fake nodes: what runs where is a dict, per token -------------
-class _Nodes:
-    """Fake nodes for the launch path: ``start`` runs an engine (its token) unless the node is
-    told to fail, ``stop`` ends it unless told to leave a GPU process or not to answer."""
+# ---- the control flow against fake nodes ------------------------------------------------
+class _Nodes(FakeFleet):
+    """Fake nodes for the launch path: ``fail`` nodes refuse a start, ``slow`` ones take that
+    long, ``gpu_left`` ones leave a GPU process after a stop, ``silent`` ones cannot be reached."""
 
-    def __init__(self, monkeypatch: Any, *, fail: set[str] = frozenset(), slow: dict[str, float] | None = None,  # type: ignore[assignment]
+    def __init__(self, *, fail: set[str] = frozenset(), slow: dict[str, float] | None = None,  # type: ignore[assignment]
                  gpu_left: set[str] = frozenset(), silent: set[str] = frozenset()) -> None:  # type: ignore[assignment]  # fmt: skip
-        from cluster_cli.launch import node as nodeops
-
-        self.running: dict[str, str] = {}
-        self.fail, self.slow, self.gpu_left, self.silent = fail, slow or {}, gpu_left, silent
-        monkeypatch.setattr(nodeops, "start", self.start)
-        monkeypatch.setattr(nodeops, "stop", self.stop)
-        monkeypatch.setattr(nodeops, "ready", self.ready)
-        monkeypatch.setattr(nodeops, "alive", self.alive)
-
-    async def get(self, node: str) -> Any:
-        from cluster_cli.errors import SSHError
-
-        if node in self.silent:
-            raise SSHError(f"{node}: no answer over SSH")
-        return SimpleNamespace(host=node, node=node)
-
-    def prefetch(self, nodes: Any) -> None:
-        pass
-
-    async def start(self, session: Any, s: Any) -> Any:
-        from cluster_cli.launch import node as nodeops
-
-        await asyncio.sleep(self.slow.get(s.node, 0))
-        if s.node in self.fail:
-            raise nodeops.LaunchError(f"{s.node}: cannot create the run folder")
-        self.running[s.run.token] = s.node
-        return replace(s.run, pid=100 + len(self.running), start_time=1)
-
-    async def stop(self, session: Any, run: Any, **kw: Any) -> Any:
-        from cluster_cli.launch import node as nodeops
-
-        self.running.pop(run.token, None)
-        return nodeops.Stopped(gpu_pids=[run.pid or 1] if run.node in self.gpu_left else [])
-
-    async def ready(self, *a: Any, **kw: Any) -> None:
-        return None
-
-    async def alive(self, session: Any, runs: list[Any]) -> list[bool]:
-        return [r.token in self.running for r in runs]
+        super().__init__()
+        for n in fail:
+            self[n].fail_start = "cannot create the run folder"
+        for n, s in (slow or {}).items():
+            self[n].start_delay = s
+        for n in gpu_left:
+            self[n].gpu_left = True
+        for n in silent:
+            self[n].partitioned = True
 
 
 def _launch_one(store: Store, nodes: _Nodes, rec: ReplicaRecord, inv: Inventory) -> Any:
@@ -115,7 +86,8 @@ def _starts(monkeypatch: Any) -> None:
     from cluster_cli.launch.shards import folder
 
     def starts(rec: ReplicaRecord, cat: Any, inv: Any, facts: Any, **kw: Any) -> list[Any]:
-        return [SimpleNamespace(node=s.node, run=ShardRun(s.node, folder("~/r", rec), f"{rec.name}.g{rec.generation}.s{i}"))
+        return [SimpleNamespace(node=s.node, script=SimpleNamespace(ports=(rec.port,) if i == 0 else ()),
+                                run=ShardRun(s.node, folder("~/r", rec), f"{rec.name}.g{rec.generation}.s{i}"))
                 for i, s in enumerate(rec.replica.shards)]  # fmt: skip
 
     monkeypatch.setattr(lifecycle, "shard_starts", starts)
@@ -125,14 +97,14 @@ def test_a_failed_shard_start_waits_for_the_others_before_it_stops_them(tmp_path
     """One shard's start fails at once while another's is still on its way: the stop comes
     only once every start has ended, so it finds the slower one too."""
     _starts(monkeypatch)
-    nodes = _Nodes(monkeypatch, fail={"n2"}, slow={"n2": 0.05, "n3": 0.4})
+    nodes = _Nodes(fail={"n2"}, slow={"n2": 0.05, "n3": 0.4})
     inv = Inventory.model_validate({"nodes": [{"name": n, "host": n} for n in ("n1", "n2", "n3")]})
     with Store(tmp_path / "s.db") as s:
         rep = Replica("big", 0, "p", "vllm", (Shard("n1", (0,)), Shard("n2", (0,)), Shard("n3", (0,))))
         (rec,) = s.reserve([ReplicaRecord(rep, port=8100)]).records
         out = _launch_one(s, nodes, rec, inv)
         assert out.state == "failed" and "n2: cannot create the run folder" in out.reason
-        assert nodes.running == {}  # n3's engine, started after n2 failed, was stopped too
+        assert nodes.running() == {}  # n3's engine, started after n2 failed, was stopped too
         assert s.records(include_down=True, include_fenced=True) == [] and s.fences() == []
         assert [e.kind for e in s.events() if e.name == "big/0"][-2:] == ["failed", "released"]
 
@@ -140,11 +112,10 @@ def test_a_failed_shard_start_waits_for_the_others_before_it_stops_them(tmp_path
 def test_a_down_interrupted_after_marking_is_finished_by_the_next_down(tmp_path: Path, monkeypatch: Any) -> None:
     from cluster_cli.control.replicas import down
 
-    nodes = _Nodes(monkeypatch)
+    nodes = _Nodes()
     with Store(tmp_path / "s.db", actor="down") as s:
         (rec,) = s.reserve([ReplicaRecord(Replica("m", 0, "p", "llamacpp", (Shard("n1"),)), port=8100)]).records
-        rec = s.observe(replace(rec, status="ready", shards=(ShardRun("n1", "~/r", "m/0.g1.s0"),)))
-        nodes.running["m/0.g1.s0"] = "n1"
+        rec = s.observe(replace(rec, status="ready", shards=(nodes["n1"].adopt(ShardRun("n1", "~/r", "m/0.g1.s0")),)))
         s.want_down(rec, owner="run-gone")  # that down was killed here
         (stuck,) = [r for r in s.records(include_down=True) if r.status == "stopping"]
         assert s.held_apart() == {}  # a CPU replica: its port stays held all the same
@@ -156,9 +127,9 @@ def test_a_down_interrupted_after_marking_is_finished_by_the_next_down(tmp_path:
                                   report=lambda _: None, owner="run-now", alive=alive)  # fmt: skip
 
         (busy,) = asyncio.run(go(lambda run: run == "run-gone"))  # still going: its own
-        assert not busy.clean and "another down" in busy.problem and nodes.running
+        assert not busy.clean and "another down" in busy.problem and nodes.running()
         (done,) = asyncio.run(go(lambda run: False))  # gone: taken over
-        assert done.clean and nodes.running == {}
+        assert done.clean and nodes.running() == {}
         (row,) = s.records(include_down=True)
         assert (row.status, row.desired) == ("stopped", "down") and s.held_ports("n1") == set()
 
@@ -168,7 +139,7 @@ def test_down_of_a_replica_up_replaced_meanwhile_takes_down_its_new_generation(
 ) -> None:
     from cluster_cli.control.replicas import down
 
-    nodes = _Nodes(monkeypatch)
+    nodes = _Nodes()
     rep = Replica("m", 0, "p", "llamacpp", (Shard("n1"),))
     with Store(tmp_path / "s.db") as s:
         (old,) = s.reserve([ReplicaRecord(rep, port=8100)]).records
@@ -194,19 +165,17 @@ def test_what_up_started_after_a_down_is_fenced_with_its_gpus_when_its_stop_is_n
     still lists it: the row is fenced again, with its GPU booked again, so nothing else is
     placed on a GPU its engine may still use."""
     _starts(monkeypatch)
-    nodes = _Nodes(monkeypatch, gpu_left={"n1"})
+    nodes = _Nodes(gpu_left={"n1"})
     inv = Inventory.model_validate({"nodes": [{"name": "n1", "host": "n1"}]})
     path = tmp_path / "s.db"
     with Store(path, actor="up") as s, Store(path, actor="down") as operator:
         (rec,) = s.reserve([ReplicaRecord(Replica("m", 0, "p", "vllm", (Shard("n1", (0, 1)),)), port=8100)]).records
-        real_start = nodes.start
 
-        async def start_after_a_down(session: Any, sh: Any) -> Any:
+        def a_down(sh: Any) -> None:
             (cur,) = operator.records()  # the down: marked, nothing found running, released
             operator.release(operator.want_down(cur, owner="down-run"), wanted_down=True, why="stopped by down")
-            return await real_start(session, sh)
 
-        monkeypatch.setattr("cluster_cli.launch.node.start", start_after_a_down)
+        nodes["n1"].before_start = a_down
         out = _launch_one(s, nodes, rec, inv)
         assert out.state == "failed" and "changed by another command" in out.reason and "not confirmed" in out.reason
         (row,) = s.records(include_down=True, include_fenced=True)
@@ -226,7 +195,7 @@ def test_down_keeps_the_catalogs_metric_mappings_in_the_router_config(tmp_path: 
     from cluster_cli.config.catalog import Catalog
     from cluster_cli.control.replicas import down
 
-    nodes = _Nodes(monkeypatch)
+    nodes = _Nodes()
     mapping = {"running": "my_running", "waiting": "my_waiting", "kv_cache_usage": "my_kv"}
     cat = Catalog.model_validate({
         "engines": {"llamacpp": {"command": "llama-server", "metrics": mapping}},
@@ -258,12 +227,7 @@ def test_a_fixed_port_two_replicas_share_a_node_for_fails_the_second_alone(tmp_p
     from cluster_cli.config.catalog import Catalog
 
     _starts(monkeypatch)
-    nodes = _Nodes(monkeypatch)
-
-    async def listening(session: Any) -> set[int]:
-        return set()
-
-    monkeypatch.setattr("cluster_cli.launch.node.listening", listening)
+    nodes = _Nodes()
     inv = Inventory.model_validate({"nodes": [{"name": "cpu-01", "host": "h1"}]})
     cat = Catalog.model_validate({"models": [{"name": "m", "replicas": 2, "profiles": [
         {"name": "p", "engine": "llamacpp", "model": "/m.gguf", "cpus": 1, "port": 9000}]}]})  # fmt: skip

@@ -18,11 +18,12 @@ from test_node_runs import Node, node_maker, shard_folder, tok
 
 from cluster_cli.config.inventory import load_inventory
 from cluster_cli.control.heartbeat import beat
-from cluster_cli.control.sessions import Sessions
+from cluster_cli.control.nodes import SSHNodes
 from cluster_cli.errors import SSHError
 from cluster_cli.launch import node, remote
 from cluster_cli.launch.node import Beat
-from cluster_cli.probe.runner import AsyncsshConnector
+from cluster_cli.ssh.connect import AsyncsshConnector
+from cluster_cli.ssh.pool import Sessions
 from cluster_cli.state.records import ShardRun
 
 BOOT = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -157,7 +158,7 @@ def test_beat_answers_for_the_healthy_node_and_turns_the_failing_ones_into_lines
     )
     nodes = {name: [ok_run] if name == "ok" else [ShardRun(name, "/r/x", tok())] for name in sessions.by_node}
     t0 = time.monotonic()
-    got = asyncio.run(beat(sessions, nodes, {"ok": str(run)}, timeout_s=1.5))  # type: ignore[arg-type]
+    got = asyncio.run(beat(SSHNodes(sessions), nodes, {"ok": str(run)}, timeout_s=1.5))  # type: ignore[arg-type]
     took = time.monotonic() - t0
     assert took < 4, took  # at once: the hanging ones cost one timeout together, not one each
     assert set(got) == set(nodes) and sorted(sessions.asked) == sorted(nodes)
@@ -172,7 +173,7 @@ def test_beat_answers_for_the_healthy_node_and_turns_the_failing_ones_into_lines
 
 
 def test_beat_of_no_node_is_empty() -> None:
-    assert asyncio.run(beat(FakeSessions({}), {}, {}, timeout_s=1)) == {}  # type: ignore[arg-type]
+    assert asyncio.run(beat(SSHNodes(FakeSessions({})), {}, {}, timeout_s=1)) == {}  # type: ignore[arg-type]
 
 
 def test_beat_over_ssh_while_one_node_is_killed(testbed_factory, tmp_path: Path) -> None:
@@ -188,14 +189,14 @@ def test_beat_over_ssh_while_one_node_is_killed(testbed_factory, tmp_path: Path)
     async def go() -> tuple[dict[str, Beat | str], dict[str, Beat | str], float]:
         connector = AsyncsshConnector(pinned_known_hosts=tmp_path / "pins")
         async with Sessions(inv, connector) as sessions:
-            first = await beat(sessions, {"n1": [], "n2": []}, run_dirs, timeout_s=20)
+            first = await beat(SSHNodes(sessions), {"n1": [], "n2": []}, run_dirs, timeout_s=20)
             b1 = first["n1"]
             assert isinstance(b1, Beat), first
             (mine,) = [q for q in b1.runs.processes if q.token == t]
             shard = ShardRun("n1", f"{run_dirs['n1']}/tb-0.g1", t, pid, mine.start_time, boot_id=b1.boot_id)
             cluster.kill("n2")
             t0 = time.monotonic()
-            second = await beat(sessions, {"n1": [shard], "n2": []}, run_dirs, timeout_s=20)
+            second = await beat(SSHNodes(sessions), {"n1": [shard], "n2": []}, run_dirs, timeout_s=20)
             return first, second, time.monotonic() - t0
 
     try:

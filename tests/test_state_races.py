@@ -22,11 +22,12 @@ from helpers import ctl, json_out
 from cluster_cli.config.catalog import load_catalog
 from cluster_cli.config.inventory import load_inventory
 from cluster_cli.control import discovery
+from cluster_cli.control.nodes import SSHNodes
 from cluster_cli.control.replicas import status
-from cluster_cli.control.sessions import Sessions
 from cluster_cli.control.up import up
 from cluster_cli.facts import Replica, Shard
-from cluster_cli.probe.runner import AsyncsshConnector
+from cluster_cli.ssh.connect import AsyncsshConnector
+from cluster_cli.ssh.pool import Sessions
 from cluster_cli.state.aio import AsyncStore
 from cluster_cli.state.records import READY, ReplicaRecord, ShardRun
 from cluster_cli.state.store import Store
@@ -152,7 +153,7 @@ def test_a_status_during_a_restart_keeps_the_new_processes(tmp_path: Path) -> No
     async def go() -> list[Any]:
         with Store(path, actor="status") as st:
             async with AsyncStore(st) as astore:
-                return await status(astore, _Sessions(_Node(restart)))  # type: ignore[arg-type]
+                return await status(astore, SSHNodes(_Sessions(_Node(restart))))  # type: ignore[arg-type]
 
     try:
         (row,) = asyncio.run(go())
@@ -189,7 +190,7 @@ def test_a_cordon_between_plan_and_reserve_is_not_missed(testbed_factory, tmp_pa
                         operator.cordon("gpu-01", "fan failing")
                     return view
 
-                return await up(inv, cat, astore, sessions, fleet, router_config=tmp_path / "router.yaml",
+                return await up(inv, cat, astore, SSHNodes(sessions), fleet, router_config=tmp_path / "router.yaml",
                                 timeout_s=60)  # fmt: skip
 
     result = asyncio.run(go())

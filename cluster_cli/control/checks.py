@@ -10,13 +10,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cluster_cli.errors import SSHError
-from cluster_cli.launch import node as nodeops
 from cluster_cli.launch.observe import Observed
 from cluster_cli.state.records import PLANNED, READY, STARTING, UNHEALTHY, ReplicaRecord
 
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
-    from cluster_cli.control.sessions import Sessions
+    from cluster_cli.control.nodes import Nodes
     from cluster_cli.facts import NodeFacts
 
 
@@ -30,7 +29,7 @@ def expects_new(cat: Catalog, records: list[ReplicaRecord]) -> bool:
 
 async def find_dead(
     records: list[ReplicaRecord],
-    sessions: Sessions,
+    nodes: Nodes,
     seen: Observed,
     busy: set[tuple[str, int, int]],
     theirs: Callable[[ReplicaRecord], bool],
@@ -45,14 +44,16 @@ async def find_dead(
         if rec.status in (PLANNED, STARTING, UNHEALTHY) and theirs(rec):
             busy.add(rec.key)
             return
-        if rec.status != READY or not rec.shards or rec.port is None:
+        # Unhealthy is checked as ready is: a replica whose node was away, or whose engine
+        # did not answer for a while, is trusted again when it runs and answers now.
+        if rec.status not in (READY, UNHEALTHY) or not rec.shards or rec.port is None:
             out[rec.key] = f"was left {rec.status} by an earlier run"
             return
         try:
             for run in rec.shards:
                 ok = seen.alive(run)
                 if ok is None:
-                    (ok,) = await nodeops.alive(await sessions.get(run.node), [run])
+                    (ok,) = await (await nodes.get(run.node)).alive([run])
                 if not ok:
                     out[rec.key] = f"its engine on {run.node} is not running"
                     return
@@ -71,8 +72,8 @@ class HealthChecks:
     its head node is done: on that node's connection, while slower nodes are still probed,
     and never competing with the node's own probe."""
 
-    def __init__(self, records: list[ReplicaRecord], sessions: Sessions) -> None:
-        self._sessions = sessions
+    def __init__(self, records: list[ReplicaRecord], nodes: Nodes) -> None:
+        self._nodes = nodes
         self._waiting: dict[str, list[ReplicaRecord]] = {}
         self._tasks: dict[tuple[str, int, int], asyncio.Task[str | None]] = {}
         for rec in records:
@@ -95,5 +96,5 @@ class HealthChecks:
 
     async def _check(self, rec: ReplicaRecord) -> str | None:
         assert rec.port is not None
-        session = await self._sessions.get(rec.shards[0].node)
-        return await nodeops.ready(session, rec.port, rec.replica.model, list_models=False)
+        node = await self._nodes.get(rec.shards[0].node)
+        return await node.ready(rec.port, rec.replica.model, list_models=False)

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.control import discovery
-from cluster_cli.control.sessions import Sessions
+from cluster_cli.control.nodes import Nodes, SSHNodes
+from cluster_cli.ssh.pool import Sessions
 from cluster_cli.state.aio import AsyncStore
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from cluster_cli.control.runs import Runs
     from cluster_cli.control.up import UpResult
     from cluster_cli.launch.observe import Observed
-    from cluster_cli.probe.runner import Connector
+    from cluster_cli.ssh.session import Connector
     from cluster_cli.state.records import Fence, ReplicaRecord
     from cluster_cli.state.store import Store
 
@@ -47,6 +48,16 @@ class Cluster:
     runs: Runs | None = None
     parallel: int = 64
     drain_s: float = 60.0  # how long a replica being stopped may finish what is in flight on it
+    nodes: Nodes | None = None  # the nodes as operations act on them; over ``sessions`` when None
+
+    def __post_init__(self) -> None:
+        if self.nodes is None:
+            self.nodes = SSHNodes(self.sessions)
+
+    @property
+    def on(self) -> Nodes:
+        assert self.nodes is not None
+        return self.nodes
 
     @classmethod
     @asynccontextmanager
@@ -55,16 +66,23 @@ class Cluster:
         inv: Inventory,
         inventory_path: Path,
         store: Store,
-        connector: Connector,
+        connector: Connector | None,
         router_config: Path,
         *,
+        pinned_known_hosts: Path | None = None,
         runs: Runs | None = None,
         parallel: int = 64,
         drain_s: float = 60.0,
+        retry_failed: bool = False,
     ) -> AsyncIterator[Cluster]:
         """The cluster, its SSH sessions and its state's database thread open for the block
-        (``store`` is not to be used directly meanwhile)."""
-        async with Sessions(inv, connector) as sessions, AsyncStore(store) as astore:
+        (``store`` is not to be used directly meanwhile). ``connector`` None: SSH to the
+        inventory's nodes (:func:`ssh_connector`), pinning ``accept-new`` keys in
+        ``pinned_known_hosts``. ``retry_failed``: a node that failed to connect is tried again
+        after a backoff (a loop that runs for long), not failed for good."""
+        if connector is None:
+            connector = ssh_connector(pinned_known_hosts)
+        async with Sessions(inv, connector, retry_failed=retry_failed) as sessions, AsyncStore(store) as astore:
             yield cls(inv, inventory_path, astore, sessions, router_config, runs, parallel, drain_s)
 
     # ---- observe ----------------------------------------------------------
@@ -109,7 +127,7 @@ class Cluster:
         from cluster_cli.control.up import up
 
         records = await self.store.records()
-        health = HealthChecks(records, self.sessions)
+        health = HealthChecks(records, self.on)
         observed = None
         reprobe = None
 
@@ -127,7 +145,7 @@ class Cluster:
             self.inv,
             cat,
             self.store,
-            self.sessions,
+            self.on,
             self.fleet,
             router_config=self.router_config,
             expect_version=expect_version,
@@ -148,7 +166,7 @@ class Cluster:
         from cluster_cli.control.replicas import down
 
         runs = self.runs
-        return await down(self.store, self.sessions, targets, router_config=self.router_config, report=report,
+        return await down(self.store, self.on, targets, router_config=self.router_config, report=report,
                           owner=runs.id if runs is not None else None,
                           alive=runs.alive if runs is not None else (lambda _: False), drain_s=self.drain_s)  # fmt: skip
 
@@ -160,5 +178,13 @@ class Cluster:
             n = self.inv.node(node)
             return self.inv.log_max_bytes(n) if n is not None else None
 
-        rows = await status(self.store, self.sessions if check else None, log_cap=cap)
+        rows = await status(self.store, self.on if check else None, log_cap=cap)
         return rows, await self.store.fences()
+
+
+def ssh_connector(pinned_known_hosts: Path | None = None) -> Connector:
+    """The SSH connector every command reaches the nodes with (host keys always verified);
+    ``accept-new`` pins first-contact keys in ``pinned_known_hosts``."""
+    from cluster_cli.ssh.connect import AsyncsshConnector
+
+    return AsyncsshConnector(pinned_known_hosts=pinned_known_hosts)

@@ -1,6 +1,6 @@
 """A supervisor's heartbeat: one cheap look at every node at once.
 
-Each node runs one script over its session (``launch.node.heartbeat``: its boot id, whether
+Each node runs one script over its kept-open session (``launch.node.heartbeat``: its boot id, whether
 each recorded shard still runs, every marked process and shard folder; 4 processes started
 there, no nvidia-smi), so that a tick every 2 s costs each node a few milliseconds. What it
 returns is data only: nothing is written to the state, nothing is started or stopped.
@@ -13,22 +13,22 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from cluster_cli.errors import ClusterctlError
-from cluster_cli.launch import node as nodeops
 from cluster_cli.launch.shards import DEFAULT_RUN_DIR
 
 if TYPE_CHECKING:
-    from cluster_cli.control.sessions import Sessions
+    from cluster_cli.control.nodes import Nodes
     from cluster_cli.launch.node import Beat
     from cluster_cli.state.records import ShardRun
 
 
 async def beat(
-    sessions: Sessions,
-    nodes: Mapping[str, Sequence[ShardRun]],
+    nodes: Nodes,
+    shards: Mapping[str, Sequence[ShardRun]],
     run_dirs: Mapping[str, str],
     timeout_s: float,
 ) -> dict[str, Beat | str]:
-    """Every node of ``nodes`` (node -> the shards recorded there) at once: its ``Beat``, or
+    """Every node of ``shards`` (node -> the shards recorded there) at once, reached
+    through ``nodes``: its ``Beat``, or
     why there is none, as one line (it did not answer within ``timeout_s``, connecting
     included; its SSH connection failed or was lost; its answer was cut short). A node that
     fails never holds up nor fails the others. ``run_dirs``: each node's run folder
@@ -38,14 +38,13 @@ async def beat(
         run_dir = run_dirs.get(node, DEFAULT_RUN_DIR)
         try:
             async with asyncio.timeout(timeout_s):
-                session = await sessions.get(node)
-                return await nodeops.heartbeat(session, runs, run_dir, timeout=timeout_s)
+                return await (await nodes.get(node)).heartbeat(runs, run_dir, timeout=timeout_s)
         except TimeoutError:
             return f"{node}: no answer within {timeout_s:g} s"
         except (ClusterctlError, OSError, asyncio.IncompleteReadError) as e:
             why = str(e) or type(e).__name__
             return why if why.startswith(f"{node}:") else f"{node}: {why}"
 
-    names = list(nodes)
-    got = await asyncio.gather(*(one(n, list(nodes[n])) for n in names))
+    names = list(shards)
+    got = await asyncio.gather(*(one(n, list(shards[n])) for n in names))
     return dict(zip(names, got, strict=True))

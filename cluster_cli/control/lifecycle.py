@@ -24,7 +24,7 @@ from cluster_cli.state.records import FAILED, READY, STARTING, STOPPED, UNHEALTH
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
     from cluster_cli.config.inventory import Inventory
-    from cluster_cli.control.sessions import Sessions
+    from cluster_cli.control.nodes import Nodes
     from cluster_cli.facts import NodeFacts
     from cluster_cli.state.aio import AsyncStore
 
@@ -87,7 +87,7 @@ async def start(
     inv: Inventory,
     cat: Catalog,
     store: AsyncStore,
-    sessions: Sessions,
+    nodes: Nodes,
     facts: dict[str, NodeFacts],
     deadline: float,
     report: Report,
@@ -98,22 +98,22 @@ async def start(
     another command changed its row meanwhile (a ``down``), what this run started is
     stopped and the row is left as that command made it."""
     t0 = time.monotonic()
-    nodes = [s.node for s in rec.replica.shards]
-    out = Outcome(rec.name, rec.replica.model, action, STARTING, nodes)
-    report(rec.name, "starting", ", ".join(nodes))
+    where = [s.node for s in rec.replica.shards]
+    out = Outcome(rec.name, rec.replica.model, action, STARTING, where)
+    report(rec.name, "starting", ", ".join(where))
     runs: list[Any] = []  # what may run of it: the shards' markers, then their processes
     key = engine_keys(store)(rec)
     try:
         starts = shard_starts(rec, cat, inv, facts, api_key=key)
-        first = await sessions.get(starts[0].node)
-        endpoint = endpoint_of(inv, rec, getattr(first, "host", None))
+        first = await nodes.get(starts[0].node)
+        endpoint = endpoint_of(inv, rec, first.address)
         runs = [s.run for s in starts]
         rec = await record(store, replace(rec, shards=tuple(runs), status=STARTING, endpoint=endpoint, detail=None))
         # Shard 0 first (a multi-node replica's Ray head), then the others together.
-        runs[0] = head = await nodeops.start(first, starts[0])
+        runs[0] = head = await first.start(starts[0])
 
         async def other(i: int, s: Any) -> None:
-            runs[i] = await nodeops.start(await sessions.get(s.node), s)
+            runs[i] = await (await nodes.get(s.node)).start(s)
 
         # Every start ends before a failure is acted on: a slower shard that starts after the
         # stop ran would have nothing that knows of it.
@@ -123,14 +123,14 @@ async def start(
             raise failed
         rec = await record(store, replace(rec, shards=tuple(runs), started_at=time.time()))
         report(rec.name, "loading", f"pid {head.pid} on {head.node}")
-        await wait_ready(rec, sessions, deadline, report, key)
+        await wait_ready(rec, nodes, deadline, report, key)
         rec = await record(store, replace(rec, status=READY, detail=None))
         out.state, out.endpoint = READY, rec.endpoint
         report(rec.name, "ready", rec.endpoint or "")
     except TakenAway as e:
         # Whatever this run started is its own to stop: the other command could not see it.
         started = replace(rec, shards=tuple(runs))
-        stopped = await stops.stop_shards(started, sessions)
+        stopped = await stops.stop_shards(started, nodes)
         out.state, out.reason = STOPPED, f"{e}: what it started is stopped"
         if stopped.left:  # kept in the state, whatever the other command made of the row
             await store.fence_started(started, stopped.left, why=str(e))
@@ -142,7 +142,7 @@ async def start(
         report(rec.name, "failed", out.reason)
         with contextlib.suppress(StaleRecord):  # the failure, as an event of its own
             rec = await store.observe(replace(rec, status=FAILED, detail=out.reason))
-        stopped = await stops.stop_shards(rec, sessions)
+        stopped = await stops.stop_shards(rec, nodes)
         out.log = stopped.log or out.log
         why = f"failed to start: {out.reason}"
         if stopped.left:
@@ -162,17 +162,17 @@ async def record(store: AsyncStore, rec: ReplicaRecord) -> ReplicaRecord:
         raise TakenAway(f"changed by another command while this one started it ({what})") from None
 
 
-async def wait_ready(rec: ReplicaRecord, sessions: Sessions, deadline: float, report: Report, key: str) -> None:
+async def wait_ready(rec: ReplicaRecord, nodes: Nodes, deadline: float, report: Report, key: str) -> None:
     last = ""
     head = rec.shards[0]
     assert rec.port is not None
     polls = 0
     while True:
-        why = await nodeops.ready(await sessions.get(head.node), rec.port, rec.replica.model, api_key=key)
+        why = await (await nodes.get(head.node)).ready(rec.port, rec.replica.model, api_key=key)
         if why is None:
             return
         for run in rec.shards:
-            (ok,) = await nodeops.alive(await sessions.get(run.node), [run])
+            (ok,) = await (await nodes.get(run.node)).alive([run])
             if not ok:
                 raise nodeops.LaunchError(f"the engine exited on {run.node}")
         if why != last:
@@ -191,7 +191,7 @@ async def restart(
     inv: Inventory,
     cat: Catalog,
     store: AsyncStore,
-    sessions: Sessions,
+    nodes: Nodes,
     facts: dict[str, NodeFacts],
     deadline: float,
     report: Report,
@@ -207,27 +207,27 @@ async def restart(
         report(rec.name, "starting", why)
         return replace(kept(seen), state=STARTING, reason=why)
     report(rec.name, "restarting", why)
-    stopped = await stops.stop_shards(claimed, sessions)
+    stopped = await stops.stop_shards(claimed, nodes)
     if stopped.left:
         reason = f"{why}; what is left of it could not be stopped ({stopped.problem()})"
         await stops.release(store, claimed, stopped, why=reason)
         report(rec.name, "failed", reason)
         return Outcome(rec.name, rec.replica.model, "restart", FAILED, [s.node for s in rec.replica.shards],
                        reason=reason, log=stopped.log)  # fmt: skip
-    out = await start(claimed, "restart", inv, cat, store, sessions, facts, deadline, report)
+    out = await start(claimed, "restart", inv, cat, store, nodes, facts, deadline, report)
     if not out.reason:
         out.reason = f"restarted: {why}"
     return out
 
 
 async def stop(
-    rec: ReplicaRecord, why: str, store: AsyncStore, sessions: Sessions, report: Report, *, wanted_down: bool = False
+    rec: ReplicaRecord, why: str, store: AsyncStore, nodes: Nodes, report: Report, *, wanted_down: bool = False
 ) -> Outcome:
     """Stop a replica the plan does not keep (``why``: the plan's reason) and release it
     (fenced where its stop could not be confirmed)."""
     t0 = time.monotonic()
     out = Outcome(rec.name, rec.replica.model, "stop", "stopped", [s.node for s in rec.replica.shards], reason=why)
-    stopped = await stops.stop_shards(rec, sessions)
+    stopped = await stops.stop_shards(rec, nodes)
     if stopped.left:
         out.state, out.reason = FAILED, stopped.problem()
     await stops.release(store, rec, stopped, why=f"stopped ({why or 'no longer in the catalog'})",

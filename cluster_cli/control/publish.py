@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -74,10 +75,10 @@ async def publish(
         stopping = [r for r in records if r.status == STOPPING and r.endpoint]
         doc = routerconf.render(live + [replace(r, status=READY, desired=UP) for r in stopping], cat,
                                 keys=engine_keys(store))  # fmt: skip
-        names = {r.name for r in stopping}
+        urls = {r.endpoint for r in stopping}  # by URL: a newer generation may serve under its name
         for model in doc.get("models", {}).values():
             for ep in model["endpoints"]:
-                if ep.get("replica") in names:
+                if ep.get("url") in urls:
                     ep["draining"] = True
         routerconf.write(path, doc)
         try:
@@ -108,8 +109,10 @@ async def drained(path: Path, names: set[str], wait_s: float = DRAIN_S) -> dict[
         left: dict[str, int] = {}
         for r in serving.running(path):
             for name, n in r.draining.items():
-                if name in names and n > 0:
-                    left[name] = left.get(name, 0) + n
+                # An older generation serving beside its replacement is published as MODEL/N.gG.
+                base = re.sub(r"\.g[0-9]+$", "", name)
+                if (name in names or base in names) and n > 0:
+                    left[base] = left.get(base, 0) + n
         if not left or time.monotonic() >= deadline:
             return left
         await asyncio.sleep(0.1)

@@ -17,7 +17,8 @@ from cluster_cli.launch import remote
 from cluster_cli.state.records import DOWN, FENCED, READY, UNHEALTHY, UP, ReplicaRecord
 
 if TYPE_CHECKING:
-    from cluster_cli.control.sessions import Sessions
+    from cluster_cli.control.nodes import Node, Nodes
+    from cluster_cli.ssh.pool import Sessions
     from cluster_cli.state.aio import AsyncStore
     from cluster_cli.state.store import Store
 
@@ -49,7 +50,7 @@ class Downed:
 
 async def down(
     store: AsyncStore,
-    sessions: Sessions,
+    nodes: Nodes,
     targets: list[ReplicaRecord],
     *,
     router_config: Path,
@@ -79,20 +80,20 @@ async def down(
             (theirs if t.owner != owner and alive(t.owner) else marked).append(t)
             continue
         marked += await _want_down(store, t, owner)
-    sessions.prefetch(sorted({run.node for t in marked for run in t.shards}))  # connect while the router catches up
+    nodes.prefetch(sorted({run.node for t in marked for run in t.shards}))  # connect while the router catches up
     published = router_config.exists() or bool(await store.records())
     if published:  # draining: no new request reaches them, those in flight finish
         await publish(store, router_config)
         await drained(router_config, {t.name for t in marked}, drain_s)
 
     async def one(rec: ReplicaRecord) -> Downed:
-        stopped = await stops.stop_shards(rec, sessions)
+        stopped = await stops.stop_shards(rec, nodes)
         await stops.release(store, rec, stopped, why="stopped by down", wanted_down=True)
         return _downed(rec, stopped.problem(), report)
 
     async def again(rec: ReplicaRecord) -> Downed:
         mine = [f for f in await store.fences() if (f.model, f.replica, f.generation) == rec.key]
-        still = await stops.clear(store, sessions, mine)
+        still = await stops.clear(store, nodes, mine)
         return _downed(rec, "; ".join(f"{f.node}: {f.reason}" for f in still), report)
 
     busy = [Downed(t.name, [s.node for s in t.replica.shards], False, "being stopped by another down") for t in theirs]
@@ -164,28 +165,28 @@ _UNKNOWN = {"running": None, "waiting": None, "kv_cache_usage": None}
 
 
 async def status(
-    store: AsyncStore, sessions: Sessions | None, *, log_cap: Callable[[str], int | None] = lambda _: None
+    store: AsyncStore, nodes: Nodes | None, *, log_cap: Callable[[str], int | None] = lambda _: None
 ) -> list[Row]:
-    """Every replica with its state as seen now (``sessions`` None: as last recorded) and its
+    """Every replica with its state as seen now (``nodes`` None: as last recorded) and its
     engine's load, scraped through the node's SSH session. What it sees is recorded only if
     the row is still as it was read: a replica restarted meanwhile keeps its new processes.
     ``log_cap``: per node, the size its shards' logs are trimmed to as they are checked."""
     records = await store.records(include_down=True, include_fenced=True)
-    key_of = engine_keys(store) if sessions is not None else None
+    key_of = engine_keys(store) if nodes is not None else None
 
     async def one(rec: ReplicaRecord) -> Row:
         if rec.status == FENCED or rec.desired != UP:  # stopping, stopped or fenced: as recorded
             return Row(rec, rec.status, dict(_UNKNOWN))
-        if sessions is None or rec.status != READY or rec.port is None or not rec.shards:
+        if nodes is None or rec.status != READY or rec.port is None or not rec.shards:
             return Row(rec, rec.status, dict(_UNKNOWN))
         try:
             for run in rec.shards:
-                (ok,) = await nodeops.alive(await sessions.get(run.node), [run], trim_bytes=log_cap(run.node))
+                (ok,) = await (await nodes.get(run.node)).alive([run], trim_bytes=log_cap(run.node))
                 if not ok:
                     return Row(rec, UNHEALTHY, dict(_UNKNOWN), f"its engine on {run.node} is not running")
-            s = await sessions.get(rec.shards[0].node)
+            s = await nodes.get(rec.shards[0].node)
             key = key_of(rec) if key_of is not None else None
-            why = await nodeops.ready(s, rec.port, rec.replica.model, api_key=key)
+            why = await s.ready(rec.port, rec.replica.model, api_key=key)
             if why is not None:
                 return Row(rec, UNHEALTHY, dict(_UNKNOWN), why)
             return Row(rec, READY, await _load(s, rec, key))
@@ -194,19 +195,19 @@ async def status(
 
     rows = list(await asyncio.gather(*(one(r) for r in records)))
     for row in rows:  # observed health: recorded (compare and set), no new state version
-        if row.rec.desired == UP and row.state != row.rec.status and sessions is not None:
+        if row.rec.desired == UP and row.state != row.rec.status and nodes is not None:
             await store.claim(row.rec, replace(row.rec, status=row.state, detail=row.detail or None))
     return rows
 
 
-async def _load(session: Any, rec: ReplicaRecord, key: str | None = None) -> dict[str, float | None]:
+async def _load(node: Node, rec: ReplicaRecord, key: str | None = None) -> dict[str, float | None]:
     from cluster_cli.router.scrape import mapped_names, parse_metrics, resolve
 
     engine = get_engine(rec.replica.engine)
     if engine is None or rec.port is None:
         return dict(_UNKNOWN)
     try:
-        code, body = await nodeops.get(session, rec.port, "/metrics", api_key=key)
+        code, body = await node.get(rec.port, "/metrics", api_key=key)
     except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError):
         return dict(_UNKNOWN)
     if code != 200:

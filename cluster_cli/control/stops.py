@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from cluster_cli.errors import SSHError
-from cluster_cli.launch import node as nodeops
 from cluster_cli.state.launches import StaleRecord
 from cluster_cli.state.records import FENCED, STOPPED, Fence, ReplicaRecord, ShardRun
 
 if TYPE_CHECKING:
-    from cluster_cli.control.sessions import Sessions
+    from cluster_cli.control.nodes import Nodes
     from cluster_cli.state.aio import AsyncStore
 
 STOP_GRACE_S = 10.0
@@ -42,7 +41,7 @@ class StopResult:
         return "; ".join(f"{run.node}: {why}" for run, why in self.left)
 
 
-async def stop_shards(rec: ReplicaRecord, sessions: Sessions, *, grace_s: float = STOP_GRACE_S) -> StopResult:
+async def stop_shards(rec: ReplicaRecord, nodes: Nodes, *, grace_s: float = STOP_GRACE_S) -> StopResult:
     """Stop every shard of ``rec`` at once and check that nothing of it is left (processes,
     shard 0's port, GPU processes); a shard whose node does not answer is left."""
     out = StopResult()
@@ -50,9 +49,8 @@ async def stop_shards(rec: ReplicaRecord, sessions: Sessions, *, grace_s: float 
     async def one(i: int, run: ShardRun) -> None:
         port = rec.port if i == 0 else None
         try:
-            res = await nodeops.stop(
-                await sessions.get(run.node), run, grace_s=grace_s, port=port, gpu_check=bool(run.gpu_uuids)
-            )
+            node = await nodes.get(run.node)
+            res = await node.stop(run, grace_s=grace_s, port=port, gpu_check=bool(run.gpu_uuids))
         except (SSHError, OSError) as e:
             out.left.append((run, f"its node did not answer the stop ({e})"))
             return
@@ -106,14 +104,14 @@ async def cas(
     return None
 
 
-async def clear(store: AsyncStore, sessions: Sessions, fences: list[Fence]) -> list[Fence]:
+async def clear(store: AsyncStore, nodes: Nodes, fences: list[Fence]) -> list[Fence]:
     """Stop every fenced shard again, on the nodes that answer; those confirmed gone are
     unfenced (their replica's GPUs and ports freed once none of it is left). The fences
     still standing."""
 
     async def one(f: Fence) -> Fence | None:
         try:
-            res = await nodeops.stop(await sessions.get(f.node), f.run, grace_s=STOP_GRACE_S, gpu_check=True)
+            res = await (await nodes.get(f.node)).stop(f.run, grace_s=STOP_GRACE_S, gpu_check=True)
         except (SSHError, OSError):
             return f
         if res.clean:

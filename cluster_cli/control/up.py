@@ -23,7 +23,6 @@ from cluster_cli.control.discovery import Fleet
 from cluster_cli.control.lifecycle import Outcome, Report, kept, quiet
 from cluster_cli.control.publish import DRAIN_S, drained, publish
 from cluster_cli.errors import SSHError
-from cluster_cli.launch import node as nodeops
 from cluster_cli.launch.observe import Observed
 from cluster_cli.launch.shards import pick_port, profile_of
 from cluster_cli.state.launches import StaleVersion
@@ -41,8 +40,8 @@ from cluster_cli.state.records import (
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
     from cluster_cli.config.inventory import Inventory
+    from cluster_cli.control.nodes import Nodes
     from cluster_cli.control.runs import Runs
-    from cluster_cli.control.sessions import Sessions
     from cluster_cli.placement import Plan
     from cluster_cli.state.aio import AsyncStore
 
@@ -70,7 +69,7 @@ async def up(
     inv: Inventory,
     cat: Catalog,
     store: AsyncStore,
-    sessions: Sessions,
+    nodes: Nodes,
     fleet: Callable[[], Awaitable[Fleet]],
     *,
     router_config: Path,
@@ -84,6 +83,9 @@ async def up(
     catalog_doc: dict[str, Any] | None = None,
     catalog_source: str | None = None,
     drain_s: float = DRAIN_S,
+    hold: Callable[[ReplicaRecord, str], str | None] | None = None,
+    hold_new: Callable[[str], str | None] | None = None,
+    max_new: int | None = None,
 ) -> UpResult:
     """Apply the catalog to the cluster. ``fleet`` reads the nodes, replicas and state version
     from one snapshot of the state (a cordon is in all three or in none); ``observed``: what
@@ -93,13 +95,17 @@ async def up(
     checks, started during the probe; ``reprobe``: probe every node in full and read the
     fleet again, when the first read came from a probe that only checked the running
     replicas: it is called before anything new is placed. ``catalog_doc`` is recorded as the
-    desired state once the plan is reserved."""
+    desired state once the plan is reserved. ``hold``: asked for each dead replica with why
+    it is dead, says why it is not to be restarted yet (a backoff), or None; a held one is
+    left out of the router and restarted by a later pass; ``hold_new`` the same for a
+    replica to be placed anew (by name). ``max_new``: at most this many new
+    replicas are reserved and started by this pass; the others wait for the next."""
     from cluster_cli.placement import plan
 
     # What earlier stops could not confirm, and stops an interrupted down left: tried again
     # first, so that the version checked below already counts what they free.
-    await stops.clear(store, sessions, await store.fences())
-    outcomes: list[Outcome] = await _finish_stops(store, sessions, runs, report)
+    await stops.clear(store, nodes, await store.fences())
+    outcomes: list[Outcome] = await _finish_stops(store, nodes, runs, report)
     view = await fleet()
     if expect_version is not None and view.version != expect_version:
         raise StaleVersion(
@@ -115,19 +121,19 @@ async def up(
     def theirs(rec: ReplicaRecord) -> bool:
         return runs is not None and rec.owner != me and runs.alive(rec.owner)
 
-    checks = health or HealthChecks([], sessions)
-    dead = await find_dead(current, sessions, seen, busy, theirs, checks)
+    checks = health or HealthChecks([], nodes)
+    dead = await find_dead(current, nodes, seen, busy, theirs, checks)
     planned: list[Any] | None = None  # with --check-version: the starts of the plan made at that version
 
     for attempt in range(4):
-        result: Plan = plan(view.nodes, cat, [r.replica for r in current])
+        result: Plan = plan(view.nodes, cat, _held(current, theirs))
         away = _away(result)
         if reprobe is not None and any(p.replica.key not in away for p in result.starts):
             # Something new is placed after all: on facts of every kind, read now.
             view, seen = await reprobe()
             reprobe = None
-            current = await _also_check(view, current, dead, sessions, seen, busy, theirs, checks)
-            result = plan(view.nodes, cat, [r.replica for r in current])
+            current = await _also_check(view, current, dead, nodes, seen, busy, theirs, checks)
+            result = plan(view.nodes, cat, _held(current, theirs))
             away = _away(result)
         if planned is None and expect_version is not None:
             planned = [p.replica for p in result.starts]
@@ -140,13 +146,20 @@ async def up(
             # Out of the router first, then stopped and released; what the plan starts (a
             # replica placed anew on the GPUs it had) is placed again once they are free:
             # never on GPUs whose engine may still run.
-            outcomes += await _stop_all(stopping, cat, store, sessions, router_config, report, me, drain_s)
+            outcomes += await _stop_all(stopping, cat, store, nodes, router_config, report, me, drain_s)
             view = await fleet()
-            current = await _also_check(view, current, dead, sessions, seen, busy, theirs, checks)
+            current = await _also_check(view, current, dead, nodes, seen, busy, theirs, checks)
             continue
         by_node = {f.name: f for f in view.nodes}
-        taken = await _taken_ports(result, sessions, store, seen)
-        new, refused = _new_records(result, away, inv, cat, taken, me)
+        taken = await taken_ports(result, nodes, store, seen)
+        new, refused = new_records(result, away, inv, cat, taken, me)
+        waits = {r.name: w for r in new if hold_new is not None and (w := hold_new(r.name)) is not None}
+        later = [(r, waits[r.name]) for r in new if r.name in waits]
+        new = [r for r in new if r.name not in waits]
+        if max_new is not None:
+            why = f"at most {max_new} new replica(s) at once: started by a later pass"
+            later += [(r, why) for r in new[max_new:]]
+            new = new[:max_new]
         try:
             # The version the plan was made from is checked and moved in the same statement.
             booked = await store.reserve(new, expect_version=view.version)
@@ -156,7 +169,7 @@ async def up(
                 raise
             # Another up (or a cordon) wrote meanwhile: plan again from what is there now.
             view = await fleet()
-            current = await _also_check(view, current, dead, sessions, seen, busy, theirs, checks)
+            current = await _also_check(view, current, dead, nodes, seen, busy, theirs, checks)
     else:
         raise StaleVersion("the state kept moving while up planned: run it again")
     if catalog_doc is not None:
@@ -164,6 +177,10 @@ async def up(
     for o in refused:
         report(o.name, "failed", o.reason)
     outcomes += refused
+    for rec, why in later:
+        outcomes.append(Outcome(rec.name, rec.replica.model, "start", "waiting", [s.node for s in rec.replica.shards],
+                                reason=why))  # fmt: skip
+        report(rec.name, "waiting", why)
 
     for rec in current:
         if rec.replica.key in away:
@@ -178,21 +195,41 @@ async def up(
             report(rec.name, "unhealthy", why)
     keeps = [_record_of(current, p.replica) for p in result.keeps]
     restart = [r for r in keeps if r is not None and r.key in dead]
+    for rec in [r for r in restart if hold is not None]:
+        wait = hold(rec, dead[rec.key])  # type: ignore[misc]
+        if wait is None:
+            continue
+        restart.remove(rec)
+        why = f"{dead[rec.key]}; {wait}"
+        await stops.cas(
+            store,
+            rec,
+            lambda cur, why=why: store.observe(replace(cur, status=UNHEALTHY, detail=why)),
+            same=lambda cur, rec=rec: cur.desired == "up" and cur.shards == rec.shards,
+        )  # out of the router config until it is restarted
+        outcomes.append(replace(kept(rec), action="restart", state=UNHEALTHY, reason=why))
+        report(rec.name, "unhealthy", why)
     for rec in keeps:
         if rec is not None and rec.key in busy:
             why = "being started by another up"
             outcomes.append(replace(kept(rec), state=STARTING, reason=why))
             report(rec.name, "starting", why)
         elif rec is not None and rec.key not in dead:
+            if rec.status != READY:  # it answers again: back in the router
+                back = await stops.cas(
+                    store,
+                    rec,
+                    lambda cur: store.observe(replace(cur, status=READY, detail=None)),
+                    same=lambda cur, rec=rec: cur.desired == "up" and cur.shards == rec.shards,
+                )
+                rec = back or rec
             outcomes.append(kept(rec))
             report(rec.name, "ready", "running")
 
     deadline = time.monotonic() + timeout_s
-    jobs = [
-        lifecycle.start(rec, "start", inv, cat, store, sessions, by_node, deadline, report) for rec in booked.records
-    ]
+    jobs = [lifecycle.start(rec, "start", inv, cat, store, nodes, by_node, deadline, report) for rec in booked.records]
     for rec in restart:
-        jobs.append(lifecycle.restart(rec, dead[rec.key], me, inv, cat, store, sessions, by_node, deadline, report))
+        jobs.append(lifecycle.restart(rec, dead[rec.key], me, inv, cat, store, nodes, by_node, deadline, report))
     outcomes += await asyncio.gather(*jobs)
 
     for u in result.unplaced:
@@ -209,7 +246,7 @@ async def _stop_all(
     stopping: list[tuple[ReplicaRecord, str]],
     cat: Catalog,
     store: AsyncStore,
-    sessions: Sessions,
+    nodes: Nodes,
     router_config: Path,
     report: Report,
     owner: str | None,
@@ -231,19 +268,17 @@ async def _stop_all(
     await drained(router_config, {rec.name for rec, _ in marked}, drain_s)
     for rec, _ in marked:
         report(rec.name, "stopping", "")
-    return list(await asyncio.gather(*(lifecycle.stop(rec, why, store, sessions, report) for rec, why in marked)))
+    return list(await asyncio.gather(*(lifecycle.stop(rec, why, store, nodes, report) for rec, why in marked)))
 
 
-async def _finish_stops(store: AsyncStore, sessions: Sessions, runs: Runs | None, report: Report) -> list[Outcome]:
+async def _finish_stops(store: AsyncStore, nodes: Nodes, runs: Runs | None, report: Report) -> list[Outcome]:
     """Replicas a ``down`` marked wanted down and did not release (it was interrupted, or
     killed): stopped again and released now, or fenced. One whose ``down`` still runs is its own."""
     left = [r for r in await store.records(include_down=True) if r.status == STOPPING]
     mine = [r for r in left if runs is None or not runs.alive(r.owner)]
 
     async def one(rec: ReplicaRecord) -> Outcome:
-        out = await lifecycle.stop(
-            rec, "left stopping by an interrupted down", store, sessions, report, wanted_down=True
-        )
+        out = await lifecycle.stop(rec, "left stopping by an interrupted down", store, nodes, report, wanted_down=True)
         return replace(out, action="stop")
 
     return list(await asyncio.gather(*(one(r) for r in mine)))
@@ -253,7 +288,7 @@ async def _also_check(
     view: Fleet,
     checked: list[ReplicaRecord],
     dead: dict[tuple[str, int, int], str],
-    sessions: Sessions,
+    nodes: Nodes,
     seen: Observed,
     busy: set[tuple[str, int, int]],
     theirs: Callable[[ReplicaRecord], bool],
@@ -262,8 +297,23 @@ async def _also_check(
     """The replicas of a fresh read of the state; those not checked before are checked now."""
     before = {r.key for r in checked}
     fresh = [r for r in view.records if r.key not in before]
-    dead.update(await find_dead(fresh, sessions, seen, busy, theirs, checks))
+    dead.update(await find_dead(fresh, nodes, seen, busy, theirs, checks))
     return view.records
+
+
+def _held(records: list[ReplicaRecord], theirs: Callable[[ReplicaRecord], bool]) -> list[Any]:
+    """The allocations a plan starts from: every record's, except a replacement another live
+    run is making beside the generation it replaces (a drain, a rolling update): that run
+    stops the old one once the new one serves; planned here, one of the two would be stopped
+    as a duplicate."""
+    by: dict[str, list[ReplicaRecord]] = {}
+    for r in records:
+        by.setdefault(r.name, []).append(r)
+    out = []
+    for recs in by.values():
+        mine = [r for r in recs if not theirs(r)] if len(recs) > 1 else recs
+        out += [r.replica for r in (mine or sorted(recs, key=lambda r: r.generation)[:1])]
+    return out
 
 
 def _unplaced_why(u: Any) -> str:
@@ -286,9 +336,9 @@ def _away(result: Plan) -> dict[tuple[str, int], str]:
     return {p.replica.key: p.note for p in result.stops if p.note.endswith(" unreachable")}
 
 
-async def _taken_ports(result: Plan, sessions: Sessions, store: AsyncStore, seen: Observed) -> dict[str, set[int]]:
+async def taken_ports(result: Plan, nodes: Nodes, store: AsyncStore, seen: Observed) -> dict[str, set[int]]:
     """Per node that gets a new replica: the ports listening there and those the state holds."""
-    nodes = {p.replica.shards[0].node for p in result.starts if p.replica.shards}
+    heads = {p.replica.shards[0].node for p in result.starts if p.replica.shards}
     out: dict[str, set[int]] = {}
 
     async def one(n: str) -> None:
@@ -297,14 +347,14 @@ async def _taken_ports(result: Plan, sessions: Sessions, store: AsyncStore, seen
             taken |= seen.listening[n]
         else:
             with contextlib.suppress(SSHError, OSError):  # the start finds the node unreachable and says so
-                taken |= await nodeops.listening(await sessions.get(n))
+                taken |= await (await nodes.get(n)).listening()
         out[n] = taken
 
-    await asyncio.gather(*(one(n) for n in sorted(nodes)))
+    await asyncio.gather(*(one(n) for n in sorted(heads)))
     return out
 
 
-def _new_records(
+def new_records(
     result: Plan, away: dict[tuple[str, int], str], inv: Inventory, cat: Catalog, taken: dict[str, set[int]],
     owner: str | None,
 ) -> tuple[list[ReplicaRecord], list[Outcome]]:  # fmt: skip

@@ -55,11 +55,11 @@ def render(records: Iterable[ReplicaRecord], cat: Catalog | None, keys: Keys | N
     generations apart). A replica it has no key for gets none (an engine started without one)."""
     models: dict[str, dict[str, Any]] = {}
     engines: dict[str, Any] = {}
-    for rec in sorted(records, key=lambda r: (r.replica.model, r.replica.replica, r.generation)):
-        if rec.status != READY or rec.desired != UP or not rec.endpoint:
-            continue
+    shown = [r for r in records if r.status == READY and r.desired == UP and r.endpoint]
+    newest = {r.name: r.generation for r in sorted(shown, key=lambda r: r.generation)}
+    for rec in sorted(shown, key=lambda r: (r.replica.model, r.replica.replica, r.generation)):
         eng = rec.replica.engine
-        ep: dict[str, Any] = {"url": rec.endpoint, "engine": eng, "replica": rec.name}
+        ep: dict[str, Any] = {"url": rec.endpoint, "engine": eng, "replica": label(rec, newest[rec.name])}
         key = _key_of(keys, rec)
         if key:
             ep["api_key"] = key
@@ -72,6 +72,13 @@ def render(records: Iterable[ReplicaRecord], cat: Catalog | None, keys: Keys | N
             elif adapter is not None:
                 engines[eng] = {"metrics": adapter.metrics.to_config()}
     return {"engines": engines, "models": models}
+
+
+def label(rec: ReplicaRecord, newest: int) -> str:
+    """The name the router knows ``rec`` by: ``MODEL/N``; while a newer generation of it
+    serves beside it (a replacement made before the old one is stopped), ``MODEL/N.gG`` for
+    the older (the router wants one name per upstream, and drains the old one by it)."""
+    return rec.name if rec.generation >= newest else f"{rec.name}.g{rec.generation}"
 
 
 def _key_of(keys: Keys | None, rec: ReplicaRecord) -> str | None:
