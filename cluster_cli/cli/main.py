@@ -1,7 +1,8 @@
 """Root of the CLI: global options, the App object, and command registration.
 
-Each command group lives in its own module and registers itself on ``app`` here;
-the modules only wire the stages together and render results through ``ui``.
+Each command group lives in its own module and registers itself on ``app`` here. A
+command parses its options, calls one operation of ``cluster_cli.control`` and renders
+the result through ``ui``; command modules import neither the probe, the state nor the placer.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def _register() -> None:
     # Imported for their side effect of adding commands to ``app``.
     import importlib
 
-    for mod in ("discover", "cordon", "place", "launch", "events", "serve_router"):
+    for mod in ("discover", "cordon", "place", "launch", "supervise", "events", "serve_router"):
         try:
             importlib.import_module(f"cluster_cli.cli.{mod}")
         except ModuleNotFoundError as e:

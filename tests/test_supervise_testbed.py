@@ -1,0 +1,158 @@
+"""``supervise`` end to end: real ``llama-server`` replicas on the testbed's sshd nodes, a real
+``serve-router`` in front, four clients streaming through it with the official ``openai``
+client, and a node killed (or frozen, or every node cut off) under that load."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import ctl, json_out
+from test_launch_testbed import _catalog, _models, _pids, _router, _wait, fleet  # noqa: F401 - the fixture
+
+from cluster_cli.state.store import Store
+
+pytestmark = [pytest.mark.llama, pytest.mark.slow]
+
+
+def _supervise(state: Path, inv: Path, tmp: Path, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cluster_cli", "--state", str(state), "supervise", "-i", str(inv),
+         "--interval", "0.5", "--grace", "4", "--timeout", "60", *args],
+        stdout=subprocess.DEVNULL, stderr=open(tmp / "supervise.err", "wb"),
+    )  # fmt: skip
+
+
+class Load:
+    """Four clients streaming through the router without pause; what each request did."""
+
+    def __init__(self, port: int, max_tokens: int = 300) -> None:
+        self.port, self.max_tokens = port, max_tokens
+        self.stop = threading.Event()
+        self.done: list[int] = []
+        self.failed: list[tuple[float, float, str]] = []  # (started, took, why)
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(4)]
+
+    def _client(self) -> None:
+        from openai import OpenAI
+
+        c = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, timeout=30)
+        while not self.stop.is_set():
+            t0 = time.monotonic()
+            try:
+                parts = c.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=self.max_tokens,
+                    stream=True, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                n = sum(1 for p in parts if p.choices and p.choices[0].delta.content)
+                self.done.append(n)
+            except Exception as e:  # every failure is the finding
+                self.failed.append((t0, time.monotonic() - t0, f"{type(e).__name__}: {e}"))
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def _records(state: Path) -> dict[str, Any]:
+    with Store(state, readonly=True) as s:
+        return {r.name: r for r in s.records()}
+
+
+@pytest.fixture
+def supervised(fleet: dict[str, Any]) -> Iterator[dict[str, Any]]:  # noqa: F811 - the imported fixture
+    """Two replicas up behind a router, ``supervise`` running."""
+    state, inv, tmp = fleet["state"], fleet["inventory"], fleet["tmp"]
+    cat = _catalog(tmp / "two.yaml", fleet["model"], fleet["binary"], replicas=2)
+    config = state.parent / "router.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("models: {}\n")
+    router, port = _router(config, tmp)
+    sup = None
+    try:
+        r = ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json", "--timeout", "60")
+        assert r.returncode == 0, r.stderr
+        _wait(lambda: _models(port) == ["tiny"])
+        sup = _supervise(state, inv, tmp)
+        yield {**fleet, "port": port, "supervise": sup, "router_proc": router}
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(60) == 0, (tmp / "supervise.err").read_text()
+    finally:
+        if sup is not None and sup.poll() is None:
+            sup.kill()
+        router.terminate()
+        router.wait(30)
+
+
+def test_a_node_killed_under_load_is_rebuilt_elsewhere_and_loses_only_its_streams(supervised) -> None:
+    state, cluster, tmp = supervised["state"], supervised["cluster"], supervised["tmp"]
+    victim = _records(state)["tiny/0"]
+    dead = victim.shards[0].node
+    with Load(supervised["port"]) as load:
+        _wait(lambda: len(load.done) >= 20, timeout=60)
+        before = len(load.done)
+        killed_at = time.monotonic()
+        cluster.kill(dead)
+
+        def rebuilt() -> bool:
+            rec = _records(state).get("tiny/0")
+            return rec is not None and rec.status == "ready" and rec.shards[0].node != dead
+
+        _wait(rebuilt, timeout=60)
+        took = time.monotonic() - killed_at
+        _wait(lambda: len(load.done) >= max(300, before + 100), timeout=120)
+    log = (tmp / "supervise.err").read_text()
+    assert f"node {dead}: ready -> unreachable" in log and f"node {dead}: unreachable -> lost" in log, log
+    assert len(load.done) >= 300
+    # Only streams that were on the killed node fail, each at once (an error, not a hang).
+    assert len(load.failed) <= 4, load.failed
+    assert all(took_s < 15 for _, took_s, _ in load.failed), load.failed
+    live = _records(state)
+    assert all(run.node != dead for rec in live.values() for run in rec.shards)
+    assert took < 30, took
+    # Revived: fenced, and nothing of the old generation runs there.
+    cluster.revive(dead)
+    _wait(lambda: f"node {dead}: fencing -> ready" in (tmp / "supervise.err").read_text(), timeout=30)
+    assert _pids(cluster, dead) == set()
+    with Store(state, readonly=True) as s:
+        assert s.fences() == []
+        kinds = [e.kind for e in s.events()]
+    assert {"node-unreachable", "node-lost", "node-ready"} <= set(kinds)
+
+
+def test_every_node_cut_off_at_once_rebuilds_nothing(supervised) -> None:
+    state, cluster, tmp = supervised["state"], supervised["cluster"], supervised["tmp"]
+    if cluster.mode != "netns":
+        pytest.skip("partitions need the testbed's network namespaces")
+    before = {k: r.shards for k, r in _records(state).items()}
+    nodes = sorted({run.node for runs in before.values() for run in runs} | {"cpu-01", "cpu-02", "cpu-03"})
+    for n in nodes:
+        cluster.partition(n)
+    time.sleep(8)  # twice the grace
+    log = (tmp / "supervise.err").read_text()
+    assert "storm brake on" in log and "-> lost" not in log, log
+    for n in nodes:
+        cluster.heal(n)
+    _wait(lambda: all(r.status == "ready" for r in _records(state).values()), timeout=30)
+    assert {k: r.shards for k, r in _records(state).items()} == before
+
+
+def test_a_second_supervisor_refuses_naming_the_first(supervised) -> None:
+    r = ctl(supervised["state"], "supervise", "-i", str(supervised["inventory"]), "--once")
+    assert r.returncode == 2 and "a supervisor already runs on this state" in r.stderr, r.stderr
+    assert f"pid {supervised['supervise'].pid}" in r.stderr
+    st = json_out(ctl(supervised["state"], "status", "--no-check", "-o", "json"))["replicas"]
+    assert [x["state"] for x in st] == ["ready", "ready"]
