@@ -156,3 +156,47 @@ def test_a_second_supervisor_refuses_naming_the_first(supervised) -> None:
     assert f"pid {supervised['supervise'].pid}" in r.stderr
     st = json_out(ctl(supervised["state"], "status", "--no-check", "-o", "json"))["replicas"]
     assert [x["state"] for x in st] == ["ready", "ready"]
+
+
+def test_drain_under_load_with_supervise_running_fails_no_request(supervised) -> None:
+    state, tmp = supervised["state"], supervised["tmp"]
+    victim = _records(state)["tiny/0"]
+    node = victim.shards[0].node
+    with Load(supervised["port"]) as load:
+        _wait(lambda: len(load.done) >= 20, timeout=60)
+        r = ctl(state, "drain", node, "-i", str(supervised["inventory"]), "-o", "json", "--deadline", "60")
+        assert r.returncode == 0, r.stdout + r.stderr
+        served = len(load.done)
+        _wait(lambda: len(load.done) >= served + 40, timeout=60)
+    assert load.failed == [], load.failed[:3]
+    (h,) = json_out(r)["replicas"]
+    assert h["state"] == "replaced" and h["make_before_break"] and h["from"] == [node] and h["to"] != [node]
+    live = _records(state)
+    assert sorted(live) == ["tiny/0", "tiny/1"] and all(run.node != node for run in live["tiny/0"].shards)
+    assert live["tiny/0"].generation == victim.generation + 1
+    with Store(state, readonly=True) as s:
+        assert node in s.cordons()
+    time.sleep(2)  # supervise's next passes change nothing of it
+    assert {k: r.shards for k, r in _records(state).items()} == {k: r.shards for k, r in live.items()}
+    assert "duplicate" not in (tmp / "supervise.err").read_text()
+
+
+def test_a_rolling_up_of_a_changed_profile_under_load_fails_no_request(supervised) -> None:
+    state, tmp = supervised["state"], supervised["tmp"]
+    before = _records(state)
+    changed = _catalog(tmp / "changed.yaml", supervised["model"], supervised["binary"], replicas=2,
+                       args=["--threads", "1"])  # fmt: skip
+    with Load(supervised["port"]) as load:
+        _wait(lambda: len(load.done) >= 20, timeout=60)
+        r = ctl(state, "up", "-i", str(supervised["inventory"]), "-c", str(changed), "-o", "json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        served = len(load.done)
+        _wait(lambda: len(load.done) >= served + 40, timeout=60)
+    assert load.failed == [], load.failed[:3]
+    got = {x["name"]: x for x in json_out(r)["replicas"]}
+    assert {n: (x["action"], x["state"]) for n, x in got.items()} == {
+        "tiny/0": ("replace", "ready"), "tiny/1": ("replace", "ready")}  # fmt: skip
+    after = _records(state)
+    assert all(after[n].generation == before[n].generation + 1 for n in before)
+    again = ctl(state, "up", "-i", str(supervised["inventory"]), "-c", str(changed), "-o", "json")
+    assert {x["action"] for x in json_out(again)["replicas"]} == {"keep"}

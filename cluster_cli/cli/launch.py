@@ -37,7 +37,8 @@ Examples:
   clusterctl up -c catalog.yaml -o json --timeout 1200
 
 Starts what the catalog asks for and is not running, restarts what died, stops what the
-catalog no longer asks for, then writes the router config that 'clusterctl serve-router'
+catalog no longer asks for (a replica whose profile changed is replaced make before
+break, --max-surge at a time), then writes the router config that 'clusterctl serve-router'
 reloads live. A second 'up' with nothing to do changes nothing.
 Exit codes: 0 every replica ready, 3 some could not be placed or started (the rest
 stay up), 2 bad input or --check-version out of date.
@@ -98,6 +99,9 @@ def up(
     timeout: float = typer.Option(600.0, "--timeout", min=1, help="Seconds each replica may take to become ready."),
     parallel: int = typer.Option(64, "--parallel", "-p", min=1, help="Nodes probed at once."),
     drain_timeout: float = typer.Option(60.0, "--drain-timeout", min=0, help=DRAIN_HELP),
+    max_surge: int = typer.Option(
+        1, "--max-surge", min=1, help="Replicas whose profile changed replaced at once (make before break)."
+    ),
     output: ui.Output = ui.OUTPUT_OPTION,
 ) -> None:
     """Start the catalog's replicas on the nodes and publish them to the router."""
@@ -121,6 +125,7 @@ def up(
         async with _cluster(state.state_path, inv, inventory, store, router_config, runs=runs, parallel=parallel,
                             drain_s=drain_timeout) as c:  # fmt: skip
             return await c.reconcile(cat, expect_version=check_version, timeout_s=timeout, report=progress,
+                                     max_surge=max_surge,
                                      catalog_source=str(catalog.resolve()))  # fmt: skip
 
     try:

@@ -187,7 +187,7 @@ def _register() -> None:
     # Imported for their side effect of adding commands to ``app``.
     import importlib
 
-    for mod in ("discover", "cordon", "place", "launch", "supervise", "events", "serve_router"):
+    for mod in ("discover", "cordon", "place", "launch", "supervise", "drain", "events", "serve_router"):
         try:
             importlib.import_module(f"cluster_cli.cli.{mod}")
         except ModuleNotFoundError as e:

@@ -118,13 +118,33 @@ class Cluster:
         timeout_s: float = 600.0,
         report: Report = _quiet,
         catalog_source: str | None = None,
+        max_surge: int = 1,
     ) -> UpResult:
         """One pass: probe (only the running replicas where the catalog asks for nothing new),
         check what runs, place what is missing, stop what is not wanted, start, wait until
         ready, publish. What ``up`` runs once. With ``expect_version`` nothing is probed: the
-        plan is the one ``place`` made from that state version."""
+        plan is the one ``place`` made from that state version.
+
+        Ready replicas whose profile the catalog changed (compared with the catalog the last
+        ``up`` applied) are replaced first, ``max_surge`` at a time, make before break
+        (``control/handover.py``); with ``expect_version``, after the checked plan is applied."""
         from cluster_cli.control.checks import HealthChecks, expects_new
+        from cluster_cli.control.handover import changed, roll
+        from cluster_cli.control.supervise import stored_catalog
         from cluster_cli.control.up import up
+
+        before = await stored_catalog(self.store) if await self.store.catalog() is not None else None
+
+        async def rolled() -> list[Any]:
+            ready = [r for r in await self.store.records() if r.status == "ready"]
+            todo = changed(before, cat, ready)
+            if not todo:
+                return []
+            hs = await roll(self, cat, todo, max_surge=max_surge, drain_s=self.drain_s, timeout_s=timeout_s,
+                            report=report)  # fmt: skip
+            return [_replaced(h) for h in hs]
+
+        early = await rolled() if expect_version is None else []
 
         records = await self.store.records()
         health = HealthChecks(records, self.on)
@@ -141,7 +161,7 @@ class Cluster:
             steady = not expects_new(cat, records)
             observed = await self.observe(steady=steady, report=report, on_done=health.node_done)
             reprobe = full if steady else None
-        return await up(
+        res = await up(
             self.inv,
             cat,
             self.store,
@@ -159,6 +179,11 @@ class Cluster:
             catalog_source=catalog_source,
             drain_s=self.drain_s,
         )
+        late = await rolled() if expect_version is not None else []
+        replaced = {o.name for o in early + late}
+        res.outcomes = [o for o in res.outcomes if o.name not in replaced] + early + late
+        res.outcomes.sort(key=lambda o: (o.model, int(o.name.rpartition("/")[2])))
+        return res
 
     # ---- down, status -----------------------------------------------------
     async def down(self, targets: list[ReplicaRecord], *, report: Callable[[str], None]) -> list[Downed]:
@@ -188,3 +213,15 @@ def ssh_connector(pinned_known_hosts: Path | None = None) -> Connector:
     from cluster_cli.ssh.connect import AsyncsshConnector
 
     return AsyncsshConnector(pinned_known_hosts=pinned_known_hosts)
+
+
+def _replaced(h: Any) -> Any:
+    """A handover as ``up`` reports a replica: the new generation's outcome, action replace."""
+    from dataclasses import replace as copy
+
+    from cluster_cli.control.lifecycle import Outcome
+
+    if h.new is not None:
+        return copy(h.new, action="replace", reason=h.new.reason or f"replaced (was on {', '.join(h.old_nodes)})")
+    model = h.name.rpartition("/")[0]
+    return Outcome(h.name, model, "replace", "failed", h.old_nodes, reason=h.reason)

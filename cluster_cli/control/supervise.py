@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
     from cluster_cli.control.cluster import Cluster
     from cluster_cli.control.up import UpResult
+    from cluster_cli.state.aio import AsyncStore
     from cluster_cli.state.leases import Lease
     from cluster_cli.state.records import ReplicaRecord
     from cluster_cli.state.store import Store
@@ -118,6 +119,18 @@ class Settings:
 
 
 Log = Callable[[str], None]
+
+
+async def stored_catalog(store: AsyncStore) -> Catalog:
+    """The catalog the last ``up`` applied, as the state keeps it. Raises ConfigError when
+    there is none (no ``up`` yet)."""
+    from cluster_cli.config.catalog import Catalog
+    from cluster_cli.errors import ConfigError
+
+    stored = await store.catalog()
+    if stored is None:
+        raise ConfigError(f"{store.store.path}: no catalog applied yet: run 'clusterctl up -c CATALOG' first")
+    return Catalog.model_validate(stored.doc)
 
 
 @dataclass
@@ -276,16 +289,14 @@ class Supervisor:
         """One pass of ``up``'s reconcile over the nodes as the heartbeats see them: those not
         ready are taken as unreachable (their replicas are left as they are, nothing new goes
         there). None when there is no catalog to reconcile."""
-        from cluster_cli.config.catalog import Catalog
         from cluster_cli.control.up import up
 
         store = self.cluster.store
         cat = self.catalog
         if cat is None:
-            stored = await store.catalog()
-            if stored is None:
+            if await store.catalog() is None:
                 return None
-            cat = Catalog.model_validate(stored.doc)
+            cat = await stored_catalog(store)
         now = self.clock()
         await self._moves(now)
         away = {n for n, ns in self.nodes.items() if ns.state != READY}
