@@ -214,4 +214,10 @@ def test_recorded_status_needs_no_inventory_nor_node(tmp_path: Path) -> None:
     from cluster_cli.control.status import recorded_status
 
     with Store(tmp_path / "s.db") as s:
-        assert asyncio.run(recorded_status(s)) == ([], [])
+        s.set_node_status("n1", "lost", detail="unreachable for 30 s")
+        s.acquire_lease("supervise", "supervise-x", 30.0, host="h", pid=42)
+        view = asyncio.run(recorded_status(s))
+        assert (view.rows, view.fences) == ([], [])
+        assert [(n.node, n.status, n.detail) for n in view.nodes] == [("n1", "lost", "unreachable for 30 s")]
+        assert view.supervisor is not None and view.supervisor.pid == 42
+        assert view.to_dict()["supervisor"]["holder"] == "supervise-x"

@@ -263,3 +263,15 @@ def _check(c: Cluster) -> None:
         assert c.fleet.running().get(run.token) == run.node
     ports = [(r.shards[0].node if r.shards else r.replica.shards[0].node, r.port) for r in live if r.status != FENCED]
     assert len(ports) == len(set(ports)), ports
+
+
+def test_an_engine_started_after_the_probe_is_asked_about_before_it_is_called_dead(cluster: Cluster) -> None:
+    """The probe's snapshot (or a heartbeat's) is older than the state the pass reads: a shard
+    it did not see is asked about on its node, not restarted on the snapshot's word."""
+    from cluster_cli.launch.observe import Observed
+
+    cluster.reconcile(_cat(1))
+    (rec,) = cluster.live().values()
+    stale = Observed(started={rec.shards[0].node: {}})  # the node answered, before the engine ran
+    res = cluster.reconcile(_cat(1), observed=stale)
+    assert _actions(res) == {"m/0": ("keep", READY)} and len(cluster.fleet.starts()) == 1

@@ -19,6 +19,7 @@ from cluster_cli.config.catalog import Catalog
 from cluster_cli.config.inventory import Inventory
 from cluster_cli.control.cluster import Cluster
 from cluster_cli.control.supervise import Settings, Supervisor
+from cluster_cli.errors import ClusterctlError
 from cluster_cli.state.aio import AsyncStore
 from cluster_cli.state.records import FENCED, READY
 from cluster_cli.state.store import Store
@@ -216,3 +217,23 @@ def test_one_node_of_three_lost_is_no_storm(tmp_path: Path, share: float) -> Non
     supervision.observe(nodes, {"n1": (False, None, "x"), "n2": (False, None, "x"), "n3": (True, "c", "")}, 3,
                         interval_s=2, grace_s=30)  # fmt: skip
     assert supervision.braking(nodes, 3, grace_s=30, share=share) is not None
+
+
+def test_the_catalog_up_stores_reads_back_for_supervise(tmp_path: Path) -> None:
+    """A catalog that declares no engines is stored as given: ``supervise`` without -c reads
+    it back (a dump with ``engines: {}`` made explicit would be refused)."""
+    from cluster_cli.control.supervise import stored_catalog
+
+    cat = _cat(3)
+    with Store(tmp_path / "s.db") as s:
+        s.save_catalog(cat.to_doc())
+
+        async def go() -> Catalog:
+            async with AsyncStore(s) as astore:
+                return await stored_catalog(astore)
+
+        assert asyncio.run(go()) == cat
+        s.save_catalog(cat.model_dump(mode="json"))  # as an older clusterctl stored it
+
+        with pytest.raises(ClusterctlError, match="does not read back"):
+            asyncio.run(go())

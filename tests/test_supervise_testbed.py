@@ -79,7 +79,8 @@ def supervised(fleet: dict[str, Any]) -> Iterator[dict[str, Any]]:  # noqa: F811
     cat = _catalog(tmp / "two.yaml", fleet["model"], fleet["binary"], replicas=2)
     config = state.parent / "router.yaml"
     config.parent.mkdir(parents=True)
-    config.write_text("models: {}\n")
+    # An engine that stops answering mid-stream (a frozen node) is given up on after 5 s.
+    config.write_text("models: {}\nrouter:\n  limits:\n    idle_timeout_s: 5.0\n")
     router, port = _router(config, tmp)
     sup = None
     try:
@@ -200,3 +201,55 @@ def test_a_rolling_up_of_a_changed_profile_under_load_fails_no_request(supervise
     assert all(after[n].generation == before[n].generation + 1 for n in before)
     again = ctl(state, "up", "-i", str(supervised["inventory"]), "-c", str(changed), "-o", "json")
     assert {x["action"] for x in json_out(again)["replicas"]} == {"keep"}
+
+
+def test_a_frozen_node_is_rebuilt_elsewhere_and_fenced_when_it_thaws(supervised) -> None:
+    state, cluster, tmp = supervised["state"], supervised["cluster"], supervised["tmp"]
+    victim = _records(state)["tiny/0"]
+    node = victim.shards[0].node
+    with Load(supervised["port"]) as load:
+        _wait(lambda: len(load.done) >= 20, timeout=60)
+        before = len(load.done)
+        cluster.freeze(node)
+        try:
+            _wait(lambda: (r := _records(state).get("tiny/0")) is not None and r.status == "ready"
+                  and r.shards[0].node != node, timeout=60)  # fmt: skip
+            _wait(lambda: len(load.done) >= before + 100, timeout=120)
+        finally:
+            cluster.thaw(node)
+    # Streams of the frozen engine end with an error after the router's idle timeout; no other.
+    assert len(load.failed) <= 4 and all(took < 15 for _, took, _ in load.failed), load.failed
+    _wait(lambda: f"node {node}: fencing -> ready" in (tmp / "supervise.err").read_text(), timeout=30)
+    assert victim.shards[0].pid not in _pids(cluster, node)  # the old generation's engine is stopped
+    with Store(state, readonly=True) as s:
+        assert s.fences() == []
+    urls = [e["url"] for m in _published(state).values() for e in m["endpoints"]]
+    assert victim.endpoint not in urls
+
+
+def test_an_engine_that_keeps_crashing_is_restarted_with_growing_delays_then_moved(supervised) -> None:
+    state, cluster, tmp = supervised["state"], supervised["cluster"], supervised["tmp"]
+    first = _records(state)["tiny/0"]
+    node = first.shards[0].node
+    killed: list[float] = []
+    for _ in range(4):
+        rec = _records(state)["tiny/0"]
+        if rec.shards[0].node != node:
+            break
+        cluster.ssh(node, f"kill -9 {rec.shards[0].pid}")
+        killed.append(time.monotonic())
+        _wait(lambda rec=rec: (r := _records(state).get("tiny/0")) is not None and r.status == "ready"
+              and r.shards[0].pid != rec.shards[0].pid, timeout=90)  # fmt: skip
+    moved = _records(state)["tiny/0"]
+    log = (tmp / "supervise.err").read_text()
+    assert moved.shards[0].node != node, log
+    assert "restart in 1.0 s" in log and "restart in 2.0 s" in log and "placing it elsewhere" in log, log
+    with Store(state, readonly=True) as s:
+        why = [e.message for e in s.events() if e.name == "tiny/0"]
+    assert any("moved: failed" in m for m in why), why
+
+
+def _published(state: Path) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load((state.parent / "router.yaml").read_text())["models"]

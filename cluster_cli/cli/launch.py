@@ -295,15 +295,30 @@ def status(
             return await c.status(check=True)
 
     try:
-        rows, fences = asyncio.run(go())
+        view = asyncio.run(go())
     except ClusterctlError as e:
         ui.fail(e)
     finally:
         store.close()
     if output is not ui.Output.table:
-        ui.emit_data({"replicas": [r.to_dict() for r in rows], "fences": [f.to_dict() for f in fences]}, output)
+        ui.emit_data(view.to_dict(), output)
     else:
-        _render_status([r.to_dict() for r in rows], fences)
+        _render_status([r.to_dict() for r in view.rows], view.fences)
+        _render_nodes(view)
+
+
+def _render_nodes(view: Any) -> None:
+    """The nodes' liveness (one line, the odd ones first) and who supervises."""
+    if view.supervisor is not None:
+        s = view.supervisor
+        ui.out.print(f"supervised by {escape(s.holder)} (pid {s.pid} on {escape(s.host)})", highlight=False)
+    odd = [n for n in view.nodes if n.status != "ready"]
+    for n in odd:
+        since = time.strftime("%H:%M:%S", time.localtime(n.since))
+        ui.out.print(f"[red]node {escape(n.node)}[/] {n.status} since {since}"
+                     + (f": {escape(n.detail)}" if n.detail else ""), highlight=False)  # fmt: skip
+    if view.nodes and not odd:
+        ui.out.print(f"nodes: {len(view.nodes)} ready", highlight=False)
 
 
 def _render_status(data: list[dict[str, Any]], fences: list[Any]) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -279,6 +280,11 @@ class Catalog(_Strict):
 
     def model(self, name: str) -> Model | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def to_doc(self) -> dict[str, Any]:
+        """The catalog as a document that reads back as the same catalog (what the state
+        keeps): only what was given, so that an ``engines`` left out stays left out."""
+        return self.model_dump(mode="json", exclude_unset=True)
 
     def command(self, engine: str) -> str:
         """The binary of ``engine`` (the catalog's ``command``, else the adapter's default name)."""

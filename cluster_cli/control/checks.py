@@ -51,8 +51,10 @@ async def find_dead(
             return
         try:
             for run in rec.shards:
+                # A process the probe did not see may have started since (the probe's snapshot
+                # is older than this read of the state): asked again before it is called dead.
                 ok = seen.alive(run)
-                if ok is None:
+                if not ok:
                     (ok,) = await (await nodes.get(run.node)).alive([run])
                 if not ok:
                     out[rec.key] = f"its engine on {run.node} is not running"

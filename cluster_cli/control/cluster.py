@@ -23,12 +23,13 @@ if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
     from cluster_cli.config.inventory import Inventory
     from cluster_cli.control.lifecycle import Report
-    from cluster_cli.control.replicas import Downed, Row
+    from cluster_cli.control.replicas import Downed
     from cluster_cli.control.runs import Runs
+    from cluster_cli.control.status import StatusView
     from cluster_cli.control.up import UpResult
     from cluster_cli.launch.observe import Observed
     from cluster_cli.ssh.session import Connector
-    from cluster_cli.state.records import Fence, ReplicaRecord
+    from cluster_cli.state.records import ReplicaRecord
     from cluster_cli.state.store import Store
 
 
@@ -175,7 +176,7 @@ class Cluster:
             runs=self.runs,
             health=health,
             reprobe=reprobe,
-            catalog_doc=cat.model_dump(mode="json"),
+            catalog_doc=cat.to_doc(),
             catalog_source=catalog_source,
             drain_s=self.drain_s,
         )
@@ -195,16 +196,18 @@ class Cluster:
                           owner=runs.id if runs is not None else None,
                           alive=runs.alive if runs is not None else (lambda _: False), drain_s=self.drain_s)  # fmt: skip
 
-    async def status(self, *, check: bool = True) -> tuple[list[Row], list[Fence]]:
-        """Every replica as seen now (``check``: on its node) or as last recorded, and the fences."""
+    async def status(self, *, check: bool = True) -> StatusView:
+        """Every replica as seen now (``check``: on its node) or as last recorded, the fences,
+        the nodes' liveness and the supervisor."""
         from cluster_cli.control.replicas import status
 
         def cap(node: str) -> int | None:
             n = self.inv.node(node)
             return self.inv.log_max_bytes(n) if n is not None else None
 
-        rows = await status(self.store, self.on if check else None, log_cap=cap)
-        return rows, await self.store.fences()
+        from cluster_cli.control.status import around
+
+        return await around(self.store, await status(self.store, self.on if check else None, log_cap=cap))
 
 
 def ssh_connector(pinned_known_hosts: Path | None = None) -> Connector:

@@ -127,6 +127,7 @@ class Fleet:
     nodes: list[NodeFacts]
     records: list[ReplicaRecord]
     version: int
+    wanted_down: frozenset[str] = frozenset()  # MODEL/N a down took down (its latest generation)
 
 
 async def fleet(
@@ -141,7 +142,7 @@ async def fleet(
     bad = unreadable if unreadable is not None else []
     view = await store.plan_view([n.name for n in inv.nodes], unreadable=bad)
     nodes = with_fenced(for_inventory(inv, view.nodes, from_state=True), view.fenced)
-    return Fleet(_placeable(inv, nodes) if placeable else nodes, view.records, view.version)
+    return Fleet(_placeable(inv, nodes) if placeable else nodes, view.records, view.version, view.wanted_down)
 
 
 def _placeable(inv: Inventory, nodes: list[NodeFacts]) -> list[NodeFacts]:

@@ -130,7 +130,14 @@ async def stored_catalog(store: AsyncStore) -> Catalog:
     stored = await store.catalog()
     if stored is None:
         raise ConfigError(f"{store.store.path}: no catalog applied yet: run 'clusterctl up -c CATALOG' first")
-    return Catalog.model_validate(stored.doc)
+    try:
+        return Catalog.model_validate(stored.doc)
+    except ValueError as e:
+        first = str(e).splitlines()[1:2] or [str(e)]
+        raise ConfigError(
+            f"{store.store.path}: the catalog the last up stored does not read back ({first[0].strip()}): "
+            "run 'clusterctl up -c CATALOG' again, or give -c"
+        ) from None
 
 
 @dataclass
@@ -299,6 +306,7 @@ class Supervisor:
             cat = await stored_catalog(store)
         now = self.clock()
         await self._moves(now)
+
         away = {n for n, ns in self.nodes.items() if ns.state != READY}
         avoid = set().union(*self._move.values()) if self._move else set()
 
@@ -310,7 +318,7 @@ class Supervisor:
                 else f
                 for f in view.nodes
             ]  # fmt: skip
-            return discovery.Fleet(nodes, view.records, view.version)
+            return discovery.Fleet(nodes, view.records, view.version, view.wanted_down)
 
         def report(name: str, phase: str, detail: str) -> None:
             if phase in ("loading", "probing", "probed") or (phase == "ready" and detail == "running"):
@@ -325,7 +333,7 @@ class Supervisor:
             res = await up(self.cluster.inv, cat, store, self.cluster.on, fleet,
                            router_config=self.cluster.router_config, timeout_s=self.settings.start_timeout_s,
                            report=report, observed=self._observed, runs=self.cluster.runs, hold=self._hold,
-                           hold_new=self._hold_new, max_new=self.settings.max_rebuilds,
+                           hold_new=self._hold_new, max_new=self.settings.max_rebuilds, keep_down=True,
                            drain_s=self.cluster.drain_s)  # fmt: skip
         except ClusterctlError as e:
             self.log(f"pass failed: {e}")

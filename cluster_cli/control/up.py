@@ -86,6 +86,7 @@ async def up(
     hold: Callable[[ReplicaRecord, str], str | None] | None = None,
     hold_new: Callable[[str], str | None] | None = None,
     max_new: int | None = None,
+    keep_down: bool = False,
 ) -> UpResult:
     """Apply the catalog to the cluster. ``fleet`` reads the nodes, replicas and state version
     from one snapshot of the state (a cordon is in all three or in none); ``observed``: what
@@ -98,7 +99,8 @@ async def up(
     desired state once the plan is reserved. ``hold``: asked for each dead replica with why
     it is dead, says why it is not to be restarted yet (a backoff), or None; a held one is
     left out of the router and restarted by a later pass; ``hold_new`` the same for a
-    replica to be placed anew (by name). ``max_new``: at most this many new
+    replica to be placed anew (by name). ``keep_down``: a replica a ``down`` took down
+    is not placed again (``supervise``; an operator's ``up`` brings it back). ``max_new``: at most this many new
     replicas are reserved and started by this pass; the others wait for the next."""
     from cluster_cli.placement import plan
 
@@ -140,8 +142,11 @@ async def up(
         elif planned is not None and [p.replica for p in result.starts] != planned:
             raise StaleVersion("the state moved on while replicas were stopped: run 'clusterctl place --dry-run' again")
         # Each with the plan's reason.
+        # Not one another live run is starting (under a catalog newer than this run's, maybe):
+        # that run decides what becomes of it.
         stopping = [(rec, p.note) for p in result.stops
-                    if p.replica.key not in away and (rec := _record_of(current, p.replica)) is not None]  # fmt: skip
+                    if p.replica.key not in away and (rec := _record_of(current, p.replica)) is not None
+                    and rec.key not in busy]  # fmt: skip
         if stopping:
             # Out of the router first, then stopped and released; what the plan starts (a
             # replica placed anew on the GPUs it had) is placed again once they are free:
@@ -154,6 +159,9 @@ async def up(
         taken = await taken_ports(result, nodes, store, seen)
         new, refused = new_records(result, away, inv, cat, taken, me)
         waits = {r.name: w for r in new if hold_new is not None and (w := hold_new(r.name)) is not None}
+        if keep_down:  # read in the plan's snapshot: a down after it moves the version, and this plan is redone
+            waits.update((r.name, "wanted down by 'down': left so until the next 'up'") for r in new
+                         if r.name in view.wanted_down)  # fmt: skip
         later = [(r, waits[r.name]) for r in new if r.name in waits]
         new = [r for r in new if r.name not in waits]
         if max_new is not None:
@@ -162,7 +170,8 @@ async def up(
             new = new[:max_new]
         try:
             # The version the plan was made from is checked and moved in the same statement.
-            booked = await store.reserve(new, expect_version=view.version)
+            doc = (catalog_doc, catalog_source) if catalog_doc is not None else None
+            booked = await store.reserve(new, expect_version=view.version, catalog=doc)
             break
         except StaleVersion:
             if attempt == 3 or expect_version is not None:

@@ -47,21 +47,25 @@ class Desired:
     def save_catalog(self, doc: dict[str, Any], *, source: str | None = None) -> int:
         """Record ``doc`` (a catalog, as plain data) as the desired state; its catalog version.
         The same catalog again is no new version."""
-        d = digest(doc)
         with self._tx() as tx:
-            row = tx.execute("SELECT version, digest FROM catalogs ORDER BY version DESC LIMIT 1").fetchone()
-            if row is not None and row[1] == d:
-                return int(row[0])
-            version = (int(row[0]) if row else 0) + 1
-            tx.execute(
-                "INSERT INTO catalogs(version, digest, doc, source, actor, applied_at) VALUES (?,?,?,?,?,?)",
-                (version, d, json.dumps(doc, sort_keys=True), source, self.actor, time.time()),
-            )
-            tx.execute("DELETE FROM catalogs WHERE version <= ?", (version - KEEP_CATALOGS,))
-            models = ", ".join(f"{m.get('name')}×{m.get('replicas', 1)}" for m in doc.get("models") or ())
-            self._event(tx, "catalog", f"catalog version {version} applied: {models or 'no models'}",
-                        detail={"version": version, "source": source, "digest": d})  # fmt: skip
-            return version
+            return self._save_catalog(tx, doc, source)
+
+    def _save_catalog(self, tx: Tx, doc: dict[str, Any], source: str | None) -> int:
+        """``save_catalog`` within ``tx`` (``reserve`` books a plan and its catalog at once)."""
+        d = digest(doc)
+        row = tx.execute("SELECT version, digest FROM catalogs ORDER BY version DESC LIMIT 1").fetchone()
+        if row is not None and row[1] == d:
+            return int(row[0])
+        version = (int(row[0]) if row else 0) + 1
+        tx.execute(
+            "INSERT INTO catalogs(version, digest, doc, source, actor, applied_at) VALUES (?,?,?,?,?,?)",
+            (version, d, json.dumps(doc, sort_keys=True), source, self.actor, time.time()),
+        )
+        tx.execute("DELETE FROM catalogs WHERE version <= ?", (version - KEEP_CATALOGS,))
+        models = ", ".join(f"{m.get('name')}×{m.get('replicas', 1)}" for m in doc.get("models") or ())
+        self._event(tx, "catalog", f"catalog version {version} applied: {models or 'no models'}",
+                    detail={"version": version, "source": source, "digest": d})  # fmt: skip
+        return version
 
     def catalog(self, version: int | None = None) -> StoredCatalog | None:
         """The catalog last applied (or catalog ``version``), if any."""

@@ -72,6 +72,7 @@ class LaunchTable:
         def _tx(self, *, bump: bool = False) -> Any: ...
         def _event(self, tx: Tx, kind: str, message: str, **kw: Any) -> None: ...
         def version(self) -> int: ...  # type: ignore[empty-body]
+        def _save_catalog(self, tx: Tx, doc: dict[str, Any], source: str | None) -> int: ...  # type: ignore[empty-body]
 
     # ---- reads ------------------------------------------------------------
     def records(self, *, include_down: bool = False, include_fenced: bool = False) -> list[ReplicaRecord]:
@@ -95,9 +96,17 @@ class LaunchTable:
         return {r[0] for r in rows}
 
     # ---- reserve ----------------------------------------------------------
-    def reserve(self, records: Iterable[ReplicaRecord], *, expect_version: int | None = None) -> Reservation:
+    def reserve(
+        self,
+        records: Iterable[ReplicaRecord],
+        *,
+        expect_version: int | None = None,
+        catalog: tuple[dict[str, Any], str | None] | None = None,
+    ) -> Reservation:
         """Book ``records`` (new replicas: their rows, shards, GPUs and ports) in one
-        transaction, each as the next generation of its ``MODEL/N``. Raises StaleVersion when
+        transaction, each as the next generation of its ``MODEL/N``; ``catalog`` (a document
+        and its source): recorded as the desired state in the same transaction, so that no
+        reader sees the new replicas under the catalog before it. Raises StaleVersion when
         the state is no longer at ``expect_version`` (checked and moved in one statement),
         StateError when a GPU or port is already held (nothing booked): a replica placed anew
         gets the GPUs of its earlier generation only once that one's stop is confirmed and it
@@ -119,6 +128,8 @@ class LaunchTable:
                     raise _stale(self.path, _version(tx), expect_version)
             else:
                 _bump(tx)
+            if catalog is not None:
+                self._save_catalog(tx, *catalog)
             uuids = gpu_uuids(tx, {s.node for rec in records for s in rec.replica.shards if s.gpus})
             now = time.time()
             out = []

@@ -37,6 +37,7 @@ from cluster_cli.state.eventlog import EventLog
 from cluster_cli.state.fences import FenceTable
 from cluster_cli.state.launches import LaunchTable
 from cluster_cli.state.leases import Lease, Leases
+from cluster_cli.state.records import DOWN
 from cluster_cli.state.schema import NODE_STATES, SCHEMA_VERSION
 from cluster_cli.state.sqlite import SqliteBackend
 
@@ -53,6 +54,7 @@ class PlanView:
     records: list[Any]
     fenced: dict[str, dict[int, str]]
     version: int
+    wanted_down: frozenset[str] = frozenset()  # MODEL/N whose latest generation a down took down
 
 
 @dataclass(frozen=True)
@@ -323,8 +325,13 @@ class Store(LaunchTable, FenceTable, EventLog, Leases, Desired):
         """The facts, cordons, replicas, fenced GPUs and state version of one snapshot: a cordon
         committed while a plan reads them is either in all of them or in none."""
         with self.snapshot():
+            latest: dict[str, Any] = {}
+            for r in self.records(include_down=True, include_fenced=True):
+                if r.name not in latest or r.generation > latest[r.name].generation:
+                    latest[r.name] = r
+            down = frozenset(n for n, r in latest.items() if r.desired == DOWN)
             return PlanView(self.nodes(names, unreadable=unreadable), self.records(), self.held_apart(),
-                            self.version())  # fmt: skip
+                            self.version(), down)  # fmt: skip
 
     # ---- node status ------------------------------------------------------
     def _node_seen(
