@@ -440,7 +440,7 @@ import cluster_cli.cli.main  # typer app + every command module, as the console 
 from cluster_cli.cli.common import inventory_or_abort, open_store
 from cluster_cli.probe.collect import discover
 from cluster_cli.probe.fabric import fabric_conflicts
-from cluster_cli.probe.runner import AsyncsshConnector
+from cluster_cli.ssh.connect import AsyncsshConnector
 from pathlib import Path
 t1 = time.perf_counter()
 inv = inventory_or_abort(Path(sys.argv[1]), check_files=True)

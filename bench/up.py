@@ -21,8 +21,27 @@ user runs it, with its own ``--state`` in the work folder, timed wall-clock. Eac
 * ``discover`` of the same N nodes on the same state (the baseline of the second ``up``),
 * ``down --all`` of the N replicas.
 
-One warm-up round (``--warmup``, not counted) goes first; with ``--phases`` a traced ``up``
-of N, second ``up`` and ``down --all`` go last and show where the time goes, step by step.
+After the ``discover`` of each round, while the N engines of the ``up`` of N run, a
+supervisor's heartbeat in this process: one ``Sessions`` pool opened with the connector the
+commands use, connected to every node (timed apart), then ``--beats`` rounds of
+``control.heartbeat.beat`` over the kept-open connections, each node asked about 4 shard
+records (its engine's, from the state, and 3 made up: its PID with another start time, a PID
+that runs nothing, its record from another boot). Each round's wall time and this process's
+CPU time (``time.process_time``: the sshds and the node scripts are other processes) against
+the ``discover`` of the same round.
+
+One warm-up round (``--warmup``, not counted) goes first. After the rounds, ``--drain-runs``
+pairs of ``down`` with a stream in flight: ``serve-router`` started on a fresh state's router
+config, ``up`` of 1 replica (1-node inventory, ``--context-shift`` so that a stream can run
+past the model's 2,048-token context), a streamed chat completion of ``--stream-tokens``
+tokens (``ignore_eos``) through the router with the ``openai`` client, and ``--down-after``
+seconds into it ``down tiny/0``: with the default drain, then ``--drain-timeout 0``. Timed
+from the command: the engine's process gone (polled in ``/proc`` every 5 ms), the command's
+end, the stream's last token and its end; the stream's time left at the command is how long
+a reference stream (the same, once before the pairs, no ``down``) took, less the stream's
+age. With the default drain the stream must end whole (every token, ``finish_reason``
+``length``). With ``--phases`` a traced ``up`` of N, second ``up`` and ``down --all`` go
+last and show where the time goes, step by step.
 
 Every run is checked: ``up`` must exit 0 with every replica ready (``-o json``), on as many
 distinct nodes as replicas, with exactly that many engine processes on the machine (found by
@@ -36,10 +55,11 @@ RSS of every engine is read after each ``up`` of N.
 
 Targets (the project's issue; printed as ratios, never asserted): ``up`` of N replicas under
 1.5x the time of ``up`` of 1 replica (same inventory); the second ``up`` no slower than
-``discover`` of the same nodes.
+``discover`` of the same nodes; a heartbeat round of N nodes at most 0.1 s of client CPU and
+1/10 of that ``discover``.
 
-    python bench/up.py                                     # 32 nodes, 3 rounds
-    python bench/up.py --nodes 4 --repeat 1                # a quick check
+    python bench/up.py                                     # 32 nodes, 3 rounds, 2 drain pairs
+    python bench/up.py --nodes 4 --repeat 1 --drain-runs 1 # a quick check
     python bench/up.py --nodes 32 --repeat 3 --json up.json --phases
     python bench/up.py --engine fake                       # no llama-server needed
 """
@@ -47,19 +67,22 @@ Targets (the project's issue; printed as ratios, never asserted): ``up`` of N re
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +157,7 @@ class Run:
     cpu_s: float  # client: user + sys of the process and its reaped children
     error: str = ""
     box_cpu_s: float = 0.0  # the whole machine's busy CPU time meanwhile (nodes and engines too)
+    node_cpu_s: float = 0.0  # heartbeat: every node's sshd, its sessions and what they ran
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -176,6 +200,32 @@ def _timed(
         wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
     return p.returncode, wall, ru.ru_utime + ru.ru_stime, _box_busy() - b0
+
+
+def _tree_cpu(roots: Sequence[int]) -> float:
+    """CPU seconds of the processes ``roots`` and every live descendant, each its own and its
+    reaped children's: every node's sshd, its sessions and what they ran (not the engines,
+    which their start script left to init)."""
+    parent: dict[int, int] = {}
+    used: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_bytes().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(d.name)] = int(f[1])  # after "(comm)": state=0 ppid=1 ... utime=11 .. cstime=14
+        used[int(d.name)] = sum(int(x) for x in f[11:15])
+    kids: dict[int, list[int]] = {}
+    for pid, pp in parent.items():
+        kids.setdefault(pp, []).append(pid)
+    total, todo = 0, [r for r in roots if r in used]
+    while todo:
+        pid = todo.pop()
+        total += used[pid]
+        todo += kids.get(pid, [])
+    return total / CLK_TCK
 
 
 def _loadavg() -> str:
@@ -261,13 +311,16 @@ class Bench:
         p.write_text(yaml.safe_dump(data, sort_keys=False))
         return p
 
-    def _catalog(self, replicas: int) -> Path:
-        prof = {"name": "cpu", "engine": "llamacpp", "cpus": 1, "memory_gib": 0.25, "model": str(self.model)}
+    def _catalog(self, replicas: int, args: list[str] | None = None, filename: str = "") -> Path:
+        prof: dict[str, Any] = {"name": "cpu", "engine": "llamacpp", "cpus": 1, "memory_gib": 0.25,
+                                "model": str(self.model)}  # fmt: skip
+        if args:
+            prof["args"] = args
         doc = {
             "engines": {"llamacpp": {"command": self.binary}},
             "models": [{"name": "tiny", "replicas": replicas, "profiles": [prof]}],
         }
-        p = self.work / f"catalog-{replicas}.yaml"
+        p = self.work / (filename or f"catalog-{replicas}.yaml")
         p.write_text(yaml.safe_dump(doc, sort_keys=False))
         return p
 
@@ -360,6 +413,67 @@ class Bench:
             kill_engines(str(self.model))
         return self.result(why, wall, cpu)
 
+    def heartbeat(self, state: Path, beats: int) -> tuple[Run, list[Run]]:
+        """``beats`` heartbeat rounds of every node, in this process, over one ``Sessions`` pool
+        opened with the connector the commands use and connected to every node first: (the
+        connect, one Run per round). Each node is asked about its recorded shard (the engine
+        ``up`` started there, from the state) and 3 made-up ones: its PID with another start
+        time (a reused PID), a PID that runs nothing, and its record from another boot. A round
+        is good when every node answers, the real shard alive and the others not."""
+        from cluster_cli.config.inventory import load_inventory
+        from cluster_cli.control.cluster import ssh_connector
+        from cluster_cli.control.heartbeat import beat
+        from cluster_cli.control.nodes import SSHNodes
+        from cluster_cli.launch.node import Beat
+        from cluster_cli.ssh.pool import Sessions
+        from cluster_cli.ssh.preflight import pinned_hosts_path
+        from cluster_cli.state.store import Store
+
+        inv = load_inventory(self.inv_all)
+        run_dirs = {n.name: inv.run_dir(n) for n in inv.nodes}
+        with Store(state, readonly=True) as s:
+            records = s.records()
+        nodes: dict[str, list[Any]] = {name: [] for name in self.names}
+        for rec in records:
+            for sh in rec.shards:
+                nodes[sh.node] += [sh, replace(sh, start_time=(sh.start_time or 0) + 1), replace(sh, pid=4_100_000),
+                                   replace(sh, boot_id="0" * 8 + sh.token[:8])]  # fmt: skip
+        if any(len(v) != 4 for v in nodes.values()):
+            why = f"not one recorded shard per node: {sorted((k, len(v) // 4) for k, v in nodes.items())[:4]}..."
+            return Run(False, 0.0, 0.0, why), []
+
+        def check(got: dict[str, Any]) -> str:
+            for name, b in got.items():
+                if not isinstance(b, Beat):
+                    return str(b)
+                if b.alive != [True, False, False, False]:
+                    return f"{name}: alive {b.alive}, expected [True, False, False, False]"
+            return "" if len(got) == len(nodes) else f"{len(got)} of {len(nodes)} nodes answered"
+
+        async def go() -> tuple[Run, list[Run]]:
+            rounds: list[Run] = []
+            async with Sessions(inv, ssh_connector(pinned_hosts_path(state))) as sessions:
+                b0, t0, c0 = _box_busy(), time.perf_counter(), time.process_time()
+                got = await asyncio.gather(*(sessions.get(n) for n in nodes), return_exceptions=True)
+                connect = Run(True, time.perf_counter() - t0, time.process_time() - c0, "", _box_busy() - b0)
+                if bad := [g for g in got if isinstance(g, BaseException)]:
+                    return replace(connect, ok=False, error=f"{len(bad)} nodes: {bad[0]}"), []
+                via = SSHNodes(sessions)  # how the control plane reaches a node over its session
+                sshds = [n.sshd_pid for n in self.c.nodes.values() if n.sshd_pid]
+                for _ in range(beats):
+                    n0 = _tree_cpu(sshds)  # read outside the timed span: it is this process's CPU
+                    b0, t0, c0 = _box_busy(), time.perf_counter(), time.process_time()
+                    answers = await beat(via, nodes, run_dirs, timeout_s=30)
+                    wall, cpu, box = time.perf_counter() - t0, time.process_time() - c0, _box_busy() - b0
+                    why = check(answers)
+                    rounds.append(Run(not why, wall, cpu, why, box, _tree_cpu(sshds) - n0))
+            return connect, rounds
+
+        try:
+            return asyncio.run(go())
+        except Exception as e:  # the rows fail, the rest of the bench goes on
+            return Run(False, 0.0, 0.0, f"{type(e).__name__}: {e}"), []
+
     def down_everywhere(self) -> None:
         """Best effort at the end (or after a failure): every state's replicas down, then any
         engine still found killed by its PID."""
@@ -378,6 +492,8 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("upN", "up, {n} replicas on {n} nodes (fresh state)"),
     ("again", "up again, {n} replicas, nothing to do"),
     ("discover", "discover, the same {n} nodes (baseline)"),
+    ("hb_connect", "connect {n} sessions (in-process, once a round)"),
+    ("beat", "heartbeat round, {n} nodes x 4 shards, kept-open connections (in-process)"),
     ("downN", "down --all, {n} replicas"),
 )
 
@@ -391,7 +507,7 @@ t0 = time.perf_counter()
 import cluster_cli.cli.main  # typer app + every command module, as the console script does
 import cluster_cli.cli.common as common
 import cluster_cli.control.discovery as discovery
-import cluster_cli.control.sessions as sessions
+import cluster_cli.ssh.pool as sessions
 import cluster_cli.control.lifecycle as lifecycle
 import cluster_cli.control.up as up
 import cluster_cli.launch.node as node
@@ -403,7 +519,10 @@ spans = {"imports": [(t0, time.perf_counter())]}
 out = sys.argv.pop(1)
 
 def wrap(obj, name, label):
-    f = getattr(obj, name)
+    f = getattr(obj, name, None)
+    if f is None:  # renamed since: that step is left out of the trace
+        spans.setdefault(f"(not traced: {name})", []).append((t0, t0))
+        return
     def note(t):
         spans.setdefault(label, []).append((t, time.perf_counter()))
     if getattr(f, "__code__", None) is not None and f.__code__.co_flags & 0x80:  # a coroutine function
@@ -428,7 +547,7 @@ for obj, name, label in (
     (common, "inventory_or_abort", "inventory"), (common, "open_store", "state open"),
     (collect, "discover", "probe (discover's)"), (Store, "save_discovery", "save facts"),
     (discovery, "fleet", "fleet from state"), (up, "find_dead", "check kept replicas"),
-    (placement, "plan", "placement"), (up, "_taken_ports", "ports in use (new nodes)"),
+    (placement, "plan", "placement"), (up, "taken_ports", "ports in use (new nodes)"),
     (Store, "reserve", "reserve"), (lifecycle, "start", "start + wait ready (per replica)"),
     (lifecycle, "wait_ready", "wait ready (per replica)"), (routerconf, "write", "router config"),
     (sessions.Sessions, "get", "session (connect on first use)"), (sessions.Sessions, "aclose", "close sessions"),
@@ -487,7 +606,7 @@ def phases(b: Bench) -> list[str]:
     return lines
 
 
-def one_round(b: Bench, series: dict[str, Series] | None, i: int) -> None:
+def one_round(b: Bench, series: dict[str, Series] | None, i: int, beats: int) -> None:
     """One round of every command, in order; ``series=None``: the warm-up (not counted)."""
     got: dict[str, Run] = {}
 
@@ -512,10 +631,240 @@ def one_round(b: Bench, series: dict[str, Series] | None, i: int) -> None:
     else:
         rec("again", Run(False, 0.0, 0.0, "not run: the up before it failed"))
     rec("discover", b.discover(st))
+    if beats and got["upN"].ok:  # the engines of the up of N run: a supervisor's tick over them
+        connect, rounds = b.heartbeat(st, beats)
+        rec("hb_connect", connect)
+        for r in rounds:
+            rec("beat", r)
+        if rounds:
+            got["beat"] = Run(all(r.ok for r in rounds), statistics.median(r.wall_s for r in rounds),
+                              statistics.median(r.cpu_s for r in rounds))  # fmt: skip
     rec("downN", b.down(st, "downN"))
+
+    def shown(k: str, r: Run) -> str:
+        if k == "beat":
+            return f"beat {r.wall_s * 1000:.0f} ms (median of {beats}, cpu {r.cpu_s * 1000:.0f} ms)"
+        return f"{k} {r.wall_s:.2f}s"
+
     print(f"  {'warm-up' if series is None else f'run {i + 1}'}: "
-          + ", ".join(f"{k} {r.wall_s:.2f}s" + ("" if r.ok else " (FAILED)") for k, r in got.items())
+          + ", ".join(shown(k, r) + ("" if r.ok else " (FAILED)") for k, r in got.items())
           + f"; load {_loadavg()}", flush=True)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# down of a replica with a stream in flight
+
+
+@dataclass
+class Drain:
+    """One ``down`` of the replica while a stream through the router is under way on it."""
+
+    drain: str  # the --drain-timeout given ("default": none given)
+    ok: bool = False
+    error: str = ""
+    down_s: float = 0.0  # the command's wall time
+    stopped_s: float | None = None  # from the command to the engine's process gone
+    remaining_s: float | None = None  # from the command to the stream's end (its last chunk, or its error)
+    last_token_s: float | None = None  # from the command to the stream's last token
+    left_s: float | None = None  # the stream's time left at the command: a reference stream's length - its age
+    stream_s: float | None = None  # the whole stream, first chunk to its end
+    tokens: int = 0
+    finish: str = ""  # the stream's finish_reason, or the error that ended it
+    rc: int = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has stopped: only its exit status is left)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _router_lists(port: int, model: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+            return model in {m.get("id") for m in json.loads(r.read()).get("data", [])}
+    except (OSError, ValueError):
+        return False
+
+
+class Stream:
+    """One streamed chat completion through the router, in a thread (the ``openai`` client)."""
+
+    def __init__(self, port: int, max_tokens: int) -> None:
+        self.port, self.max_tokens = port, max_tokens
+        self.tokens = 0
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.end: float | None = None
+        self.finish = ""
+        self.error = ""
+        self.t = threading.Thread(target=self._go, daemon=True)
+        self.t.start()
+
+    def _go(self) -> None:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, timeout=300)
+        try:
+            parts = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=self.max_tokens,
+                stream=True, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for p in parts:
+                if not p.choices:
+                    continue
+                if p.choices[0].delta.content:
+                    self.tokens += 1
+                    self.last = time.perf_counter()
+                    if self.first is None:
+                        self.first = self.last
+                if p.choices[0].finish_reason:
+                    self.finish = p.choices[0].finish_reason
+        except Exception as e:  # what cut the stream is the finding
+            self.error = f"{type(e).__name__}: {str(e)[:160]}"
+        finally:
+            self.end = time.perf_counter()
+
+
+def drain_run(
+    b: Bench, st: Path, cat: Path, port: int, drain: float | None, max_tokens: int, after: float, ref_s: float | None
+) -> Drain:
+    """``up`` of the one replica, a stream started through the router, ``after`` seconds of it,
+    then ``down tiny/0`` (``drain``: its ``--drain-timeout``; None: the default). ``ref_s``: how
+    long the same stream takes with no ``down``."""
+    d = Drain("default" if drain is None else f"{drain:g}")
+    up = b.up(st, b.inv_one, cat, 1, "drain-up")
+    if not up.ok:
+        d.error = f"up: {up.error}"
+        return d
+    deadline = time.monotonic() + 30
+    while not _router_lists(port, "tiny"):
+        if time.monotonic() > deadline:
+            d.error = "the router did not list tiny within 30 s of up"
+            return d
+        time.sleep(0.1)
+    (pid,) = engine_pids(str(b.model))
+    s = Stream(port, max_tokens)
+    deadline = time.monotonic() + 60
+    while s.first is None or time.perf_counter() - s.first < after:
+        if s.end is not None or time.monotonic() > deadline:
+            d.error = f"the stream ended or did not start before down: {s.error or s.finish or 'no token'}"
+            s.t.join(60)
+            return d
+        time.sleep(0.01)
+    t_cmd = time.perf_counter()
+    d.left_s = ref_s - (t_cmd - s.start) if ref_s else None
+    gone: list[float] = []
+
+    def watch() -> None:
+        while _alive(pid) and time.perf_counter() - t_cmd < b.timeout + 120:
+            time.sleep(0.005)
+        gone.append(time.perf_counter())
+
+    w = threading.Thread(target=watch, daemon=True)
+    w.start()
+    argv = b.argv(st, "down", "tiny/0", "-o", "json") + ([] if drain is None else ["--drain-timeout", f"{drain:g}"])
+    d.rc, d.down_s, _, out, err = b._run(f"drain-down-{d.drain}", argv)
+    s.t.join(b.timeout + 60)
+    w.join(b.timeout + 180)
+    if s.end is not None:
+        d.remaining_s = s.end - t_cmd
+        d.stream_s = s.end - (s.first or s.end)
+    if s.last is not None:
+        d.last_token_s = s.last - t_cmd
+    d.stopped_s = gone[0] - t_cmd if gone and not _alive(pid) else None
+    d.tokens = s.tokens
+    d.finish = s.error or s.finish or "ended without finish_reason"
+    if d.rc != 0:
+        d.error = f"down rc {d.rc}: {_last_line(err) or _last_line(out)}"
+    elif d.stopped_s is None:
+        d.error = "the engine still runs"
+    elif drain is None and (s.error or s.finish != "length" or s.tokens != max_tokens):
+        d.error = f"the stream did not finish: {s.tokens} of {max_tokens} tokens, {d.finish}"
+    d.ok = not d.error
+    return d
+
+
+def drains(b: Bench, runs: int, max_tokens: int, after: float) -> list[Drain]:
+    """``runs`` pairs of ``down`` with a stream in flight, the default drain then
+    ``--drain-timeout 0``, on one state and one ``serve-router`` started before the first ``up``."""
+    st = b.fresh_state("drain")
+    st.parent.mkdir(parents=True, exist_ok=True)
+    config = st.parent / "router.yaml"  # where up writes it by default
+    config.write_text("models: {}\n")
+    cat = b._catalog(1, args=["--context-shift"], filename="catalog-drain.yaml")  # past the 2,048-token context
+    port = _free_port()
+    log = (b.work / "drain-router.log").open("wb")
+    router = subprocess.Popen([b.clusterctl, "serve-router", "-c", str(config), "--port", str(port)], env=b.env,
+                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+    out: list[Drain] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not _listening(port):
+            if router.poll() is not None or time.monotonic() > deadline:
+                raise TestbedError(f"serve-router did not start: {_last_line(b.work / 'drain-router.log')}")
+            time.sleep(0.1)
+        ref_s = reference(b, st, cat, port, max_tokens)
+        for i in range(runs):
+            for drain in (None, 0.0):
+                d = drain_run(b, st, cat, port, drain, max_tokens, after, ref_s)
+                out.append(d)
+                print(f"  drain run {i + 1}, --drain-timeout {d.drain}: " + _drain_line(d) + f"; load {_loadavg()}",
+                      flush=True)  # fmt: skip
+                if engine_pids(str(b.model)):
+                    b.down(st, "drain-cleanup")
+    finally:
+        router.terminate()
+        with suppress(subprocess.TimeoutExpired):
+            router.wait(30)
+        log.close()
+    return out
+
+
+def reference(b: Bench, st: Path, cat: Path, port: int, max_tokens: int) -> float | None:
+    """How long the stream takes from request to its end with no ``down`` meanwhile (``up``,
+    the stream, then ``down``); None when it failed."""
+    up = b.up(st, b.inv_one, cat, 1, "drain-ref-up")
+    deadline = time.monotonic() + 30
+    while up.ok and not _router_lists(port, "tiny") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    s = Stream(port, max_tokens) if up.ok else None
+    if s is not None:
+        s.t.join(b.timeout)
+    b.down(st, "drain-ref-down")
+    if s is None or s.end is None or s.error or s.tokens != max_tokens:
+        why = up.error if s is None else (s.error or f"{s.tokens} of {max_tokens} tokens")
+        print(f"  reference stream FAILED: {why}", flush=True)
+        return None
+    print(f"  reference stream, no down: {s.end - s.start:.2f}s for {s.tokens} tokens; load {_loadavg()}", flush=True)
+    return s.end - s.start
+
+
+def _drain_line(d: Drain) -> str:
+    if not d.ok and d.stopped_s is None:
+        return f"FAILED: {d.error}"
+    line = (f"engine stopped {_fmt(d.stopped_s)}s after the command (the command {d.down_s:.2f}s); the stream had "
+            f"{_fmt(d.left_s)}s left (reference), its last token {_fmt(d.last_token_s)}s and its end "
+            f"{_fmt(d.remaining_s)}s after the command: {d.tokens} tokens, "
+            f"{d.finish}")  # fmt: skip
+    return line + ("" if d.ok else f" (FAILED: {d.error})")
 
 
 # ---------------------------------------------------------------------------
@@ -547,7 +896,7 @@ def _fmt(x: float | None, d: int = 2) -> str:
 
 
 def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else "-"
+    return (f"{a / b:.3f}x" if a / b < 0.1 else f"{a / b:.2f}x") if a and b else "-"
 
 
 def _engine(args: argparse.Namespace, work: Path) -> tuple[str, str]:
@@ -581,9 +930,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     ap.add_argument("--phases", action="store_true",
                     help="at the end, trace one up of N, the second up and down --all step by step (in-process)")  # fmt: skip
+    ap.add_argument("--beats", type=int, default=10,
+                    help="heartbeat rounds per round, after its second up (0: none)")  # fmt: skip
+    ap.add_argument("--drain-runs", type=int, default=2,
+                    help="pairs of down with a stream in flight (default drain, then --drain-timeout 0); 0: none")  # fmt: skip
+    ap.add_argument("--stream-tokens", type=int, default=10000, help="max_tokens of the stream in flight")
+    ap.add_argument("--down-after", type=float, default=1.0, help="seconds of the stream before down")
     args = ap.parse_args(argv)
     if args.nodes < 2:
         ap.error("--nodes must be at least 2")
+    if args.drain_runs and args.engine == "fake":
+        print("up bench: the fake engine does not stream: no down with a stream in flight (--drain-runs 0)")
+        args.drain_runs = 0
     if why := unavailable_reason():
         print(f"up bench: no testbed here: {why}", file=sys.stderr)
         return 2
@@ -604,6 +962,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     series = {k: Series() for k, _ in ROWS}
     trace: list[str] = []
+    drained: list[Drain] = []
     b: Bench | None = None
     mode = "?"
     load = LoadSampler()
@@ -618,9 +977,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("  down:     " + shlex.join(b.argv(Path("STATE"), "down", "--all")), flush=True)
             try:
                 for i in range(args.warmup):
-                    one_round(b, None, i)
+                    one_round(b, None, i, args.beats)
                 for i in range(args.repeat):
-                    one_round(b, series, i)
+                    one_round(b, series, i, args.beats)
+                if args.drain_runs:
+                    print(f"  down of a replica with a stream in flight ({args.stream_tokens} tokens, down after "
+                          f"{args.down_after:g}s of it), {args.drain_runs} pair(s)...", flush=True)  # fmt: skip
+                    drained = drains(b, args.drain_runs, args.stream_tokens, args.down_after)
                 if args.phases:
                     print("  tracing up / up again / down step by step...", flush=True)
                     trace = phases(b)
@@ -637,18 +1000,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     head = ("command", "median s", "min s", "cpu s", "box cpu s", "runs")
     rows = [(text.format(n=n), _fmt(med[k]), _fmt(series[k].min()), _fmt(series[k].median("cpu_s")),
              _fmt(series[k].median("box_cpu_s")), f"{len(series[k].good)}/{len(series[k].runs)}")
-            for k, text in ROWS]  # fmt: skip
+            for k, text in ROWS if series[k].runs]  # fmt: skip
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     print()
     print("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths, strict=True))))
     for r in rows:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    beat_cpu, disc_cpu = series["beat"].median("cpu_s"), series["discover"].median("cpu_s")
+    node_cpu = series["beat"].median("node_cpu_s")
     ratios = [
         (f"up {n} replicas / up 1 replica (same {n}-node inventory)", _ratio(med["upN"], med["up1"]), "< 1.5x"),
         (f"up again ({n}, nothing to do) / discover ({n} nodes)", _ratio(med["again"], med["discover"]), "<= 1.0x"),
         (f"up 1 replica: {n}-node / 1-node inventory", _ratio(med["up1"], med["up1_one"]), "(info)"),
         (f"down --all {n} / down --all 1", _ratio(med["downN"], med["down1"]), "(info)"),
     ]
+    if args.beats:
+        ratios += [
+            (f"heartbeat round ({n} nodes), client cpu", f"{_fmt(beat_cpu, 3)}s", "<= 0.1s"),
+            (f"heartbeat round ({n} nodes), the nodes' cpu (sshd, scripts)", f"{_fmt(node_cpu, 3)}s", "(info)"),
+            (f"heartbeat round / discover ({n} nodes), wall", _ratio(med["beat"], med["discover"]), "<= 0.10x"),
+            (f"heartbeat round / discover ({n} nodes), client cpu", _ratio(beat_cpu, disc_cpu), "<= 0.10x"),
+        ]
     w0 = max(len(r[0]) for r in ratios)
     print()
     for name, val, target in ratios:
@@ -664,6 +1036,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if b and b.nodes_used:
         print(f"nodes used by the N-replica up: {sorted(set(b.nodes_used))}")
     print(f"load average: start {load_start}, end {load_end}; 1-min during the runs {load.summary()}; mode {mode}")
+    if drained:
+        print(f"\ndown of tiny/0 with a stream of {args.stream_tokens} tokens in flight through serve-router, issued "
+              f"{args.down_after:g}s into it (1 replica, a 1-node inventory; the console script, start-up included):")  # fmt: skip
+        for d in drained:
+            print(f"  --drain-timeout {d.drain:8s} " + _drain_line(d))
+        for label in ("default", "0"):
+            good = [d for d in drained if d.drain == label and d.ok]
+            if good:
+                late = [d.stopped_s - d.remaining_s for d in good if d.stopped_s is not None and d.remaining_s]
+                print(f"  {label}: engine stopped, median {_fmt(statistics.median(d.stopped_s or 0 for d in good))}s "
+                      f"after the command against the stream's {_fmt(statistics.median(d.left_s or 0 for d in good))}s "
+                      f"left; engine stopped - stream end: median {_fmt(statistics.median(late) if late else None)}s")  # fmt: skip
     if trace:
         print(
             "\nwhere the time goes (one traced run each; start = the interpreter's, spans overlap where steps run at once):"
@@ -686,6 +1070,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "load_during": load.summary(),
             "engine_rss_kib": rss,
             "phases": trace,
+            "beats_per_round": args.beats,
+            "drain": [vars(d) for d in drained],
             "commands": {
                 k: {
                     "label": text.format(n=n),
@@ -693,10 +1079,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "min_s": series[k].min(),
                     "cpu_median_s": series[k].median("cpu_s"),
                     "box_cpu_median_s": series[k].median("box_cpu_s"),
-                    "runs": [
-                        {"ok": r.ok, "wall_s": r.wall_s, "cpu_s": r.cpu_s, "box_cpu_s": r.box_cpu_s, "error": r.error}
-                        for r in series[k].runs
-                    ],
+                    "runs": [dict(vars(r)) for r in series[k].runs],
                 }
                 for k, text in ROWS
             },
@@ -705,10 +1088,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "again_over_discover": _div(med["again"], med["discover"]),
                 "up1_over_up1_one_node": _div(med["up1"], med["up1_one"]),
                 "downN_over_down1": _div(med["downN"], med["down1"]),
+                "beat_over_discover": _div(med["beat"], med["discover"]),
+                "beat_cpu_over_discover_cpu": _div(beat_cpu, disc_cpu),
             },
         }
         Path(args.json).write_text(json.dumps(doc, indent=1))
-    return 0 if all(not s.failed for s in series.values()) else 1
+    return 0 if all(not s.failed for s in series.values()) and all(d.ok for d in drained) else 1
 
 
 def _div(a: float | None, b: float | None) -> float | None:
