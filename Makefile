@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DEMO_DIR ?= .demo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all deps venv install test test-fast lint demo demo-down llama-server bench dist clean
+.PHONY: all deps venv install test test-fast lint demo demo-down demo-failover llama-server bench dist clean
 
 all: test
 
@@ -69,6 +69,10 @@ demo: install
 
 demo-down:
 	-@DEMO_DIR=$(DEMO_DIR) bash scripts/demo.sh down
+
+# A node killed under load, and supervise healing the cluster (about a minute).
+demo-failover: install llama-server
+	LLAMA_SERVER="$$(PYTHON=$(abspath $(PY)) bash scripts/install-llama-server.sh)" $(PY) scripts/demo_failover.py
 
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'

@@ -112,7 +112,7 @@ async def _supervise(
             return False
         async with Cluster.open(inv, inventory.resolve(), store, None, router_config or default_path(state_path),
                                 pinned_known_hosts=pinned_hosts_path(state_path), runs=runs, drain_s=drain_s,
-                                retry_failed=not once) as c:  # fmt: skip
+                                retry_failed=not once, max_backoff_s=settings.reconnect_s) as c:  # fmt: skip
             sup = Supervisor(c, cat, settings, _log)
             if once:
                 return await sup.once()

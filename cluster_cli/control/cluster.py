@@ -75,15 +75,21 @@ class Cluster:
         parallel: int = 64,
         drain_s: float = 60.0,
         retry_failed: bool = False,
+        max_backoff_s: float | None = None,
     ) -> AsyncIterator[Cluster]:
         """The cluster, its SSH sessions and its state's database thread open for the block
         (``store`` is not to be used directly meanwhile). ``connector`` None: SSH to the
         inventory's nodes (:func:`ssh_connector`), pinning ``accept-new`` keys in
         ``pinned_known_hosts``. ``retry_failed``: a node that failed to connect is tried again
-        after a backoff (a loop that runs for long), not failed for good."""
+        after a backoff (a loop that runs for long), not failed for good; at most ``max_backoff_s``
+        apart."""
         if connector is None:
             connector = ssh_connector(pinned_known_hosts)
-        async with Sessions(inv, connector, retry_failed=retry_failed) as sessions, AsyncStore(store) as astore:
+        backoff = {"max_backoff_s": max_backoff_s} if max_backoff_s is not None else {}
+        async with (
+            Sessions(inv, connector, retry_failed=retry_failed, **backoff) as sessions,
+            AsyncStore(store) as astore,
+        ):
             yield cls(inv, inventory_path, astore, sessions, router_config, runs, parallel, drain_s)
 
     # ---- observe ----------------------------------------------------------

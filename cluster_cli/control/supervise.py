@@ -114,6 +114,12 @@ class Settings:
         return max(1.0, min(2 * self.interval_s, self.grace_s / 3))
 
     @property
+    def reconnect_s(self) -> float:
+        """A node that cannot be reached is tried again at least this often (a node back
+        from the dead is seen within it)."""
+        return max(5.0, 2 * self.interval_s)
+
+    @property
     def lease_ttl_s(self) -> float:
         return max(15.0, 5 * self.interval_s)
 
