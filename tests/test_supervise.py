@@ -237,3 +237,72 @@ def test_the_catalog_up_stores_reads_back_for_supervise(tmp_path: Path) -> None:
 
         with pytest.raises(ClusterctlError, match="does not read back"):
             asyncio.run(go())
+
+
+def test_an_engine_that_runs_but_stops_answering_is_restarted(tmp_path: Path) -> None:
+    async def body(rig: Rig) -> None:
+        rec = (await rig.live())["m/0"]
+        node = rig.fleet[rec.shards[0].node]
+        node.engines[rec.shards[0].token].healthy = False  # hung: its process is still there
+        starts = len(rig.fleet.starts())
+        for _ in range(6):
+            await rig.step(1)
+        assert len(rig.fleet.starts()) == starts + 1, rig.logs
+        new = (await rig.live())["m/0"]
+        assert new.status == READY and new.shards[0].token != rec.shards[0].token and new.restarts == 1
+        assert any("has not answered its health check" in line for line in rig.logs)
+
+    run(tmp_path, body)
+
+
+def test_a_second_supervisor_refuses_naming_the_first_or_waits_with_standby(tmp_path: Path) -> None:
+    from cluster_cli.control.supervise import SupervisorRunning, hold_lease
+
+    settings = Settings(interval_s=0.05)
+    with Store(tmp_path / "s.db", actor="a") as first, Store(tmp_path / "s.db", actor="b") as second:
+
+        async def go() -> list[str]:
+            said: list[str] = []
+            stop = asyncio.Event()
+            async with hold_lease(first, settings, standby=False, stop=stop, log=said.append) as held:
+                assert held is not None and first.lease == held
+                with pytest.raises(SupervisorRunning, match=r"already runs on this state: supervise-.* \(pid \d+ on "):
+                    async with hold_lease(second, settings, standby=False, stop=stop, log=said.append):
+                        pass
+
+                async def standby() -> Any:
+                    async with hold_lease(second, settings, standby=True, stop=stop, log=said.append) as got:
+                        return got
+
+                waiting = asyncio.ensure_future(standby())
+                await asyncio.sleep(0.2)
+                assert not waiting.done()  # the first one still holds it
+            assert first.lease is None  # given up at the end of the block
+            got = await asyncio.wait_for(waiting, 5)
+            assert got is not None and got.epoch == held.epoch + 1
+            return said
+
+        said = asyncio.run(go())
+        assert any(line.startswith("standby:") for line in said)
+
+
+def test_a_supervisor_whose_lease_was_taken_writes_nothing_more(tmp_path: Path) -> None:
+    from cluster_cli.state.leases import LeaseLost
+
+    async def body(rig: Rig) -> None:
+        store = rig.store.store
+        store.lease = store.acquire_lease("supervise", "me", 30)
+        await rig.step()
+        other = Store(store.path, actor="other")
+        try:
+            other.release_lease(store.lease)  # as if it expired...
+            other.acquire_lease("supervise", "someone-else", 30)  # ...and another took it
+        finally:
+            other.close()
+        with pytest.raises(LeaseLost, match="stale"):
+            await rig.step()
+        stop = asyncio.Event()
+        with pytest.raises(LeaseLost):
+            await rig.sup.run(stop)  # the loop ends on it, it does not tick on
+
+    run(tmp_path, body)

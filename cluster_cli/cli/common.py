@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cluster_cli.cli import ui
 from cluster_cli.config.inventory import Inventory, load_inventory
+from cluster_cli.control import statefile
 from cluster_cli.errors import ClusterctlError
 from cluster_cli.ssh.preflight import check_ssh_files, pinned_hosts_path, where
-from cluster_cli.state.store import Store
+
+if TYPE_CHECKING:
+    from cluster_cli.state.store import Store
 
 INVENTORY_HELP = "Inventory YAML (nodes and how to reach them)."
 INVENTORY_ENV = "CLUSTERCTL_INVENTORY"
@@ -20,11 +24,8 @@ RECORDED_INVENTORY_HELP = (
 def stored_inventory(state_path: Path) -> Path | None:
     """The inventory recorded in the state (by ``discover``, or a ``cordon -i`` before it);
     None when there is no state or none is recorded."""
-    if not state_path.exists():
-        return None
     try:
-        with Store(state_path, readonly=True) as store:
-            return store.inventory()
+        return statefile.recorded_inventory(state_path)
     except ClusterctlError as e:
         ui.fail(e)
 
@@ -72,7 +73,7 @@ def open_store(path: Path, *, actor: str, create: bool = True, say_new: bool = F
     ``actor`` (the command's name) is who the events it writes name."""
     new = create and not path.exists()
     try:
-        store = Store(path, create=create, actor=actor)
+        store = statefile.open_state(path, create=create, actor=actor)
     except ClusterctlError as e:
         ui.fail(e)
     if new and say_new:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from cluster_cli.state.store import Store
 
 LEASE = "supervise"
+HEALTH_FAILS = 2  # a ready replica's health check failed this many ticks in a row: checked by a pass
 
 
 class SupervisorRunning(ClusterctlError):
@@ -165,6 +166,7 @@ class Supervisor:
     _observed: Observed = field(default_factory=Observed)
     _move: dict[str, set[str]] = field(default_factory=dict)  # replica -> nodes to avoid, being moved
     _said: dict[str, str] = field(default_factory=dict)  # replica -> the last line logged of it
+    _failing: dict[str, int] = field(default_factory=dict)  # replica -> health checks failed in a row
 
     # ---- one tick ---------------------------------------------------------------------------
     async def tick(self, *, start_pass: bool = True) -> bool:
@@ -201,11 +203,39 @@ class Supervisor:
         for name, ns in self.nodes.items():
             if ns.state == FENCING:
                 changed |= await self._fence(name, records, now)
-        due = changed or self._due(records, beats)
+        due = changed or self._due(records, beats) or await self._health(records)
         if changed:
             await publish(store, self.cluster.router_config, confirm_s=1.0)
         if due and start_pass and self.brake is None and (self._pass is None or self._pass.done()):
             self._pass = asyncio.ensure_future(self.reconcile())
+        return due
+
+    async def _health(self, records: list[ReplicaRecord]) -> bool:
+        """Ask every ready replica on a ready node its health check; whether one failed it
+        ``HEALTH_FAILS`` ticks in a row (its engine runs but no longer answers: the pass that
+        this starts checks it again and restarts it, with its backoff)."""
+        ready = [r for r in records if r.status == REPLICA_READY and r.port is not None and r.shards
+                 and self.nodes.get(r.shards[0].node, NodeState()).state == READY]  # fmt: skip
+
+        async def one(rec: ReplicaRecord) -> tuple[str, bool]:
+            assert rec.port is not None
+            try:
+                async with asyncio.timeout(self.settings.beat_timeout_s):
+                    node = await self.cluster.on.get(rec.shards[0].node)
+                    why = await node.ready(rec.port, rec.replica.model, list_models=False)
+            except (TimeoutError, SSHError, OSError, ClusterctlError):
+                return rec.name, True  # its node's own heartbeat tells whether the node is away
+            return rec.name, why is None
+
+        got = dict(await asyncio.gather(*(one(r) for r in ready)))
+        due = False
+        for name, ok in got.items():
+            self._failing[name] = 0 if ok else self._failing.get(name, 0) + 1
+            if self._failing[name] == HEALTH_FAILS:
+                self.log(f"replica {name}: its engine runs but has not answered its health check {HEALTH_FAILS} times")
+            due |= self._failing[name] >= HEALTH_FAILS
+        for name in set(self._failing) - set(got):
+            del self._failing[name]
         return due
 
     async def _renew(self) -> None:
