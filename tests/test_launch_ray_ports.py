@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
+
+import pytest
 
 from cluster_cli.config.catalog import Catalog
 from cluster_cli.config.inventory import Inventory
@@ -30,7 +33,7 @@ RAY_LISTEN_FLAGS = {
     "--max-worker-port": 19999,
 }
 # Left to Ray on purpose: it refuses 0 for these (it picks a free runtime-env agent port by
-# default; the Ray Client server needs ray[client], see docs/engines.md).
+# default; the Ray Client server's port is given only where ray[client] is installed: below).
 NOT_GIVEN = {"--runtime-env-agent-port", "--ray-client-server-port"}
 
 
@@ -111,3 +114,51 @@ def test_the_head_runs_no_dashboard_and_a_worker_is_given_no_head_only_flag() ->
     # Ray refuses --port and --include-dashboard on a node that joins a head.
     assert not any(a.startswith(("--port=", "--include-dashboard", "--dashboard-port")) for a in worker.script.argv)
     assert "--address=10.0.0.1:8300" in worker.script.argv
+
+
+def _head_script(tmp: Path, extra_ports: tuple[int, ...], api_key: str | None) -> str:
+    prof = {"name": "p", "engine": "vllm", "model": "/models/m", "gpu_class": "H100", "gpus": 4, "nodes": 2}
+    cat = Catalog.model_validate({"engines": {"vllm": {"command": str(tmp / "bin" / "vllm")}},
+                                  "models": [{"name": "m", "replicas": 1, "profiles": [prof]}]})  # fmt: skip
+    inv = Inventory.model_validate({"nodes": [{"name": f"n{i}", "host": f"10.0.0.{i}"} for i in (1, 2)]})
+    shards = (Shard("n1", (0, 1, 2, 3)), Shard("n2", (0, 1, 2, 3)))
+    rec = ReplicaRecord(Replica("m", 0, "p", "vllm", shards), generation=1, port=8100, extra_ports=extra_ports)
+    head = shard_starts(rec, cat, inv, {}, api_key=api_key)[0]
+    assert head.script.argv[:2] == ["sh", "-c"]
+    return head.script.argv[2]
+
+
+@pytest.mark.parametrize("shell", ["sh", "dash", "busybox sh"])
+@pytest.mark.parametrize("has_client", [True, False])
+@pytest.mark.parametrize("api_key", [None, "ck-secret"])
+def test_the_ray_client_port_is_given_only_where_rays_client_is_installed(
+    tmp_path: Path, shell: str, has_client: bool, api_key: str | None
+) -> None:
+    """The head gets the replica's own Ray Client port where the node's Ray has ray[client]
+    (Ray's own check, run with the environment's Python), and no such flag elsewhere (Ray
+    refuses it there); the key never reaches ray start either way."""
+    import shutil
+    import subprocess
+
+    if shutil.which(shell.split()[0]) is None:
+        pytest.skip(f"{shell} not installed")
+    b = tmp_path / "bin"
+    b.mkdir()
+    log = tmp_path / "calls"
+    (b / "python").write_text(f"#!/bin/sh\nexit {0 if has_client else 1}\n")
+    (b / "ray").write_text(f'#!/bin/sh\necho "ray KEY=${{VLLM_API_KEY:-}} $*" >> {log}\n')
+    (b / "vllm").write_text(f'#!/bin/sh\necho "vllm KEY=${{VLLM_API_KEY:-}}" >> {log}\n')
+    for f in b.iterdir():
+        f.chmod(0o755)
+    script = _head_script(tmp_path, (8300, 8301), api_key)
+    env = {"PATH": "/usr/bin:/bin", **({"VLLM_API_KEY": api_key} if api_key else {})}
+    r = subprocess.run([*shell.split(), "-c", script], env=env, capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0, r.stderr
+    ray, vllm = log.read_text().splitlines()
+    assert ray.startswith("ray KEY= start --head --port=8300")
+    assert ("--ray-client-server-port=8301" in ray) is has_client
+    assert vllm == f"vllm KEY={api_key or ''}"
+
+
+def test_without_a_client_port_the_head_command_is_as_before(tmp_path: Path) -> None:
+    assert "--ray-client-server-port" not in _head_script(tmp_path, (8300,), None)

@@ -183,10 +183,10 @@ def _tp_catalog(path: Path, gpus: int) -> Path:
     return path
 
 
-def test_a_replica_placed_anew_stops_first_and_takes_over_its_gpus(gpu_fleet, tmp_path: Path) -> None:
+def test_a_replica_whose_profile_changed_is_replaced_beside_the_old_one(gpu_fleet, tmp_path: Path) -> None:
     """A second up on GPU nodes keeps the replica (its GPUs read again, healthy); a profile
-    that now asks for 4 GPUs places it anew: the old engine is stopped first, the new one is
-    generation 2 on GPUs that include the old ones, and nothing of the old one is left."""
+    that now asks for 4 GPUs replaces it, make before break: generation 2 starts on other GPUs
+    while the old one serves, then the old one is stopped and nothing of it is left."""
     cluster, _, state = gpu_fleet
     inv = str(cluster.inventory_path)
     two = _tp_catalog(tmp_path / "tp2.yaml", 2)
@@ -203,13 +203,11 @@ def test_a_replica_placed_anew_stops_first_and_takes_over_its_gpus(gpu_fleet, tm
     r = ctl(state, "up", "-i", inv, "-c", str(four), "-o", "json", "--timeout", "90")
     doc = json_out(r)
     assert r.returncode == 0, doc
-    acts = {(x["action"], x["state"]) for x in doc["replicas"]}
-    assert acts == {("stop", "stopped"), ("start", "ready")}, doc
-    stop = next(x for x in doc["replicas"] if x["action"] == "stop")
-    assert "tp2" in stop["reason"]  # the plan's reason: the profile is gone
+    acts = [(x["action"], x["state"]) for x in doc["replicas"]]
+    assert acts == [("replace", "ready")], doc  # its profile is gone: replaced, made before the break
     (now,) = json_out(ctl(state, "status", "-o", "json"))["replicas"]
     assert now["state"] == "ready" and list(now["gpus"]) == [node] and len(now["gpus"][node]) == 4
-    assert was & set(now["gpus"][node])  # best fit: the same node, the freed GPUs reused
+    assert not was & set(now["gpus"][node])  # beside the old one (best fit: the same node), then it stopped
     from cluster_cli.state.store import Store
 
     with Store(state) as s:
@@ -240,7 +238,7 @@ def test_a_replica_placed_anew_never_starts_on_gpus_its_old_engine_may_still_hol
     r = ctl(state, "up", "-i", inv, "-c", str(_tp_catalog(tmp_path / "tp4.yaml", 4)), "-o", "json", "--timeout", "90")
     got = {x["action"]: x for x in json_out(r)["replicas"]}
     assert r.returncode == 3 and got["stop"]["state"] == "failed" and "nvidia-smi still lists" in got["stop"]["reason"]
-    assert got["start"]["state"] == "ready", got["start"]
+    assert got["replace"]["state"] == "ready", got["replace"]
     with Store(state, readonly=True) as s:
         (new,) = s.records()
         assert new.generation == 2 and not old_gpus & {g for sh in new.replica.shards for g in sh.gpus}

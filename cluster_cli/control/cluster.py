@@ -149,7 +149,7 @@ class Cluster:
                 return []
             hs = await roll(self, cat, todo, max_surge=max_surge, drain_s=self.drain_s, timeout_s=timeout_s,
                             report=report)  # fmt: skip
-            return [_replaced(h) for h in hs]
+            return [o for h in hs for o in _replaced(h)]
 
         early = await rolled() if expect_version is None else []
 
@@ -224,13 +224,16 @@ def ssh_connector(pinned_known_hosts: Path | None = None) -> Connector:
     return AsyncsshConnector(pinned_known_hosts=pinned_known_hosts)
 
 
-def _replaced(h: Any) -> Any:
-    """A handover as ``up`` reports a replica: the new generation's outcome, action replace."""
+def _replaced(h: Any) -> list[Any]:
+    """A handover as ``up`` reports a replica: the new generation's outcome (action replace),
+    and the old one's stop where it failed (it is fenced)."""
     from dataclasses import replace as copy
 
     from cluster_cli.control.lifecycle import Outcome
 
-    if h.new is not None:
-        return copy(h.new, action="replace", reason=h.new.reason or f"replaced (was on {', '.join(h.old_nodes)})")
-    model = h.name.rpartition("/")[0]
-    return Outcome(h.name, model, "replace", "failed", h.old_nodes, reason=h.reason)
+    if h.new is None:
+        return [Outcome(h.name, h.name.rpartition("/")[0], "replace", "failed", h.old_nodes, reason=h.reason)]
+    out = [copy(h.new, action="replace", reason=h.new.reason or f"replaced (was on {', '.join(h.old_nodes)})")]
+    if h.stopped is not None and h.stopped.state == "failed":
+        out.append(h.stopped)
+    return out

@@ -15,16 +15,18 @@ pass (``supervise``) plans without it, so that neither generation is stopped as 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.control import lifecycle, stops
 from cluster_cli.control.lifecycle import Outcome, Report, quiet
 from cluster_cli.control.publish import drained, publish
 from cluster_cli.control.up import new_records, taken_ports
+from cluster_cli.errors import StateError
 from cluster_cli.launch.observe import Observed
 from cluster_cli.state.launches import StaleVersion
 from cluster_cli.state.records import FAILED, READY, ReplicaRecord
+from cluster_cli.state.view import with_fenced
 
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
@@ -75,7 +77,7 @@ async def place_one(c: Cluster, cat: Catalog, old: ReplicaRecord, me: str | None
     for _ in range(4):
         view = await c.fleet()
         others = [r.replica for r in view.records if r.name != old.name]
-        result = plan(view.nodes, cat, others)
+        result = plan(_held_by(view.nodes, old), cat, others)
         mine = [p for p in result.starts if p.replica.key == old.replica.key]
         if not mine:
             return None
@@ -89,7 +91,26 @@ async def place_one(c: Cluster, cat: Catalog, old: ReplicaRecord, me: str | None
             return booked
         except StaleVersion:
             continue  # another writer moved the state: place again
+        except StateError:
+            return None  # something of it is held after all: no room beside it
     return None
+
+
+def _held_by(nodes: list[Any], old: ReplicaRecord) -> list[Any]:
+    """``nodes`` with what ``old`` holds taken out (its GPUs marked held, its CPUs and memory
+    off its nodes' totals): its replacement goes beside it, not onto it."""
+    gpus = {s.node: dict.fromkeys(s.gpus, f"{old.name} (being replaced)") for s in old.replica.shards if s.gpus}
+    out = with_fenced(nodes, gpus)
+    r = old.replica
+    if r.gpu_class or not (r.cpus or r.memory_mib):
+        return out
+    on = {s.node for s in r.shards}
+    return [
+        replace(f, cpus=max(0, (f.cpus or 0) - (r.cpus or 0)) if f.cpus is not None else None,
+                memory_mib=max(0, (f.memory_mib or 0) - (r.memory_mib or 0)) if f.memory_mib is not None else None)
+        if f.name in on else f
+        for f in out
+    ]  # fmt: skip
 
 
 async def replace_replica(

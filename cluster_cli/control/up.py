@@ -388,11 +388,12 @@ def new_records(
         elif port in used:  # a fixed port: the profile's one per node
             why = f"{head}: its profile's port {port} is taken there (by another replica or process): one per node"
         extra: tuple[int, ...] = ()
-        if why is None and len(r.shards) > 1:  # the replica's own Ray head port
+        if why is None and len(r.shards) > 1:  # the replica's own Ray head and Ray Client ports
             ray = pick_port(lo, hi, used | {port})
-            if ray is None:
+            client = pick_port(lo, hi, used | {port, ray}) if ray is not None else None
+            if ray is None or client is None:
                 why = f"{head}: no free port left in {lo}-{hi} for a Ray head"
-            extra = () if ray is None else (ray,)
+            extra = () if ray is None or client is None else (ray, client)
         name = replica_name(r.model, r.replica)
         if why is not None:
             refused.append(Outcome(name, r.model, "start", FAILED, [s.node for s in r.shards], reason=why))

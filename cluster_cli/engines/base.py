@@ -113,6 +113,9 @@ class LaunchSpec:
     # must have their own (a second head on a port in use fails, and its workers would join
     # the first replica's cluster): the launcher hands each replica one, as it does HTTP ports.
     ray_port: int = RAY_PORT
+    # Multi-node: the port of this replica's Ray Client server, on a head whose Ray has
+    # ray[client] (10001 for every head otherwise: two on one node would collide).
+    ray_client_port: int | None = None
     cpus: int | None = None
     extra_args: tuple[str, ...] = ()
     hcas: tuple[str, ...] = ()  # multi-node: this shard's InfiniBand CA names on the replica's fabric

@@ -42,10 +42,19 @@ RAY_NODE_PORTS = (
     "--max-worker-port=0",
 )
 # The head's own: no dashboard UI (vLLM needs none; its API server still starts, on a port the
-# kernel picks, as its default 8265 lies in clusterctl's default HTTP range). The Ray Client
-# server (10001, only where ray[client] is installed) is left as it is: Ray refuses a port for
-# it without ray[client], and vLLM does not use it (docs/engines.md).
+# kernel picks, as its default 8265 lies in clusterctl's default HTTP range).
 RAY_HEAD_PORTS = ("--include-dashboard=false", "--dashboard-port=0")
+# The Ray Client server listens (on 10001 by default) only where ray[client] is installed,
+# and Ray refuses a port for it elsewhere: the head is given the replica's own port for it
+# when the node's Ray says it has the client's dependencies (asked with Ray's own check).
+_CLIENT_CHECK = (
+    "import sys, ray._private.utils as u; sys.exit(0 if u.check_ray_client_dependencies_installed() else 1)"
+)
+
+
+def _python(vllm_binary: str) -> str:
+    """The Python of the vllm binary's environment (a venv path), else python3 from PATH."""
+    return posixpath.join(posixpath.dirname(vllm_binary), "python") if "/" in vllm_binary else "python3"
 
 
 class VLLM:
@@ -89,11 +98,17 @@ class VLLM:
         serve += spec.extra_args
         head = [_ray_binary(binary), "start", "--head", f"--port={spec.ray_port}", *_ray_resources(spec),
                 *RAY_HEAD_PORTS, *RAY_NODE_PORTS]  # fmt: skip
-        start_head = shlex.join(head)
+        body = f"exec {shlex.join(head)}"
+        if spec.ray_client_port:
+            client = [*head, f"--ray-client-server-port={spec.ray_client_port}"]
+            check = f"{shlex.quote(_python(binary))} -c {shlex.quote(_CLIENT_CHECK)} >/dev/null 2>&1"
+            body = f"if {check}; then exec {shlex.join(client)}; else {body}; fi"
         if spec.api_key:
             # The key is vllm serve's alone: the Ray daemons started here (GCS, raylet, dashboard)
             # and the workers they spawn do not get it from this shell.
-            start_head = f"(unset {self.api_key_env} && exec {start_head})"
+            start_head = f"(unset {self.api_key_env} && {body})"
+        else:
+            start_head = f"({body})" if spec.ray_client_port else shlex.join(head)
         # Current vLLM (since early 2026) copies the driver's NCCL_* variables onto every Ray
         # worker, which would push this node's HCA names onto the other nodes; older releases
         # copy none (the unset is then harmless). Each node's raylet carries its own

@@ -316,6 +316,10 @@ def stop_script(ref: ShardRef, *, grace_s: float = 10.0, port: int | None = None
     if port is not None:
         lines.append(f'listening {_port_hex(port)} && echo "@@$nonce PORT_OPEN {port}"')
     if gpu_check:
+        # The recorded PID too, gone or not: a CUDA context can outlive its process, and a stop
+        # run again (a fence being cleared) finds no process left to name it.
+        if ref.pid is not None:
+            lines.append(f'case " $all " in *" {ref.pid} "*) ;; *) all="$all {ref.pid}";; esac')
         lines += [
             'if [ -n "$all" ] && command -v nvidia-smi >/dev/null 2>&1; then',
             '  held=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d " ")',

@@ -58,7 +58,8 @@ def shard_starts(
     api_key: str | None = None,
 ) -> list[ShardStart]:
     """What every shard of ``rec`` runs (shard 0 first). ``rec.port`` must be set; a
-    multi-node replica's Ray head port is ``rec.extra_ports[0]``.
+    multi-node replica's Ray head port is ``rec.extra_ports[0]``, its Ray Client server's
+    ``rec.extra_ports[1]`` (where it has one).
 
     ``api_key`` (``keys.record_key(secret, rec)``) is the key shard 0's API server demands: it goes
     into that shard's environment in the engine's own variable (its 0600 environment file on
@@ -75,6 +76,7 @@ def shard_starts(
     head_node = inv.node(head)
     head_address = head_node.host if head_node is not None else head
     ray_port = rec.extra_ports[0] if rec.extra_ports else RAY_PORT
+    client_port = rec.extra_ports[1] if len(rec.extra_ports) > 1 else None
     out: list[ShardStart] = []
     for rank, s in enumerate(r.shards):
         n = inv.node(s.node)
@@ -97,6 +99,7 @@ def shard_starts(
             node_rank=rank,
             head_address=head_address if len(r.shards) > 1 else None,
             ray_port=ray_port,
+            ray_client_port=client_port,
             cpus=r.cpus,
             extra_args=extra,
             hcas=s.hcas,
