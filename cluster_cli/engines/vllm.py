@@ -47,9 +47,7 @@ RAY_HEAD_PORTS = ("--include-dashboard=false", "--dashboard-port=0")
 # The Ray Client server listens (on 10001 by default) only where ray[client] is installed,
 # and Ray refuses a port for it elsewhere: the head is given the replica's own port for it
 # when the node's Ray says it has the client's dependencies (asked with Ray's own check).
-_CLIENT_CHECK = (
-    "import sys, ray._private.utils as u; sys.exit(0 if u.check_ray_client_dependencies_installed() else 1)"
-)
+_CLIENT_CHECK = "import sys, ray._private.utils as u; sys.exit(0 if u.check_ray_client_dependencies_installed() else 1)"
 
 
 def _python(vllm_binary: str) -> str:
