@@ -502,7 +502,7 @@ def test_a_second_up_reads_no_hardware_again_until_it_has_something_to_place(fle
     bigger = _catalog(fleet["tmp"] / "two-cpus.yaml", fleet["model"], fleet["binary"], replicas=1, cpus=2)
     r = ctl(state, "up", "-i", str(inv), "-c", str(bigger), "-o", "json")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert [x["state"] for x in json_out(r)["replicas"] if x["action"] == "start"] == ["ready"]
+    assert [(x["action"], x["state"]) for x in json_out(r)["replicas"]] == [("replace", "ready")]
     with Store(state) as s:
         assert {f.name: (f.cpus, f.memory_mib) for f in s.nodes()} == real
 

@@ -80,7 +80,8 @@ def test_a_down_during_ups_start_leaves_no_engine_running(testbed_factory, tmp_p
     left without a row."""
     slowbin = tmp_path / "slowbin"
     slowbin.mkdir()
-    (slowbin / slow).write_text(f'#!/bin/sh\nsleep 3\nexec {shutil.which(slow)} "$@"\n')
+    # Long enough for the down (a new process: seconds on a loaded machine) to land within it.
+    (slowbin / slow).write_text(f'#!/bin/sh\nsleep 6\nexec {shutil.which(slow)} "$@"\n')
     (slowbin / slow).chmod(0o755)
     cluster = testbed_factory("gpu-01=hgx-h200x8:fabric=ib-a", path_extra=(str(STANDIN), str(slowbin)))
     cat = _catalog(tmp_path / "catalog.yaml")

@@ -147,6 +147,8 @@ class Cluster:
             todo = changed(before, cat, ready)
             if not todo:
                 return []
+            if expect_version is None:  # replacements are placed: on facts of every kind, read now
+                await self.observe(report=report)
             hs = await roll(self, cat, todo, max_surge=max_surge, drain_s=self.drain_s, timeout_s=timeout_s,
                             report=report)  # fmt: skip
             return [o for h in hs for o in _replaced(h)]
