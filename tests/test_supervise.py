@@ -306,3 +306,33 @@ def test_a_supervisor_whose_lease_was_taken_writes_nothing_more(tmp_path: Path) 
             await rig.sup.run(stop)  # the loop ends on it, it does not tick on
 
     run(tmp_path, body)
+
+
+def test_a_drain_asked_of_the_supervisor_is_done_by_it_and_answered(tmp_path: Path) -> None:
+    async def body(rig: Rig) -> None:
+        rec = (await rig.live())["m/0"]
+        node = rec.shards[0].node
+        await rig.store.request_drain(node, reason="fan", deadline_s=0.1, force=False)
+        assert [r.node for r in await rig.store.drain_requests()] == [node]
+        await rig.step()
+        answer = await rig.store.drain_result(node)
+        assert answer is not None and answer["complete"], answer
+        (h,) = answer["replicas"]
+        assert h["name"] == "m/0" and h["make_before_break"] and h["to"] != [node]
+        assert await rig.store.drain_requests() == [] and await rig.store.drain_result(node) is None  # read once
+        assert (await rig.live())["m/0"].shards[0].node != node
+        assert node in await rig.store.cordons()
+        assert any("draining, asked by" in line for line in rig.logs)
+
+    run(tmp_path, body)
+
+
+def test_a_drain_request_can_be_withdrawn_before_it_is_taken(tmp_path: Path) -> None:
+    with Store(tmp_path / "s.db", actor="drain") as s:
+        s.request_drain("n1", reason="x", deadline_s=5, force=True)
+        s.request_drain("n2", reason="y", deadline_s=5, force=False)
+        assert [(r.node, r.force, r.by) for r in s.drain_requests()] == [("n1", True, "drain"), ("n2", False, "drain")]
+        assert s.withdraw_drain("n1") and not s.withdraw_drain("n1")
+        s.finish_drain("n2", {"complete": True, "replicas": []})
+        assert s.drain_requests() == [] and s.drain_result("n2") == {"complete": True, "replicas": []}
+        assert [e.message for e in s.events() if e.kind == "note"][-1].startswith("drain of n2 done")

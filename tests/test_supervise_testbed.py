@@ -179,7 +179,8 @@ def test_drain_under_load_with_supervise_running_fails_no_request(supervised) ->
         assert node in s.cordons()
     time.sleep(2)  # supervise's next passes change nothing of it
     assert {k: r.shards for k, r in _records(state).items()} == {k: r.shards for k, r in live.items()}
-    assert "duplicate" not in (tmp / "supervise.err").read_text()
+    log = (tmp / "supervise.err").read_text()
+    assert "duplicate" not in log and f"node {node}: draining, asked by drain" in log, log  # it asked supervise
 
 
 def test_a_rolling_up_of_a_changed_profile_under_load_fails_no_request(supervised) -> None:
@@ -253,3 +254,29 @@ def _published(state: Path) -> dict[str, Any]:
     import yaml
 
     return yaml.safe_load((state.parent / "router.yaml").read_text())["models"]
+
+
+def test_a_partitioned_node_is_rebuilt_elsewhere_and_fenced_when_healed(supervised) -> None:
+    state, cluster, tmp = supervised["state"], supervised["cluster"], supervised["tmp"]
+    if cluster.mode != "netns":
+        pytest.skip("partitions need the testbed's network namespaces")
+    victim = _records(state)["tiny/0"]
+    node = victim.shards[0].node
+    with Load(supervised["port"]) as load:
+        _wait(lambda: len(load.done) >= 20, timeout=60)
+        before = len(load.done)
+        cluster.partition(node)
+        try:
+            _wait(lambda: (r := _records(state).get("tiny/0")) is not None and r.status == "ready"
+                  and r.shards[0].node != node, timeout=60)  # fmt: skip
+            _wait(lambda: len(load.done) >= before + 100, timeout=120)
+        finally:
+            cluster.heal(node)
+    assert len(load.failed) <= 4 and all(took < 15 for _, took, _ in load.failed), load.failed
+    # Its engine ran on, unseen, while it was cut off: healed, it is stopped before the node is trusted.
+    _wait(lambda: f"node {node}: fencing -> ready" in (tmp / "supervise.err").read_text(), timeout=40)
+    assert victim.shards[0].pid not in _pids(cluster, node)
+    with Store(state, readonly=True) as s:
+        assert s.fences() == []
+    urls = [e["url"] for m in _published(state).values() for e in m["endpoints"]]
+    assert victim.endpoint not in urls

@@ -67,13 +67,11 @@ def drain(
             ui.info(f"{name}: {phase}{' ' + detail if detail else ''}")
 
     async def go() -> Any:
-        from cluster_cli.control.handover import drain as run_drain
-        from cluster_cli.control.supervise import stored_catalog
+        from cluster_cli.control.handover import drain_or_ask
 
         async with _cluster(state.state_path, inv, inventory, store, router_config, runs=runs) as c:
-            cat = await stored_catalog(c.store)
-            return await run_drain(c, node, cat, reason=reason, drain_s=0.0 if force else deadline,
-                                   timeout_s=timeout, report=report)  # fmt: skip
+            return await drain_or_ask(c, node, reason=reason, drain_s=deadline, force=force, timeout_s=timeout,
+                                      report=report)  # fmt: skip
 
     try:
         with runs:
@@ -82,14 +80,17 @@ def drain(
         ui.fail(e)
     finally:
         store.close()
+    ok = bool(result.get("complete"))
     if output is ui.Output.table:
-        rows = [[escape(h.name), escape(",".join(h.old_nodes)), escape(",".join(h.new.nodes) if h.new else "-"),
-                 "[green]replaced[/]" if h.ok else "[red]failed[/]", escape(h.to_dict()["reason"] or "")]
-                for h in result.replaced]  # fmt: skip
+        rows = [[escape(h["name"]), escape(",".join(h["from"])), escape(",".join(h["to"]) or "-"),
+                 "[green]replaced[/]" if h["state"] == "replaced" else "[red]failed[/]", escape(h["reason"] or "")]
+                for h in result["replicas"]]  # fmt: skip
         if rows:
             ui.print_table([("REPLICA", None), ("FROM", None), ("TO", None), ("STATE", None), ("REASON", None)], rows)
-        ui.info(f"{node}: cordoned ({reason}); {len(rows)} replica(s) moved off it" if result.ok
+        if result.get("error"):
+            ui.warn(f"{node}: {result['error']}")
+        ui.info(f"{node}: cordoned ({reason}); {len(rows)} replica(s) moved off it" if ok
                 else f"{node}: cordoned; not every replica could be moved")  # fmt: skip
     else:
-        ui.emit_data(result.to_dict(), output)
-    raise typer.Exit(ExitCode.OK if result.ok else ExitCode.UNPLACED)
+        ui.emit_data(result, output)
+    raise typer.Exit(ExitCode.OK if ok else ExitCode.UNPLACED)

@@ -14,6 +14,7 @@ pass (``supervise``) plans without it, so that neither generation is stopped as 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -263,3 +264,40 @@ async def drain(
         report(rec.name, "replacing", f"off {node}")
         out.replaced.append(await replace_replica(c, cat, rec, drain_s=drain_s, timeout_s=timeout_s, report=report))
     return out
+
+
+async def drain_or_ask(
+    c: Cluster,
+    node: str,
+    *,
+    reason: str,
+    drain_s: float,
+    force: bool,
+    timeout_s: float = 600.0,
+    report: Report = quiet,
+    poll_s: float = 0.5,
+) -> dict[str, Any]:
+    """``drain`` where no supervisor runs; where one does, ask it (it sequences the drain with
+    its own passes) and wait for its answer. Should it stop before it took the request, the
+    request is taken back and the drain done here. The answer as ``Drained.to_dict`` gives it."""
+    from cluster_cli.control.supervise import LEASE, stored_catalog
+
+    def supervised(lease: Any) -> bool:
+        return lease is not None and lease.expires_at > time.time()
+
+    if supervised(await c.store.lease_of(LEASE)):
+        await c.store.cordon(node, reason, inventory=c.inventory_path)  # nothing new goes there meanwhile
+        await c.store.request_drain(node, reason=reason, deadline_s=drain_s, force=force)
+        report(node, "asked", "the running supervisor drains it")
+        while True:
+            answer = await c.store.drain_result(node)
+            if answer is not None:
+                return answer
+            if not supervised(await c.store.lease_of(LEASE)) and await c.store.withdraw_drain(node):
+                report(node, "draining", "the supervisor stopped before it took the drain: draining here")
+                break
+            await asyncio.sleep(poll_s)
+    cat = await stored_catalog(c.store)
+    res = await drain(c, node, cat, reason=reason, drain_s=0.0 if force else drain_s, timeout_s=timeout_s,
+                      report=report)  # fmt: skip
+    return res.to_dict()

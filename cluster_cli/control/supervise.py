@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from cluster_cli.state.aio import AsyncStore
     from cluster_cli.state.leases import Lease
     from cluster_cli.state.records import ReplicaRecord
+    from cluster_cli.state.requests import DrainRequest
     from cluster_cli.state.store import Store
 
 LEASE = "supervise"
@@ -206,9 +207,29 @@ class Supervisor:
         due = changed or self._due(records, beats) or await self._health(records)
         if changed:
             await publish(store, self.cluster.router_config, confirm_s=1.0)
-        if due and start_pass and self.brake is None and (self._pass is None or self._pass.done()):
-            self._pass = asyncio.ensure_future(self.reconcile())
+        if start_pass and self.brake is None and (self._pass is None or self._pass.done()):
+            asked = await store.drain_requests()
+            if asked:  # an operator's drain first: it is a pass of its own
+                self._pass = asyncio.ensure_future(self._drain(asked[0]))
+            elif due:
+                self._pass = asyncio.ensure_future(self.reconcile())
         return due
+
+    async def _drain(self, req: DrainRequest) -> None:
+        """Do the drain an operator asked for (``clusterctl drain`` while this one runs), and
+        answer it."""
+        from cluster_cli.control.handover import drain
+
+        self.log(f"node {req.node}: draining, asked by {req.by} ({req.reason})")
+        try:
+            cat = self.catalog or await stored_catalog(self.cluster.store)
+            res = await drain(self.cluster, req.node, cat, reason=req.reason,
+                              drain_s=0.0 if req.force else req.deadline_s, timeout_s=self.settings.start_timeout_s)  # fmt: skip
+            answer = res.to_dict()
+        except ClusterctlError as e:
+            answer = {"node": req.node, "cordoned": False, "complete": False, "replicas": [], "error": str(e)}
+        await self.cluster.store.finish_drain(req.node, answer)
+        self.log(f"node {req.node}: drained" + ("" if answer["complete"] else ": not every replica could be moved"))
 
     async def _health(self, records: list[ReplicaRecord]) -> bool:
         """Ask every ready replica on a ready node its health check; whether one failed it

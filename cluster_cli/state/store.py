@@ -38,6 +38,7 @@ from cluster_cli.state.fences import FenceTable
 from cluster_cli.state.launches import LaunchTable
 from cluster_cli.state.leases import Lease, Leases
 from cluster_cli.state.records import DOWN
+from cluster_cli.state.requests import Requests
 from cluster_cli.state.schema import NODE_STATES, SCHEMA_VERSION
 from cluster_cli.state.sqlite import SqliteBackend
 
@@ -79,7 +80,7 @@ class NodeStatus:
         }
 
 
-class Store(LaunchTable, FenceTable, EventLog, Leases, Desired):
+class Store(LaunchTable, FenceTable, EventLog, Leases, Desired, Requests):
     """A handle on the state. Cheap to open; use as a context manager. ``actor`` names who
     writes (``up``, ``cordon``, ``supervise``...) in the events it records."""
 
