@@ -222,7 +222,7 @@ def test_one_node_of_three_lost_is_no_storm(tmp_path: Path, share: float) -> Non
 def test_the_catalog_up_stores_reads_back_for_supervise(tmp_path: Path) -> None:
     """A catalog that declares no engines is stored as given: ``supervise`` without -c reads
     it back (a dump with ``engines: {}`` made explicit would be refused)."""
-    from cluster_cli.control.supervise import stored_catalog
+    from cluster_cli.control.statefile import stored_catalog
 
     cat = _cat(3)
     with Store(tmp_path / "s.db") as s:
@@ -256,7 +256,7 @@ def test_an_engine_that_runs_but_stops_answering_is_restarted(tmp_path: Path) ->
 
 
 def test_a_second_supervisor_refuses_naming_the_first_or_waits_with_standby(tmp_path: Path) -> None:
-    from cluster_cli.control.supervise import SupervisorRunning, hold_lease
+    from cluster_cli.control.lease import SupervisorRunning, hold_lease
 
     settings = Settings(interval_s=0.05)
     with Store(tmp_path / "s.db", actor="a") as first, Store(tmp_path / "s.db", actor="b") as second:

@@ -100,7 +100,8 @@ async def _supervise(
 ) -> bool:  # fmt: skip
     """Hold the lease, then run the loop (or one pass) until SIGTERM/SIGINT."""
     from cluster_cli.control.cluster import Cluster
-    from cluster_cli.control.supervise import Supervisor, hold_lease
+    from cluster_cli.control.lease import hold_lease
+    from cluster_cli.control.supervise import Supervisor
     from cluster_cli.launch.routerconf import default_path
 
     stop = asyncio.Event()

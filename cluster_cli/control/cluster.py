@@ -137,7 +137,7 @@ class Cluster:
         (``control/handover.py``); with ``expect_version``, after the checked plan is applied."""
         from cluster_cli.control.checks import HealthChecks, expects_new
         from cluster_cli.control.handover import changed, roll
-        from cluster_cli.control.supervise import stored_catalog
+        from cluster_cli.control.statefile import stored_catalog
         from cluster_cli.control.up import up
 
         before = await stored_catalog(self.store) if await self.store.catalog() is not None else None

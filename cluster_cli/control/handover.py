@@ -280,7 +280,8 @@ async def drain_or_ask(
     """``drain`` where no supervisor runs; where one does, ask it (it sequences the drain with
     its own passes) and wait for its answer. Should it stop before it took the request, the
     request is taken back and the drain done here. The answer as ``Drained.to_dict`` gives it."""
-    from cluster_cli.control.supervise import LEASE, stored_catalog
+    from cluster_cli.control.lease import LEASE
+    from cluster_cli.control.statefile import stored_catalog
 
     def supervised(lease: Any) -> bool:
         return lease is not None and lease.expires_at > time.time()

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cluster_cli.state.store import Store
+
+if TYPE_CHECKING:
+    from cluster_cli.config.catalog import Catalog
+    from cluster_cli.state.aio import AsyncStore
 
 
 def open_state(path: Path, *, actor: str, create: bool = True) -> Store:
@@ -20,3 +25,22 @@ def recorded_inventory(state_path: Path) -> Path | None:
         return None
     with Store(state_path, readonly=True) as store:
         return store.inventory()
+
+
+async def stored_catalog(store: AsyncStore) -> Catalog:
+    """The catalog the last ``up`` applied, as the state keeps it. Raises ConfigError when
+    there is none (no ``up`` yet)."""
+    from cluster_cli.config.catalog import Catalog
+    from cluster_cli.errors import ConfigError
+
+    stored = await store.catalog()
+    if stored is None:
+        raise ConfigError(f"{store.store.path}: no catalog applied yet: run 'clusterctl up -c CATALOG' first")
+    try:
+        return Catalog.model_validate(stored.doc)
+    except ValueError as e:
+        first = str(e).splitlines()[1:2] or [str(e)]
+        raise ConfigError(
+            f"{store.store.path}: the catalog the last up stored does not read back ({first[0].strip()}): "
+            "run 'clusterctl up -c CATALOG' again, or give -c"
+        ) from None

@@ -35,7 +35,7 @@ class StatusView:
 
 async def around(astore: AsyncStore, rows: list[Row]) -> StatusView:
     """``rows`` with the fences, the nodes' liveness and the supervisor, read now."""
-    from cluster_cli.control.supervise import LEASE
+    from cluster_cli.control.lease import LEASE
 
     lease = await astore.lease_of(LEASE)
     live = lease if lease is not None and lease.expires_at > time.time() else None

@@ -22,14 +22,14 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.control import discovery, stops, supervision
 from cluster_cli.control.heartbeat import beat
 from cluster_cli.control.publish import publish
+from cluster_cli.control.statefile import stored_catalog
 from cluster_cli.control.supervision import FENCING, LOST, READY, UNREACHABLE, NodeState, Restarts
 from cluster_cli.errors import ClusterctlError, SSHError
 from cluster_cli.launch.node import Beat
@@ -42,63 +42,10 @@ if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog
     from cluster_cli.control.cluster import Cluster
     from cluster_cli.control.up import UpResult
-    from cluster_cli.state.aio import AsyncStore
-    from cluster_cli.state.leases import Lease
     from cluster_cli.state.records import ReplicaRecord
     from cluster_cli.state.requests import DrainRequest
-    from cluster_cli.state.store import Store
 
-LEASE = "supervise"
 HEALTH_FAILS = 2  # a ready replica's health check failed this many ticks in a row: checked by a pass
-
-
-class SupervisorRunning(ClusterctlError):
-    """Another supervisor holds this state's lease."""
-
-
-@asynccontextmanager
-async def hold_lease(
-    store: Store, settings: Settings, *, standby: bool, stop: asyncio.Event, log: Callable[[str], None]
-) -> AsyncIterator[Lease | None]:
-    """This process's supervise lease on ``store`` for the block, every write of ``store``
-    then carrying its epoch; given up at the end. Raises SupervisorRunning naming the holder,
-    unless ``standby``: then waits until it is free (None when ``stop`` is set first)."""
-    import os
-    import socket
-    import uuid
-
-    from cluster_cli.state.leases import LeaseHeld
-
-    holder = f"supervise-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    said = False
-    while True:
-        try:
-            lease = store.acquire_lease(LEASE, holder, settings.lease_ttl_s)
-            break
-        except LeaseHeld:
-            cur = store.lease_of(LEASE)
-            who = (f"{cur.holder} (pid {cur.pid} on {cur.host}, since "
-                   f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(cur.acquired_at))})") if cur else "another"  # fmt: skip
-            if not standby:
-                raise SupervisorRunning(
-                    f"{store.path}: a supervisor already runs on this state: {who}; stop it, or wait with --standby"
-                ) from None
-            if not said:
-                log(f"standby: {who} holds the lease; taking over when it expires")
-                said = True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), settings.interval_s)
-            if stop.is_set():
-                yield None
-                return
-    log(f"lease taken (epoch {lease.epoch})")
-    store.lease = lease
-    try:
-        yield lease
-    finally:
-        store.lease = None
-        with contextlib.suppress(ClusterctlError):
-            store.release_lease(lease)
 
 
 @dataclass
@@ -127,25 +74,6 @@ class Settings:
 
 
 Log = Callable[[str], None]
-
-
-async def stored_catalog(store: AsyncStore) -> Catalog:
-    """The catalog the last ``up`` applied, as the state keeps it. Raises ConfigError when
-    there is none (no ``up`` yet)."""
-    from cluster_cli.config.catalog import Catalog
-    from cluster_cli.errors import ConfigError
-
-    stored = await store.catalog()
-    if stored is None:
-        raise ConfigError(f"{store.store.path}: no catalog applied yet: run 'clusterctl up -c CATALOG' first")
-    try:
-        return Catalog.model_validate(stored.doc)
-    except ValueError as e:
-        first = str(e).splitlines()[1:2] or [str(e)]
-        raise ConfigError(
-            f"{store.store.path}: the catalog the last up stored does not read back ({first[0].strip()}): "
-            "run 'clusterctl up -c CATALOG' again, or give -c"
-        ) from None
 
 
 @dataclass
