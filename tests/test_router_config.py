@@ -22,7 +22,7 @@ from cluster_cli.errors import ConfigError
 from cluster_cli.router.breaker import State
 from cluster_cli.router.config import RouterConfig, endpoint_views, load_router_config, with_overrides
 from cluster_cli.router.registry import build_table
-from cluster_cli.router.scrape import parse_metrics, resolve
+from cluster_cli.engines.metrics import parse_metrics, resolve
 
 ISSUE_EXAMPLE = """\
 engines:

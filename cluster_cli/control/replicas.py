@@ -201,7 +201,7 @@ async def status(
 
 
 async def _load(node: Node, rec: ReplicaRecord, key: str | None = None) -> dict[str, float | None]:
-    from cluster_cli.router.scrape import mapped_names, parse_metrics, resolve
+    from cluster_cli.engines.metrics import mapped_names, parse_metrics, resolve
 
     engine = get_engine(rec.replica.engine)
     if engine is None or rec.port is None:

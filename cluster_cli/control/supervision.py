@@ -70,9 +70,8 @@ def observe(
     """Update ``nodes`` (in place) with one round of heartbeats (node -> (answered, boot id,
     why not)) and return the changes. An answering node that was away goes to ``fencing``
     (the caller fences it, then calls :func:`fenced`); a node unreachable for ``grace_s``
-    goes to ``lost`` unless ``braked`` (the supervisor's own network is in doubt). A node
-    that is ready and reports a new boot id is ``rebooted`` (it stays ready: what ran there
-    is found dead by its checks)."""
+    goes to ``lost`` unless ``braked`` (the supervisor's own network is in doubt). A ready
+    node that reports a new boot id (it rebooted between two heartbeats) is fenced too."""
     out: list[Change] = []
     for name, (answered, boot, why) in beats.items():
         ns = nodes.setdefault(name, NodeState(since=now, boot_id=boot))
@@ -87,8 +86,8 @@ def observe(
                 out.append(_move(ns, name, FENCING, now, "answers again", rebooted=rebooted))
             elif ns.state == FENCING:
                 pass  # the caller is fencing it
-            elif rebooted:
-                out.append(Change(name, ns.state, ns.state, "rebooted", rebooted=True))
+            elif rebooted:  # nothing it ran runs now; what it starts at boot is not trusted yet
+                out.append(_move(ns, name, FENCING, now, "rebooted (a new boot id)", rebooted=True))
             if ns.answering_since is None:
                 ns.answering_since = now
             continue
