@@ -241,7 +241,9 @@ class Supervisor:
             if not any(s.node == node for s in rec.replica.shards):
                 continue
             elsewhere = replace(rec, shards=tuple(r for r in rec.shards if r.node != node))
-            stopped = await stops.stop_shards(elsewhere, self.cluster.on) if elsewhere.shards else stops.StopResult()
+            away = {n for n, ns in self.nodes.items() if ns.state != READY}
+            reach = _Only(self.cluster.on, away, self.nodes)
+            stopped = await stops.stop_shards(elsewhere, reach) if elsewhere.shards else stops.StopResult()
             stopped.left += [(run, f"its node {node} is lost") for run in rec.shards if run.node == node]
             why = f"its node {node} is lost: released, to be rebuilt elsewhere"
             await stops.release(store, rec, stopped, why=why)
@@ -315,7 +317,7 @@ class Supervisor:
                 self.log(line)
 
         try:
-            res = await up(self.cluster.inv, cat, store, self.cluster.on, fleet,
+            res = await up(self.cluster.inv, cat, store, _Only(self.cluster.on, away, self.nodes), fleet,
                            router_config=self.cluster.router_config, timeout_s=self.settings.start_timeout_s,
                            report=report, observed=self._observed, runs=self.cluster.runs, hold=self._hold,
                            hold_new=self._hold_new, max_new=self.settings.max_rebuilds, keep_down=True,
@@ -401,6 +403,22 @@ class Supervisor:
         await self.tick(start_pass=False)
         res = await self.reconcile()
         return res is not None and res.complete and all(ns.state == READY for ns in self.nodes.values())
+
+
+class _Only:
+    """The nodes as a pass may reach them: one the heartbeats find away fails at once (a
+    frozen node would hold the pass for a connect timeout on every call)."""
+
+    def __init__(self, nodes: Any, away: set[str], states: dict[str, NodeState]) -> None:
+        self.nodes, self.away, self.states = nodes, away, states
+
+    async def get(self, node: str) -> Any:
+        if node in self.away:
+            raise SSHError(f"{node}: {self.states[node].state} (its heartbeats say so)")
+        return await self.nodes.get(node)
+
+    def prefetch(self, nodes: Any) -> None:
+        self.nodes.prefetch([n for n in nodes if n not in self.away])
 
 
 def _observed(beats: dict[str, Beat | str]) -> Observed:
