@@ -336,3 +336,25 @@ def test_a_drain_request_can_be_withdrawn_before_it_is_taken(tmp_path: Path) -> 
         s.finish_drain("n2", {"complete": True, "replicas": []})
         assert s.drain_requests() == [] and s.drain_result("n2") == {"complete": True, "replicas": []}
         assert [e.message for e in s.events() if e.kind == "note"][-1].startswith("drain of n2 done")
+
+
+def test_a_frozen_node_holds_up_neither_the_ticks_nor_the_rebuild(tmp_path: Path) -> None:
+    """Every call to a frozen node hangs: its heartbeat times out (unreachable), and once it is
+    lost the pass that rebuilds its replica never waits on it (a call to it would hang the
+    step below for good)."""
+
+    async def body(rig: Rig) -> None:
+        rec = (await rig.live())["m/0"]
+        node = rig.fleet[rec.shards[0].node]
+        node.freeze()
+        await rig.step()
+        assert rig.sup.nodes[node.name].state == "unreachable" and rig.published() == ["m/1"]
+        await rig.step(31)
+        new = (await rig.live())["m/0"]
+        assert rig.sup.nodes[node.name].state == "lost" and new.shards[0].node != node.name
+        assert rig.published() == ["m/0", "m/1"]  # the pass ended while the node is still frozen
+        node.thaw()
+        await rig.step()
+        assert rec.shards[0].token not in node.engines  # fenced: the old engine stopped
+
+    run(tmp_path, body)

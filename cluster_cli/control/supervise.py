@@ -59,8 +59,9 @@ class Settings:
 
     @property
     def beat_timeout_s(self) -> float:
-        """A node that does not answer its heartbeat within this missed it."""
-        return max(1.0, min(2 * self.interval_s, self.grace_s / 3))
+        """A node that does not answer its heartbeat within this missed it (within a tick:
+        a frozen node must not slow the ticks of the others)."""
+        return max(1.0, min(self.interval_s, self.grace_s / 3))
 
     @property
     def reconnect_s(self) -> float:
