@@ -18,11 +18,11 @@ from typer.testing import CliRunner
 
 from cluster_cli.cli.main import app
 from cluster_cli.engines.base import VLLM_KV_CACHE, VLLM_KV_CACHE_LEGACY, VLLM_RUNNING, VLLM_WAITING
+from cluster_cli.engines.metrics import parse_metrics, resolve
 from cluster_cli.errors import ConfigError
 from cluster_cli.router.breaker import State
 from cluster_cli.router.config import RouterConfig, endpoint_views, load_router_config, with_overrides
 from cluster_cli.router.registry import build_table
-from cluster_cli.engines.metrics import parse_metrics, resolve
 
 ISSUE_EXAMPLE = """\
 engines:

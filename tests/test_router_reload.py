@@ -457,7 +457,7 @@ def test_draining_closes_the_endpoints_kept_connections_and_unused_ones_expire(t
     connections (to the old process, which may still hold them open) are closed when it is
     drained, not reused after. Elsewhere a kept connection unused for longer than engines
     keep theirs is closed too, instead of being reused just as the engine closes it."""
-    import cluster_cli.router.app as app_mod
+    import cluster_cli.router.lifecycle as app_mod
 
     f = Fleet(2, capacity=4, token_delay_s=0.001, tokens=2)
     path = tmp_path / "router.yaml"

@@ -20,11 +20,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cluster_cli.engines import MetricMapping
+from cluster_cli.engines.metrics import parse_metrics, resolve
 from cluster_cli.router import health, scrape
 from cluster_cli.router.breaker import BreakerConfig
 from cluster_cli.router.config import EndpointView
 from cluster_cli.router.http import fetch
-from cluster_cli.engines.metrics import parse_metrics, resolve
 from cluster_cli.router.worker import Worker
 
 VM = MetricMapping.vllm()

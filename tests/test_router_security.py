@@ -335,7 +335,7 @@ def test_a_malformed_engine_response_is_a_502_never_relayed(answer: bytes) -> No
 
 
 def test_client_connections_are_capped_to_what_the_open_files_limit_allows(caplog, monkeypatch) -> None:
-    import cluster_cli.router.app as app_mod
+    import cluster_cli.router.lifecycle as app_mod
     from cluster_cli.router.app import Router
     from cluster_cli.router.config import RouterConfig
 

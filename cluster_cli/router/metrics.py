@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -22,7 +22,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from cluster_cli.router.app import Router
+    from cluster_cli.router.registry import Table
+    from cluster_cli.router.retry import RetryBudget
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Bounds as prometheus-client's own histograms write them ("1.0", not "1"): Prometheus joins
@@ -30,8 +31,22 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 _BOUNDS = (*map(floatToGoString, LATENCY_BUCKETS), "+Inf")
 
 
+class Observed(Protocol):
+    """What the metrics read of the router they describe (``lifecycle.Lifecycle`` is one)."""
+
+    budget: RetryBudget
+    reloads_ok: int
+    reloads_rejected: int
+    keys_reloads_ok: int
+    keys_reloads_rejected: int
+    clock: Callable[[], float]
+
+    @property
+    def table(self) -> Table: ...
+
+
 class _StateCollector(Collector):
-    def __init__(self, router: Callable[[], Router]) -> None:
+    def __init__(self, router: Callable[[], Observed]) -> None:
         self._router = router
 
     def collect(self) -> Iterator[object]:
@@ -176,7 +191,7 @@ class _RequestCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, router: Callable[[], Router]) -> None:
+    def __init__(self, router: Callable[[], Observed]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         reg = self.registry
         self._req = _RequestCollector()

@@ -55,6 +55,7 @@ class Exchange:
         "out",
         "pending",
         "probe",
+        "relayed",
         "sent",
         "sse",
         "stalled",
@@ -85,6 +86,7 @@ class Exchange:
         self.first_at = 0.0
         self.stalled = False  # the router dropped the client for reading nothing
         self.done_seen = False  # the stream's final ``data: [DONE]`` event was relayed
+        self.relayed = 0  # bytes of the engine's answer written to the client (head and framing included)
 
     def _resolve(self, code: int) -> None:
         if not self.fut.done():
@@ -174,7 +176,9 @@ class Exchange:
         if not out:
             return
         client = self.client
-        client.write(out[0] if len(out) == 1 else b"".join(out))
+        data = out[0] if len(out) == 1 else b"".join(out)
+        self.relayed += len(data)
+        client.write(data)
         out.clear()
         if client.paused and not self.fut.done():
             self.conn.pause()

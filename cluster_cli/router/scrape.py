@@ -1,9 +1,9 @@
 """Background metric scrapes: each engine's ``/metrics`` read through its metric mapping.
 
 How the text becomes readings (sums, maxima, what is unknown) is ``engines/metrics.py``'s,
-shared with ``clusterctl status``. A failed scrape makes the
-engine's load unknown at once (``Worker.on_scrape_error``), and a stale scrape is ignored:
-the balancer then uses in-flight counts only. A scrape that answers 200 without any of the mapped metrics (an HTML
+shared with ``clusterctl status``. A failed scrape makes the engine's load unknown at once
+(``Worker.on_scrape_error``), and a stale scrape is ignored: the balancer then uses
+in-flight counts only. A scrape that answers 200 without any of the mapped metrics (an HTML
 page, a typo in a mapped name) is a failed scrape, not a reading of "nothing known".
 
 Every endpoint is scraped on its own schedule (``poll_each``): one whose ``/metrics`` is
