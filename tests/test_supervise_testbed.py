@@ -280,3 +280,18 @@ def test_a_partitioned_node_is_rebuilt_elsewhere_and_fenced_when_healed(supervis
         assert s.fences() == []
     urls = [e["url"] for m in _published(state).values() for e in m["endpoints"]]
     assert victim.endpoint not in urls
+
+
+def test_once_exits_0_when_converged_and_3_when_not(fleet) -> None:  # noqa: F811 - the imported fixture
+    state, inv, tmp, cluster = fleet["state"], fleet["inventory"], fleet["tmp"], fleet["cluster"]
+    cat = _catalog(tmp / "one.yaml", fleet["model"], fleet["binary"], replicas=1)
+    assert ctl(state, "up", "-i", str(inv), "-c", str(cat), "-o", "json").returncode == 0
+    r = ctl(state, "supervise", "-i", str(inv), "--once")
+    assert r.returncode == 0, r.stderr
+    node = _records(state)["tiny/0"].shards[0].node
+    cluster.kill(node)
+    r = ctl(state, "supervise", "-i", str(inv), "--once")
+    assert r.returncode == 3 and f"node {node}: ready -> unreachable" in r.stderr, r.stderr
+    st = json_out(ctl(state, "status", "--no-check", "-o", "json"))
+    assert [(n["node"], n["status"]) for n in st["nodes"] if n["status"] != "ready"] == [(node, "unreachable")]
+    cluster.revive(node)
