@@ -167,8 +167,9 @@ def test_a_real_router_confirms_what_was_published_and_clears_its_file_when_it_s
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    # It would look at the file again only in a minute: the publisher's SIGHUP has it reload now.
     proc = subprocess.Popen([sys.executable, "-m", "cluster_cli", "serve-router", "-c", str(rc), "--port", str(port),
-                             "--watch-interval", "0.2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                             "--watch-interval", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + 30
         while not serving.running(rc):
@@ -194,3 +195,22 @@ def test_a_real_router_confirms_what_was_published_and_clears_its_file_when_it_s
         proc.terminate()
         proc.wait(30)
     assert serving.running(rc) == [] and not list(serving.folder(rc).glob("*.json"))
+
+
+def test_the_publisher_signals_no_process_that_is_not_a_router(tmp_path: Path) -> None:
+    """A serving file whose PID is not a serve-router (this test's own process: a dead
+    router's PID reused) gets no SIGHUP, which would end it."""
+    from cluster_cli.router import serving
+
+    rc = tmp_path / "router.yaml"
+    serving.write(rc, url="u", config_sha256="c", loaded_at=1.0, draining={})
+    with Store(tmp_path / "s.db") as s:
+        _ready(s, 0)
+
+        async def go() -> Any:
+            async with AsyncStore(s) as astore:
+                return await publish(astore, rc, confirm_s=0.2)
+
+        got = asyncio.run(go())  # still here: not signalled
+    assert (got.routers, got.confirmed) == (1, 0)
+    serving.remove(rc)

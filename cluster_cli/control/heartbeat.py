@@ -21,6 +21,15 @@ if TYPE_CHECKING:
     from cluster_cli.state.records import ShardRun
 
 
+NO_ANSWER = "no answer within"  # how a heartbeat that timed out is told from a refused connection
+
+
+def timed_out(why: str) -> bool:
+    """Whether ``beat``'s line for a node says it did not answer in time (it may be slow, not
+    gone), rather than that its connection failed."""
+    return NO_ANSWER in why
+
+
 async def beat(
     nodes: Nodes,
     shards: Mapping[str, Sequence[ShardRun]],
@@ -40,7 +49,7 @@ async def beat(
             async with asyncio.timeout(timeout_s):
                 return await (await nodes.get(node)).heartbeat(runs, run_dir, timeout=timeout_s)
         except TimeoutError:
-            return f"{node}: no answer within {timeout_s:g} s"
+            return f"{node}: {NO_ANSWER} {timeout_s:g} s"
         except (ClusterctlError, OSError, asyncio.IncompleteReadError) as e:
             why = str(e) or type(e).__name__
             return why if why.startswith(f"{node}:") else f"{node}: {why}"

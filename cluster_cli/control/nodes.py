@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from cluster_cli.errors import SSHError
 from cluster_cli.launch import node as nodeops
 
 if TYPE_CHECKING:
@@ -60,6 +61,23 @@ class Nodes(Protocol):
     def prefetch(self, nodes: Iterable[str]) -> None: ...
 
 
+def _ssh_errors(fn: Any) -> Any:
+    """An asyncssh error (a connection lost under a call) raised as SSHError naming the node:
+    what the control plane treats as "its node did not answer"."""
+    import functools
+
+    @functools.wraps(fn)
+    async def call(self: SSHNode, *args: Any, **kwargs: Any) -> Any:
+        from cluster_cli.ssh.connect import asyncssh
+
+        try:
+            return await fn(self, *args, **kwargs)
+        except asyncssh.Error as e:
+            raise SSHError(f"{self.name}: {e.reason if hasattr(e, 'reason') else e}") from None
+
+    return call
+
+
 class SSHNode:
     """A node over its SSH session: each operation is one launch script (``launch.node``)."""
 
@@ -68,34 +86,43 @@ class SSHNode:
         self.session = session
         self.address: str | None = getattr(session, "host", None)
 
+    @_ssh_errors
     async def start(self, s: ShardStart) -> ShardRun:
         return await nodeops.start(self.session, s)
 
+    @_ssh_errors
     async def stop(
         self, run: ShardRun, *, grace_s: float = 10.0, port: int | None = None, gpu_check: bool = False
     ) -> Stopped:
         return await nodeops.stop(self.session, run, grace_s=grace_s, port=port, gpu_check=gpu_check)
 
+    @_ssh_errors
     async def alive(self, runs: list[ShardRun], *, trim_bytes: int | None = None) -> list[bool]:
         return await nodeops.alive(self.session, runs, trim_bytes=trim_bytes)
 
+    @_ssh_errors
     async def ready(
         self, port: int, served_name: str, *, list_models: bool = True, api_key: str | None = None
     ) -> str | None:
         return await nodeops.ready(self.session, port, served_name, list_models=list_models, api_key=api_key)
 
+    @_ssh_errors
     async def get(self, port: int, path: str, *, api_key: str | None = None) -> tuple[int, bytes]:
         return await nodeops.get(self.session, port, path, api_key=api_key)
 
+    @_ssh_errors
     async def listening(self) -> set[int]:
         return await nodeops.listening(self.session)
 
+    @_ssh_errors
     async def heartbeat(self, runs: list[ShardRun], run_dir: str, *, timeout: float) -> Beat:
         return await nodeops.heartbeat(self.session, runs, run_dir, timeout=timeout)
 
+    @_ssh_errors
     async def fence(self, run_dir: str, keep: Iterable[str], *, grace_s: float = 10.0) -> Fenced:
         return await nodeops.fence(self.session, run_dir, keep, grace_s=grace_s)
 
+    @_ssh_errors
     async def list_runs(self, run_dir: str) -> NodeRuns:
         return await nodeops.list_runs(self.session, run_dir)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.control import discovery, stops, supervision
-from cluster_cli.control.heartbeat import beat
+from cluster_cli.control.heartbeat import beat, timed_out
 from cluster_cli.control.publish import publish
 from cluster_cli.control.statefile import stored_catalog
 from cluster_cli.control.supervision import FENCING, LOST, READY, UNREACHABLE, NodeState, Restarts
@@ -97,6 +97,7 @@ class Supervisor:
     _move: dict[str, set[str]] = field(default_factory=dict)  # replica -> nodes to avoid, being moved
     _said: dict[str, str] = field(default_factory=dict)  # replica -> the last line logged of it
     _failing: dict[str, int] = field(default_factory=dict)  # replica -> health checks failed in a row
+    _stored: tuple[int, Catalog] | None = None  # the stored catalog's version, and it read
 
     # ---- one tick ---------------------------------------------------------------------------
     async def tick(self, *, start_pass: bool = True) -> bool:
@@ -115,8 +116,9 @@ class Supervisor:
         now = self.clock()
         seen = {n: (isinstance(b, Beat), b.boot_id if isinstance(b, Beat) else None, "" if isinstance(b, Beat) else b)
                 for n, b in beats.items()}  # fmt: skip
+        slow = {n for n, b in beats.items() if isinstance(b, str) and timed_out(b)}
         changes = supervision.observe(self.nodes, seen, now, interval_s=s.interval_s, grace_s=s.grace_s,
-                                      braked=self.brake is not None)  # fmt: skip
+                                      braked=self.brake is not None, timed_out=slow)  # fmt: skip
         await self._braking(now)
         self._observed = _observed(beats)
         changed = False
@@ -133,7 +135,7 @@ class Supervisor:
         for name, ns in self.nodes.items():
             if ns.state == FENCING:
                 changed |= await self._fence(name, records, now)
-        due = changed or self._due(records, beats) or await self._health(records)
+        due = changed or self._due(records, beats, await self._catalog()) or await self._health(records)
         if changed:
             await publish(store, self.cluster.router_config, confirm_s=1.0)
         if start_pass and self.brake is None and (self._pass is None or self._pass.done()):
@@ -151,11 +153,11 @@ class Supervisor:
 
         self.log(f"node {req.node}: draining, asked by {req.by} ({req.reason})")
         try:
-            cat = self.catalog or await stored_catalog(self.cluster.store)
+            cat = self.catalog or await stored_catalog(self.cluster.store)  # raises: no catalog
             res = await drain(self.cluster, req.node, cat, reason=req.reason,
                               drain_s=0.0 if req.force else req.deadline_s, timeout_s=self.settings.start_timeout_s)  # fmt: skip
             answer = res.to_dict()
-        except ClusterctlError as e:
+        except Exception as e:  # answered whatever happened: the asker waits for it
             answer = {"node": req.node, "cordoned": False, "complete": False, "replicas": [], "error": str(e)}
         await self.cluster.store.finish_drain(req.node, answer)
         self.log(f"node {req.node}: drained" + ("" if answer["complete"] else ": not every replica could be moved"))
@@ -194,7 +196,23 @@ class Supervisor:
         if lease is not None:
             self.cluster.store.store.lease = await self.cluster.store.renew_lease(lease, self.settings.lease_ttl_s)
 
-    def _due(self, records: list[ReplicaRecord], beats: dict[str, Beat | str]) -> bool:
+    async def _catalog(self) -> Catalog | None:
+        """The catalog to keep applied: the one given, else the one the last ``up`` stored
+        (read again only when the state has a newer one)."""
+        if self.catalog is not None:
+            return self.catalog
+        stored = await self.cluster.store.catalog()
+        if stored is None:
+            return None
+        if self._stored is None or self._stored[0] != stored.version:
+            try:
+                self._stored = (stored.version, await stored_catalog(self.cluster.store))
+            except ClusterctlError as e:
+                self.log(f"the stored catalog: {e}")
+                return None
+        return self._stored[1]
+
+    def _due(self, records: list[ReplicaRecord], beats: dict[str, Beat | str], cat: Catalog | None) -> bool:
         """Whether a pass has work: a replica that is not ready (or whose engine the heartbeat
         found gone), or the catalog asks for one the state does not hold."""
         for rec in records:
@@ -205,9 +223,8 @@ class Supervisor:
                     alive = self._observed.alive(run)
                     if alive is False:
                         return True
-        cat = self.catalog
         if cat is None:
-            return True  # the stored one is read by the pass
+            return False  # nothing to apply yet
         want = {(m.name, i) for m in cat.models for i in range(m.replicas)}
         return want != {(r.replica.model, r.replica.replica) for r in records}
 
@@ -287,11 +304,9 @@ class Supervisor:
         from cluster_cli.control.up import up
 
         store = self.cluster.store
-        cat = self.catalog
+        cat = await self._catalog()
         if cat is None:
-            if await store.catalog() is None:
-                return None
-            cat = await stored_catalog(store)
+            return None
         now = self.clock()
         await self._moves(now)
 
@@ -325,6 +340,9 @@ class Supervisor:
                            drain_s=self.cluster.drain_s)  # fmt: skip
         except ClusterctlError as e:
             self.log(f"pass failed: {e}")
+            return None
+        except Exception as e:  # a bug in one pass must not end a loop meant to run for months
+            self.log(f"pass failed: {type(e).__name__}: {e}")
             return None
         self.passes += 1
         self.last_pass = res

@@ -12,7 +12,7 @@ up to ``grace_s``), and its unreachable time counts from its first miss of the e
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 READY, UNREACHABLE, LOST, FENCING = "ready", "unreachable", "lost", "fencing"
@@ -35,6 +35,8 @@ class NodeState:
     boot_id: str | None = None
     returns: list[float] = field(default_factory=list)  # when it answered again after a miss
     answering_since: float | None = None  # answering without a miss since (to trust it again)
+    last_answer: float | None = None  # its last heartbeat answered
+    slow: int = 0  # heartbeats in a row that timed out while it was ready
     why: str = ""
 
 
@@ -66,16 +68,21 @@ def observe(
     interval_s: float,
     grace_s: float = GRACE_S,
     braked: bool = False,
+    timed_out: Collection[str] = (),
 ) -> list[Change]:
     """Update ``nodes`` (in place) with one round of heartbeats (node -> (answered, boot id,
-    why not)) and return the changes. An answering node that was away goes to ``fencing``
-    (the caller fences it, then calls :func:`fenced`); a node unreachable for ``grace_s``
-    goes to ``lost`` unless ``braked`` (the supervisor's own network is in doubt). A ready
-    node that reports a new boot id (it rebooted between two heartbeats) is fenced too."""
+    why not)) and return the changes. A ready node becomes ``unreachable`` at its first miss
+    when its connection failed, at its second in a row when it only did not answer in time
+    (``timed_out``: it may be loaded, not gone). An answering node that was away goes to
+    ``fencing`` (the caller fences it, then calls :func:`fenced`); a node unreachable for
+    ``grace_s`` since its last answer goes to ``lost`` unless ``braked`` (the supervisor's
+    own network is in doubt). A ready node that reports a new boot id (it rebooted between
+    two heartbeats) is fenced too."""
     out: list[Change] = []
     for name, (answered, boot, why) in beats.items():
         ns = nodes.setdefault(name, NodeState(since=now, boot_id=boot))
         if answered:
+            ns.last_answer, ns.slow = now, 0
             rebooted = bool(boot and ns.boot_id and boot != ns.boot_id)
             if boot:
                 ns.boot_id = boot
@@ -92,8 +99,11 @@ def observe(
                 ns.answering_since = now
             continue
         ns.answering_since = None
+        if ns.state == READY and name in timed_out and ns.slow == 0:
+            ns.slow = 1  # one slow answer is no verdict
+            continue
         if ns.missed_since is None:  # reset only once trusted again: a flapping node's time adds up
-            ns.missed_since = now
+            ns.missed_since = ns.last_answer if ns.last_answer is not None else now
         if ns.state in (READY, FENCING):
             out.append(_move(ns, name, UNREACHABLE, now, why))
         elif ns.state == UNREACHABLE and not braked and now - ns.missed_since >= grace_s:

@@ -89,9 +89,10 @@ def _key_of(keys: Keys | None, rec: ReplicaRecord) -> str | None:
     return keys.get(rec.name)
 
 
-def write(path: Path, doc: dict[str, Any]) -> None:
+def write(path: Path, doc: dict[str, Any]) -> bool:
     """Replace the models and engines of the router config at ``path`` with ``doc``'s, keeping
-    its other sections; atomically, as a 0600 file (it may hold engine keys). Raises ConfigError."""
+    its other sections; atomically, as a 0600 file (it may hold engine keys). Whether the file
+    changed. Raises ConfigError."""
     old: dict[str, Any] = {}
     try:
         text = path.read_text()
@@ -116,7 +117,7 @@ def write(path: Path, doc: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             if os.stat(path).st_mode & 0o077:
                 os.chmod(path, 0o600)
-        return
+        return False
     folder = path.parent if str(path.parent) else Path(".")
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -140,3 +141,4 @@ def write(path: Path, doc: dict[str, Any]) -> None:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+    return True
