@@ -26,7 +26,9 @@ attempt counts, those the router retried elsewhere too). Measured from t0:
 * the node marked unreachable, and (b) marked lost: the ``node-unreachable`` and
   ``node-lost`` events of the state (wall-clock times);
 * (c) the replacement serving: the first byte of the first request answered by the new
-  generation (access log: start + time to first byte), and its first completion; the new
+  generation (access log: start + time to first byte; a client's next request may come a
+  stream's length later), and its first completion; the first poll with its URL in the
+  router's table; the new
   generation's ``starting`` -> ``ready`` events (the engine's start as ``up`` runs it: the
   start script over SSH, the model load, the readiness polls), and a bare ``llama-server``
   start on this machine (spawn to ``/health`` 200, once before the scenarios);
@@ -43,7 +45,9 @@ no more than the streams in flight on the dead engine. ``--defaults`` adds one k
 
 ``idle``: a testbed of ``--nodes`` (64) ``cpu-only`` nodes, ``discover`` into a fresh state,
 then ``clusterctl supervise -c EMPTY --interval 2`` (a catalog of no models: only heartbeats,
-no pass) for ``--minutes`` (10); its process's CPU time (``/proc/PID/stat``: user + system,
+no pass) for ``--minutes`` (10); with ``--stored-catalog``, ``up -c EMPTY`` first and
+``supervise`` without ``-c``, as it runs after an ``up`` (the stored catalog: a pass at every
+tick); its process's CPU time (``/proc/PID/stat``: user + system,
 its children's included) and RSS (``VmRSS``) sampled every ``--sample`` s: CPU as a share of
 one core, RSS first against last and its peak, and the heartbeat's share of the machine
 (every node's sshd and scripts run on these cores too).
@@ -282,6 +286,13 @@ class Poller:
                 return t
         return None
 
+    def first_seen(self, url: str, after: float) -> float | None:
+        """The first poll after ``after`` with ``url`` in the router's table (not removed)."""
+        for t, eps in self.samples:
+            if t > after and url in eps and not eps[url].get("removed"):
+                return t
+        return None
+
     def first_completed(self, url: str) -> float | None:
         for t, eps in self.samples:
             if url in eps and eps[url]["completed"] > 0:
@@ -316,6 +327,7 @@ class Fault:
     starting_s: float | None = None
     ready_s: float | None = None
     engine_start_s: float | None = None  # starting -> ready
+    in_table_s: float | None = None  # the new engine in the router's table (a /health poll)
     first_byte_s: float | None = None  # (c)
     first_done_s: float | None = None
     completed: int = 0  # requests completed from t0 to the end
@@ -487,12 +499,10 @@ class Faults:
 
         f.unreachable_s = first("node-unreachable", node=f.node)
         f.lost_s = first("node-lost", node=f.node)
-        gen = {"model": "tiny", "replica": 0}
         newer = [e for e in evs if e.model == "tiny" and e.replica == 0 and (e.generation or 0) > self.victim_gen]
         for kind in ("reserved", "starting", "ready"):
             got = next((e.at - t0 for e in newer if e.kind == kind), None)
             setattr(f, f"{kind}_s", got)
-        del gen
         if f.starting_s is not None and f.ready_s is not None:
             f.engine_start_s = f.ready_s - f.starting_s
         lines = _access(access)
@@ -515,6 +525,8 @@ class Faults:
             f.first_done_s = min(x["ts"] for x in served if not x.get("note")) - t0 if any(
                 not x.get("note") for x in served) else None  # fmt: skip
         f.served_new = poll.completed(self.new_url)
+        seen = poll.first_seen(self.new_url, t0)
+        f.in_table_s = seen - t0 if seen is not None else None
         f.completed = sum(1 for s, e, _ in load.done if e >= t0)
         fails = [x for x in load.failed if x[1] >= t0]
         f.failed = len(fails)
@@ -569,7 +581,8 @@ def _fault_lines(f: Fault, engine_bare: float | None) -> list[str]:
     bare = (f.first_byte_s - f.lost_s - engine_bare) if None not in (f.first_byte_s, f.lost_s, engine_bare) else None
     lines += [
         f"    (c) replacement serving (first byte)     {_fmt(f.first_byte_s)} s (first completion {_fmt(f.first_done_s)}; "
-        f"reserved {_fmt(f.reserved_s)}, starting {_fmt(f.starting_s)}, ready {_fmt(f.ready_s)}); engine start "
+        f"reserved {_fmt(f.reserved_s)}, starting {_fmt(f.starting_s)}, ready {_fmt(f.ready_s)}, in the router's "
+        f"table {_fmt(f.in_table_s)}); engine start "
         f"(starting -> ready) {_fmt(eng)} s; (c) - (b) - engine start {_fmt(extra)} s "
         f"(- the bare engine start instead: {_fmt(bare)} s)   target (c) <= (b) + engine start + 2 s = "
         f"{_fmt(bound)} s: {_met(f.first_byte_s, bound)}",
@@ -668,15 +681,24 @@ def idle_part(args: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool
         reach = sum(1 for n in json.loads(r.stdout).get("nodes", []) if n.get("reachable"))
         cat = work / "catalog-empty.yaml"
         cat.write_text("models: []\n")
+        given = ["-c", str(cat)]
+        if args.stored_catalog:  # as `clusterctl supervise` runs after an `up`: the catalog the state keeps
+            r = subprocess.run([clusterctl, "--state", str(state), "up", "-i", str(inv), "-c", str(cat), "-o", "json"],
+                               capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
+            if r.returncode != 0:
+                print(f"  up FAILED: rc {r.returncode}: {r.stderr.strip()[-300:]}")
+                return False
+            given = []
         err = work / "idle" / "supervise.err"
-        p = subprocess.Popen([clusterctl, "--state", str(state), "supervise", "-i", str(inv), "-c", str(cat),
+        p = subprocess.Popen([clusterctl, "--state", str(state), "supervise", "-i", str(inv), *given,
                               "--interval", f"{args.idle_interval:g}"], stdout=subprocess.DEVNULL,
                              stderr=err.open("wb"), stdin=subprocess.DEVNULL, env=env)  # fmt: skip
         samples: list[tuple[float, float, int, float]] = []  # (t, cpu s, rss KiB, box busy s)
         try:
             time.sleep(args.settle_idle)  # start-up and connecting every node: not idle
             t_end = time.monotonic() + args.minutes * 60
-            print(f"  discover: {reach}/{args.nodes} nodes reachable; supervise pid {p.pid}, sampling every "
+            how = "the catalog the state keeps (an empty one, stored by up)" if args.stored_catalog else "-c EMPTY"
+            print(f"  discover: {reach}/{args.nodes} nodes reachable; supervise ({how}) pid {p.pid}, sampling every "
                   f"{args.sample:g} s for {args.minutes:g} min after {args.settle_idle:g} s (load {_loadavg()})",
                   flush=True)  # fmt: skip
             while True:
@@ -712,7 +734,7 @@ def idle_part(args: argparse.Namespace, work: Path, out: dict[str, Any]) -> bool
           f"load at the end {load}")  # fmt: skip
     for ln in notes:
         print(f"    supervise: {ln}")
-    out["idle"] = {"nodes": args.nodes, "interval": args.idle_interval, "minutes": (t1 - t0) / 60, "cpu_pct": pct,
+    out["idle"] = {"stored_catalog": args.stored_catalog, "nodes": args.nodes, "interval": args.idle_interval, "minutes": (t1 - t0) / 60, "cpu_pct": pct,
                    "rss_first_kib": r0, "rss_last_kib": r1, "rss_peak_kib": peak, "box_pct": box, "load_end": load,
                    "samples": samples, "mode": c.mode}  # fmt: skip
     return True
@@ -840,6 +862,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     g.add_argument("--minutes", type=float, default=10.0, help="how long the idle supervisor is sampled")
     g.add_argument("--idle-interval", type=float, default=2.0, help="supervise --interval of the idle run")
     g.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
+    g.add_argument("--stored-catalog", action="store_true",
+                   help="supervise without -c, after an up stored an empty catalog (default: -c EMPTY)")  # fmt: skip
     g.add_argument("--settle-idle", type=float, default=20.0, help="seconds after supervise starts before sampling")
     g = ap.add_argument_group("pass")
     g.add_argument("--sim-nodes", type=int, default=1000, help="fake nodes")
