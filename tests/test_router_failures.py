@@ -87,7 +87,8 @@ def test_refused_connections_are_retried():
 
 
 def test_stream_cut_upstream_ends_with_sse_error_and_clean_close():
-    f = Fleet(2, capacity=4, token_delay_s=0.002, tokens=10).start()
+    """A cut stream that is not continued (resume_limit 0; see test_router_continue.py)."""
+    f = Fleet(2, capacity=4, token_delay_s=0.002, tokens=10).start(router={"resume_limit": 0})
     for e in f.engines:
         e.cut_after = 3
     try:

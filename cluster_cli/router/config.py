@@ -124,6 +124,8 @@ class QueueSpec(_Strict):
 class ModelSpec(_Strict):
     endpoints: list[EndpointSpec] = Field(min_length=1)
     admission: QueueSpec | None = None
+    # Continue this model's cut streams on another replica (router.resume_limit bounds how often).
+    resume: StrictBool = True
 
     @model_validator(mode="after")
     def _unique(self) -> ModelSpec:
@@ -164,6 +166,10 @@ class LimitsSpec(_Strict):
     # A request's head and body must arrive whole within this, however they trickle in
     # (the idle timeout alone restarts on every byte: a slow sender could hold a connection).
     request_read_timeout_s: StrictFloat = Field(default=60.0, gt=0)
+    # A stream that can be continued elsewhere and sent nothing for this long after its first
+    # byte is cut and continued (0: only the idle timeout). 30 s is far beyond an engine's
+    # gap between tokens under load, yet a tenth of what a frozen node would cost otherwise.
+    stall_timeout_s: StrictFloat = Field(default=30.0, ge=0)
     max_connections: StrictInt = Field(default=10000, ge=1)
 
 
@@ -177,6 +183,8 @@ class RouterSpec(_Strict):
     breaker: BreakerSpec = BreakerSpec()
     retry: RetrySpec = RetrySpec()
     admission: QueueSpec = QueueSpec()
+    # Times one stream may be continued on another replica after its engine cut it (0: never).
+    resume_limit: StrictInt = Field(default=3, ge=0, le=10)
 
 
 class RouterConfig(_Strict):

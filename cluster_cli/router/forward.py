@@ -7,21 +7,47 @@
 ``relay`` sends the request on one endpoint and relays its answer (``proxy.Exchange``),
 returning how that ended as a ``Relay``; ``forward`` judges it (breaker verdict, retry or
 not, the client's answer) and returns a ``Forwarded`` for the request's metrics and log line.
+
+A stream cut after it reached the client goes to ``_continue``: it ends the client's stream
+when nothing more was needed, else sends the request that continues it to another replica
+of the model (``resume``) and writes that replica's stream into the same response, up to
+``resume_limit`` times, or ends the stream with the error event saying why not.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cluster_cli.router.admission import Rejected
 from cluster_cli.router.balancer import Lease, no_endpoint
 from cluster_cli.router.http import Request, error_response
-from cluster_cli.router.proxy import FAIL_AFTER, FAIL_BEFORE, NOT_RETRIED, OK, RETRY_5XX, Exchange
+from cluster_cli.router.proxy import (
+    FAIL_AFTER,
+    FAIL_BEFORE,
+    NOT_RETRIED,
+    OK,
+    REFUSED,
+    RETRY_5XX,
+    Continuation,
+    Exchange,
+    end_stream,
+)
+from cluster_cli.router.resume import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    StreamState,
+    can_resume,
+    continuation,
+    cut_event,
+    ending,
+    refusal,
+)
 from cluster_cli.router.retry import RetryBudget
-from cluster_cli.router.upstream import UpstreamError
+from cluster_cli.router.upstream import UpstreamConn, UpstreamError
 
 if TYPE_CHECKING:
     from cluster_cli.router.lifecycle import Lifecycle
@@ -29,7 +55,8 @@ if TYPE_CHECKING:
     from cluster_cli.router.server import ClientConn
     from cluster_cli.router.worker import Worker
 
-CONNECT_FAILED = -1  # a Relay's outcome when no connection to the engine could be made (else proxy's OK...FAIL_AFTER)
+CONNECT_FAILED = -1  # a Relay's outcome when no connection to the engine could be made (else proxy's OK...REFUSED)
+_RESUMED_PATHS = (CHAT_PATH.encode(), COMPLETIONS_PATH.encode())
 
 
 @dataclass(slots=True)
@@ -115,10 +142,12 @@ async def forward(
     waits_long: bool,
     t0: float,
     trace: Trace,
+    body: dict[str, Any] | None = None,
 ) -> Forwarded:
     """Serve ``req`` on an endpoint of ``model`` (``entry``), retrying elsewhere while nothing
-    reached the client. ``waits_long``: the answer starts only once it is generated (not a
-    stream), so the response timeout bounds it rather than the idle timeout."""
+    reached the client, and continuing a stream cut after that (``body``: the request's JSON,
+    needed to continue it). ``waits_long``: the answer starts only once it is generated (not
+    a stream), so the response timeout bounds it rather than the idle timeout."""
     # The client's own Authorization never goes upstream (http.REQUEST_DROP): the engine gets
     # its own key, the endpoint's (in ``w.head_lines``), or none.
     head_tail = b"%s%sContent-Length: %d\r\n\r\n" % (req.forward, _forwarded(req, conn), len(req.body))
@@ -142,6 +171,7 @@ async def forward(
     last_error = ""
     last_status = 502
     endpoint = ""
+    resume = _resumable(router, req, model, body)
     try:
         while True:
             if router.stopping is not None:  # the grace period ran out between attempts
@@ -175,7 +205,9 @@ async def forward(
             payload = start_line + w.head_lines + head_tail + req.body
             # A half-open breaker's probe holds the endpoint's one slot until its head comes:
             # it is bounded by the idle timeout, not the response timeout.
-            relay = await _relay(conn, req, lease, payload, may_retry, waits_long, fresh, budget, trace)
+            relay = await _relay(
+                conn, req, lease, payload, may_retry, waits_long, fresh, budget, trace, _first_exchange(resume)
+            )
             fresh = False
             code, ex = relay.outcome, relay.exchange
 
@@ -189,12 +221,16 @@ async def forward(
             cut_by_stop = relay.error is not None and relay.error.kind == "shutdown"
             if code == FAIL_AFTER:
                 assert ex is not None
-                # The stream was cut after bytes reached the client: ``relay`` says how much
-                # of it (``relayed``), from which endpoint and why. Continuing it on another
-                # endpoint goes here, before the client is told of the cut.
+                # The stream was cut after bytes reached the client: with a StreamState it is
+                # continued elsewhere or ended here; without, the client was told already.
                 lease.release(None if cut_by_stop else False)
                 if not cut_by_stop:
                     router.metrics.cut(model, endpoint)
+                if ex.state is not None and isinstance(resume, _Resume):
+                    tried.append(w)
+                    budget = budget or _BudgetSlot(router.budget)
+                    cut = _Cut(ex, relay.error, cut_by_stop, attempts, tried, budget)
+                    return await _continue(router, conn, req, model, resume, cut, t0, trace)
                 if ex.abort_client:
                     conn.abort()
                 err = relay.error.message if relay.error else "upstream failed"
@@ -268,11 +304,13 @@ async def _relay(
     fresh: bool,
     budget: _BudgetSlot | None,
     trace: Trace,
+    make: Callable[[ClientConn, UpstreamConn, bool, asyncio.Future[int], bool], Exchange] | None = None,
 ) -> Relay:
     """Send ``payload`` on ``lease``'s endpoint (a new connection when ``fresh``, else a kept
-    one if there is one) and relay its answer to ``conn`` until the attempt ends. The lease is
-    released here only when the request is cancelled (its client left); otherwise the caller
-    judges the result."""
+    one if there is one) and relay its answer to ``conn`` through the sink ``make`` builds
+    (an ``Exchange`` by default) until the attempt ends. The lease is released here only
+    when the request is cancelled (its client left: the engine's request is dropped at
+    once); otherwise the caller judges the result."""
     w = lease.worker
     pool = w.pool
     assert pool is not None  # attached by the router when the table was built
@@ -282,7 +320,7 @@ async def _relay(
         if up is None:
             up = await pool.connect()
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        ex = Exchange(conn, up, may_retry, fut, http10=req.version == b"HTTP/1.0")
+        ex = (make or Exchange)(conn, up, may_retry, fut, req.version == b"HTTP/1.0")
         if lease.gen:
             ex.probe = lease
         if budget is not None and budget.held:
@@ -302,6 +340,173 @@ async def _relay(
     finally:
         conn.exchange = None
     return Relay(code, w, ex, ex.error, ex.relayed)
+
+
+@dataclass(slots=True)
+class _Resume:
+    """A streamed request whose cut may be continued: its JSON body, path and settings."""
+
+    body: dict[str, Any]
+    path: bytes
+    limit: int  # resume_limit
+    stall_s: float  # stall_timeout_s
+
+
+@dataclass(slots=True)
+class _Cut:
+    """Where a cut stream stands: its first exchange, why it was cut, the attempts so far,
+    the endpoints tried (the failed one included) and the request's retry-budget slot."""
+
+    first: Exchange
+    error: UpstreamError | None
+    stopped: bool  # cut by the router's shutdown
+    attempts: int
+    tried: list[Worker]
+    budget: _BudgetSlot
+
+
+def _resumable(router: Lifecycle, req: Request, model: str, body: dict[str, Any] | None) -> _Resume | str | None:
+    """For a chat or text completion stream: the settings to continue it if cut, or why it
+    never could be (for its error event); None for any other request."""
+    if body is None or body.get("stream") is not True or req.path not in _RESUMED_PATHS:
+        return None
+    spec = router.cfg.models.get(model)
+    r = router.cfg.router
+    why = can_resume(body, req.path, StreamState(), 0, r.resume_limit, enabled=spec is None or spec.resume)
+    if why is not None:
+        return why
+    return _Resume(body, req.path, r.resume_limit, r.limits.stall_timeout_s)
+
+
+def _first_exchange(
+    resume: _Resume | str | None,
+) -> Callable[[ClientConn, UpstreamConn, bool, asyncio.Future[int], bool], Exchange] | None:
+    """The sink of a first attempt: it keeps a StreamState when the stream may be continued."""
+    if resume is None:
+        return None
+
+    def make(client: ClientConn, up: UpstreamConn, may_retry: bool, fut: asyncio.Future[int], h10: bool) -> Exchange:
+        ex = Exchange(client, up, may_retry, fut, h10)
+        if isinstance(resume, str):
+            ex.cut_why = resume
+        else:
+            ex.state = StreamState()  # a retry before any byte went out starts a new one
+            ex.stall_s = resume.stall_s
+        return ex
+
+    return make
+
+
+async def _continue(
+    router: Lifecycle, conn: ClientConn, req: Request, model: str, rs: _Resume, cut: _Cut, t0: float, trace: Trace
+) -> Forwarded:
+    """Finish a stream its engine cut after bytes reached the client: end it when it needs no
+    more tokens, else continue it on another replica of ``model`` (the balancer's pick among
+    those not tried), again after each cut, up to ``resume_limit`` continuations; else end it
+    with the error event saying why. The client's response stays one stream; its status is
+    the 200 it already had."""
+    first = cut.first
+    state = first.state
+    assert state is not None
+    metrics = router.metrics
+    balancer = router.balancer
+    ttfb = first.first_at - t0
+    endpoint = trace.endpoint
+    attempts = cut.attempts
+    cause = cut.error.message if cut.error is not None else "upstream failed"
+    stopped = cut.stopped
+    failed_at = conn.now()  # the current seam's start
+    tries = 0
+    fwd = req.forward + _forwarded(req, conn)
+    while True:
+        tail = ending(state, rs.body)  # it needed no more tokens: ended here
+        if tail:
+            end_stream(conn, first.chunked, tail)
+            if tries:
+                metrics.resumed(model)
+            note = f"continued {tries}x after: {cause}" if tries else f"ended after: {cause}"
+            return Forwarded(200, model, endpoint, attempts, ttfb, note[:300])
+        why: str | None = None
+        bucket = ""
+        entry = router.table.models.get(model)
+        if stopped or router.stopping is not None:
+            why, bucket = "the router is shutting down", "shutdown"
+        elif (why := can_resume(rs.body, rs.path, state, tries, rs.limit)) is not None:
+            bucket = "limit" if tries >= rs.limit else "unsupported"
+        elif entry is None or not balancer.has_untried(entry, cut.tried):
+            why, bucket = "no other replica of the model is left to continue it", "no_endpoint"
+        elif not cut.budget.take(router.inflight_total):
+            why, bucket = "the router's retry budget is exhausted", "budget"
+        lease: Lease | None = None
+        if why is None:
+            assert entry is not None
+            try:
+                lease = balancer.try_acquire(entry, cut.tried) or await balancer.acquire(entry, cut.tried)
+            except Rejected as r:
+                why, bucket = f"no other replica can take it ({r.message})", "no_endpoint"
+        if lease is None:
+            assert why is not None
+            end_stream(conn, first.chunked, cut_event(cause, why))
+            metrics.resume_failure(model, bucket)
+            return Forwarded(200, model, endpoint, attempts, ttfb, f"cut: {cause}; not continued: {why}"[:300])
+
+        tries += 1
+        attempts += 1
+        w = lease.worker
+        endpoint = trace.endpoint = w.view.replica
+        trace.attempts = attempts
+        data = json.dumps(
+            continuation(rs.body, rs.path, state, w.view.engine), ensure_ascii=False, separators=(",", ":")
+        ).encode()
+        head = b"%s %s HTTP/1.1\r\nHost: %s%sContent-Length: %d\r\n\r\n" % (
+            req.method, req.target, w.head_lines, fwd, len(data)
+        )  # fmt: skip
+
+        def make(client: ClientConn, up: UpstreamConn, _r: bool, fut: asyncio.Future[int], _h: bool) -> Exchange:
+            return Continuation(client, up, fut, first, state, rs.body)
+
+        # A new connection: a kept one the engine closed meanwhile would cost a continuation.
+        try:
+            relay = await _relay(conn, req, lease, head + data, False, False, True, cut.budget, trace, make)
+        except asyncio.CancelledError:  # the client left; OpenAI's clients do at "[DONE]"
+            if (cex := trace.exchange) is not None and cex.first_at:
+                metrics.seam(model, cex.first_at - failed_at)
+                if cex.done_seen:
+                    metrics.resumed(model)
+            raise
+        cex = relay.exchange
+        relayed = cex is not None and cex.first_at > 0
+        if relayed:
+            assert cex is not None
+            metrics.seam(model, cex.first_at - failed_at)
+        code, err = relay.outcome, relay.error
+        if code == OK:
+            lease.release(True)
+            metrics.resumed(model)
+            return Forwarded(200, model, endpoint, attempts, ttfb, f"continued {tries}x after: {cause}"[:300])
+        if code == REFUSED:
+            assert isinstance(cex, Continuation)
+            lease.release(None)  # the engine answers; it does not take this continuation
+            why = refusal(cex.status, bytes(cex.refused or b""))
+            end_stream(conn, first.chunked, cut_event(cause, why))
+            metrics.resume_failure(model, "engine_refused")
+            return Forwarded(200, model, endpoint, attempts, ttfb, f"cut: {cause}; not continued: {why}"[:300])
+        stop = err is not None and err.kind == "shutdown"
+        if code == RETRY_5XX:
+            # No verdict: a continuation (an assistant message to extend) is an unusual request,
+            # and its 5xx may be the request's doing; the health checks judge the engine.
+            lease.release(None)
+            new_cause = f"{w.view.replica} answered HTTP {relay.status} to the continuation"
+        else:  # CONNECT_FAILED or FAIL_AFTER
+            lease.release(None if stop else False)
+            if code == FAIL_AFTER and not stop:
+                metrics.cut(model, endpoint)
+            new_cause = f"{w.view.replica}: {err.message}" if err is not None else "upstream failed"
+        cut.tried.append(w)
+        stopped = stopped or stop
+        cause = new_cause
+        if relayed:
+            failed_at = conn.now()  # the continuation had reached the client: a new seam
 
 
 def _no_retry(

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from cluster_cli.router.retry import RetryBudget
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Why a cut stream was not continued: the model's switch or resume_limit 0 (``disabled``), its
+# continuations used up (``limit``), a request or stream no continuation reproduces
+# (``unsupported``: n > 1, logprobs, a tool call...), no other replica or no retry budget
+# (``no_endpoint``, ``budget``), the engine's refusal (``engine_refused``), the router stopping.
+RESUME_FAILURES = ("disabled", "limit", "unsupported", "no_endpoint", "budget", "engine_refused", "shutdown")
 # Bounds as prometheus-client's own histograms write them ("1.0", not "1"): Prometheus joins
 # series on the label's text, so the same bound must be spelt the same everywhere.
 _BOUNDS = (*map(floatToGoString, LATENCY_BUCKETS), "+Inf")
@@ -149,6 +154,9 @@ class _RequestCollector(Collector):
         self.rejections: dict[tuple[str, str], int] = {}  # (model, reason)
         self.ttfb: dict[str, _Hist] = {}
         self.latency: dict[str, _Hist] = {}
+        self.resumed: dict[str, int] = {}  # cut streams continued elsewhere that ended whole
+        self.resume_failures: dict[tuple[str, str], int] = {}  # (model, reason)
+        self.seam: dict[str, _Hist] = {}  # a cut to the continuation's first relayed byte
 
     def collect(self) -> Iterator[object]:
         req = CounterMetricFamily(
@@ -168,9 +176,22 @@ class _RequestCollector(Collector):
         for (model, endpoint), n in list(self.cut.items()):
             cut.add_metric([model, endpoint], n)
         yield cut
+        resumed = CounterMetricFamily(
+            "clusterctl_router_requests_resumed",
+            "Streams cut by their engine, continued on another replica, that ended whole.",
+            labels=["model"],
+        )
+        for model, n in list(self.resumed.items()):
+            resumed.add_metric([model], n)
+        yield resumed
         for name, doc, counts in (
             ("clusterctl_router_retries", "Retries by model and reason.", self.retries),
             ("clusterctl_router_admission_rejections", "Requests refused by admission, by reason.", self.rejections),
+            (
+                "clusterctl_router_resume_failures",
+                "Cut streams that were not continued (or whose continuation failed), by reason.",
+                self.resume_failures,
+            ),
         ):
             fam = CounterMetricFamily(name, doc, labels=["model", "reason"])
             for (model, reason), n in list(counts.items()):
@@ -183,6 +204,11 @@ class _RequestCollector(Collector):
                 self.ttfb,
             ),
             ("clusterctl_router_request_duration_seconds", "Request start to response end.", self.latency),
+            (
+                "clusterctl_router_seam_seconds",
+                "A stream's cut to the next byte relayed from the replica continuing it.",
+                self.seam,
+            ),
         ):
             fam = HistogramMetricFamily(name, doc, labels=["model"])
             for model, h in list(hists.items()):
@@ -221,6 +247,22 @@ class RouterMetrics:
         """A response its engine cut after it had started reaching the client."""
         key = (model, endpoint)
         self._req.cut[key] = self._req.cut.get(key, 0) + 1
+
+    def resumed(self, model: str) -> None:
+        """A cut stream was continued elsewhere and ended whole (once per request)."""
+        self._req.resumed[model] = self._req.resumed.get(model, 0) + 1
+
+    def resume_failure(self, model: str, reason: str) -> None:
+        """A cut stream ended with an error event: ``reason`` is one of ``RESUME_FAILURES``."""
+        key = (model, reason)
+        self._req.resume_failures[key] = self._req.resume_failures.get(key, 0) + 1
+
+    def seam(self, model: str, seconds: float) -> None:
+        """A continuation's first byte reached the client ``seconds`` after the cut."""
+        h = self._req.seam.get(model)
+        if h is None:
+            h = self._req.seam[model] = _Hist()
+        h.observe(seconds)
 
     def answered(self, status: int) -> None:
         """A request the router answered itself (a route of its own, a refusal): counted under

@@ -241,7 +241,7 @@ class Router(Lifecycle):
         trace.model = model
 
         waits_long = obj.get("stream") is not True  # its answer starts only once it is generated
-        return await forward(self, conn, req, model, entry, waits_long, t0, trace)
+        return await forward(self, conn, req, model, entry, waits_long, t0, trace, obj)
 
 
 _GET_PATHS = frozenset({b"/health", b"/metrics", b"/v1/models"})

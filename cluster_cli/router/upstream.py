@@ -30,7 +30,7 @@ class UpstreamError(Exception):
 
     def __init__(self, kind: str, message: str, *, stale: bool = False) -> None:
         super().__init__(message)
-        self.kind = kind  # connect, reset, timeout, response_timeout, protocol, shutdown
+        self.kind = kind  # connect, reset, timeout, stall, response_timeout, protocol, shutdown
         self.message = message
         self.stale = stale  # a reused keep-alive connection closed before answering
 
@@ -60,6 +60,7 @@ class UpstreamConn(asyncio.Protocol):
         "pool",
         "reused",
         "sink",
+        "stall_timeout",
         "status_line",
         "tr",
         "waits_long",
@@ -84,6 +85,9 @@ class UpstreamConn(asyncio.Protocol):
         # The exchange's answer may rightly be long in coming (a non-streamed reply is sent once
         # generated): its head is waited for under the response timeout, not the idle one.
         self.waits_long = False
+        # Set by the sink once its stream reached the client, when the stream can be continued
+        # elsewhere: silence past it is a stall (0: the idle timeout alone).
+        self.stall_timeout = 0.0
 
     # ---------------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -237,6 +241,7 @@ class UpstreamConn(asyncio.Protocol):
         self._mode = HEAD
         self._buf = b""
         self.got_bytes = False
+        self.stall_timeout = 0.0
         self.last_io = _monotonic()
         if self.closed:  # lost while the caller was getting to this (a fresh connect's await)
             asyncio.get_running_loop().call_soon(self.connection_lost, None)  # reported as any close
@@ -248,6 +253,9 @@ class UpstreamConn(asyncio.Protocol):
             # uvloop: the engine closed it and its connection_lost is still queued; that call
             # reports the failure to the sink, as a stale connection's, retried on a fresh one.
             pass
+
+    def stalled(self) -> None:
+        self._fail("stall", f"upstream stalled: no byte for {self.stall_timeout:g} s")
 
     def timed_out(self) -> None:
         self._fail("timeout", "upstream idle timeout")
@@ -344,7 +352,8 @@ class UpstreamPool:
     def sweep(self, now: float, idle_timeout: float, response_timeout: float = 0.0) -> None:
         """Fail the exchanges that waited too long: ``idle_timeout`` without a byte, except for
         the head of an answer that ``waits_long`` (a non-streamed one, sent once generated):
-        ``response_timeout`` (0: no limit). A client that stopped reading is dropped instead."""
+        ``response_timeout`` (0: no limit), and a stream that may be continued elsewhere, past its
+        first byte: its ``stall_timeout``. A client that stopped reading is dropped instead."""
         for c in list(self.active):
             if c.paused_at is not None:
                 # Paused because the client is not reading fast enough: the engine is not at
@@ -358,6 +367,8 @@ class UpstreamPool:
             elif c._mode == HEAD and c.waits_long:
                 if response_timeout and now - c.last_io > response_timeout:
                     c.fail("response_timeout", f"no answer within {response_timeout:g} s")
+            elif c.stall_timeout and now - c.last_io > c.stall_timeout:
+                c.stalled()
             elif now - c.last_io > idle_timeout:
                 c.timed_out()
 
