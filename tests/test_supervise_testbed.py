@@ -295,3 +295,39 @@ def test_once_exits_0_when_converged_and_3_when_not(fleet) -> None:  # noqa: F81
     st = json_out(ctl(state, "status", "--no-check", "-o", "json"))
     assert [(n["node"], n["status"]) for n in st["nodes"] if n["status"] != "ready"] == [(node, "unreachable")]
     cluster.revive(node)
+
+
+def test_operators_writes_while_supervise_runs_are_never_lost(supervised) -> None:
+    """Hundreds of cordons and uncordons from another process's handle on the state, a `down`
+    and an `up` from the CLI, all while `supervise` ticks on the same state: every write
+    stands, and the replica taken down stays down until the next `up` brings it back."""
+    import random
+
+    state, inv, tmp = supervised["state"], supervised["inventory"], supervised["tmp"]
+    rng = random.Random(11)
+    nodes = ("cpu-01", "cpu-02", "cpu-03")
+    expected: dict[str, str | None] = dict.fromkeys(nodes)
+    with Store(state, actor="operator") as op:
+        for i in range(300):
+            n = rng.choice(nodes)
+            if rng.random() < 0.5:
+                op.cordon(n, f"reason {i}")
+                expected[n] = f"reason {i}"
+            else:
+                op.uncordon(n)
+                expected[n] = None
+            if i == 150:
+                r = ctl(state, "down", "tiny/1", "-o", "json")
+                assert r.returncode == 0, r.stderr
+        time.sleep(2)  # supervise's passes go on meanwhile
+        cordons = op.cordons()
+        assert {n: (cordons[n]["reason"] if n in cordons else None) for n in nodes} == expected
+    st = {x["name"]: x for x in json_out(ctl(state, "status", "--no-check", "-o", "json"))["replicas"]}
+    assert (st["tiny/1"]["state"], st["tiny/0"]["state"]) == ("stopped", "ready")  # not brought back
+    for n in nodes:
+        ctl(state, "uncordon", n)
+    r = ctl(state, "up", "-i", str(inv), "-c", str(tmp / "two.yaml"), "-o", "json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = {x["name"]: x["state"] for x in json_out(ctl(state, "status", "--no-check", "-o", "json"))["replicas"]}
+    assert st == {"tiny/0": "ready", "tiny/1": "ready"}  # the next up brings it back
+    assert "pass failed" not in (tmp / "supervise.err").read_text()

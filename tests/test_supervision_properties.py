@@ -36,7 +36,8 @@ def _play(seq: list[tuple[float, list[tuple[bool, str]]]], *, braked: bool = Fal
     for step, beats in seq:
         now += step
         seen = {n: (ok, boot if ok else None, "" if ok else "x") for n, (ok, boot) in zip(NODES, beats, strict=True)}
-        changes = sv.observe(nodes, seen, now, interval_s=INTERVAL, grace_s=GRACE, braked=braked)
+        changes = sv.expire(nodes, now, grace_s=GRACE, braked=braked)  # at the tick's start, as supervise does
+        changes += sv.observe(nodes, seen, now, interval_s=INTERVAL, grace_s=GRACE, braked=braked)
         for n in seen:
             if nodes[n].state == sv.FENCING:  # the caller fences it at once
                 ch = sv.fenced(nodes, n, now, interval_s=INTERVAL, grace_s=GRACE)

@@ -112,13 +112,15 @@ class Supervisor:
                 if run.pid is not None:
                     on_node.setdefault(run.node, []).append(run)
         run_dirs = {n.name: self.cluster.inv.run_dir(n) for n in self.cluster.inv.nodes}
+        # Whose grace is over is lost now, not after its heartbeat times out once more.
+        expired = supervision.expire(self.nodes, self.clock(), grace_s=s.grace_s, braked=self.brake is not None)
         beats = await beat(self.cluster.on, on_node, run_dirs, s.beat_timeout_s)
         now = self.clock()
         seen = {n: (isinstance(b, Beat), b.boot_id if isinstance(b, Beat) else None, "" if isinstance(b, Beat) else b)
                 for n, b in beats.items()}  # fmt: skip
         slow = {n for n, b in beats.items() if isinstance(b, str) and timed_out(b)}
-        changes = supervision.observe(self.nodes, seen, now, interval_s=s.interval_s, grace_s=s.grace_s,
-                                      braked=self.brake is not None, timed_out=slow)  # fmt: skip
+        changes = expired + supervision.observe(self.nodes, seen, now, interval_s=s.interval_s, grace_s=s.grace_s,
+                                                braked=self.brake is not None, timed_out=slow)  # fmt: skip
         await self._braking(now)
         self._observed = _observed(beats)
         changed = False

@@ -113,6 +113,19 @@ def observe(
     return out
 
 
+def expire(nodes: dict[str, NodeState], now: float, *, grace_s: float = GRACE_S, braked: bool = False) -> list[Change]:
+    """The unreachable nodes whose grace is over, ``lost`` now (unless ``braked``): asked at
+    the start of a tick, so that a node whose heartbeat would only time out again is not
+    declared lost a heartbeat timeout late."""
+    out = []
+    for name, ns in nodes.items():
+        if ns.state == UNREACHABLE and not braked and ns.missed_since is not None and now - ns.missed_since >= grace_s:
+            out.append(
+                _move(ns, name, LOST, now, f"no answer for {now - ns.missed_since:.0f} s: {ns.why}".rstrip(": "))
+            )
+    return out
+
+
 def fenced(nodes: dict[str, NodeState], name: str, now: float, *, interval_s: float, grace_s: float) -> Change | None:
     """The fence of ``name`` is done: ready, unless it is damped and has not answered long
     enough yet (then it stays fencing: fenced again at its next heartbeat, harmless)."""
