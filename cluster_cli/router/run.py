@@ -107,7 +107,8 @@ async def serve(
             stop.set_result(None)
 
     def _hup() -> None:
-        log.warning("SIGHUP: reloading %s", config_path)
+        # Routine: every publication of clusterctl on this host sends one (the reload says what changed).
+        log.info("SIGHUP: reloading %s", config_path)
         if access_log is not None:
             access_log.reopen()  # a rotated access log: write a new file at its path
         source.trigger()
