@@ -75,3 +75,17 @@ def test_a_killed_then_a_frozen_node_fail_no_request(supervised: Any) -> None:  
             cluster.thaw(second)
     assert load.failed == [], load.failed[:3]
     assert len(load.done) >= 36 and all(f == 1 for _, f in load.done), [d for d in load.done if d[1] != 1][:5]
+    # The tokens: llama-server sends one a chunk and, told to ignore EOS, exactly max_tokens of
+    # them; a continued stream has as many (the seam neither repeats nor drops one).
+    assert {c for c, _ in load.done} == {400}, sorted({c for c, _ in load.done})
+    assert _resumed(supervised["port"]) >= 1  # streams were on the killed or frozen engine, and went on
+
+
+def _resumed(port: int) -> float:
+    """The router's count of continued requests (its Prometheus /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("clusterctl_router_requests_resumed_total"))  # fmt: skip
