@@ -223,7 +223,7 @@ def _detach_lines(s: StartScript) -> list[str]:
     (``unit_name``), which logind's KillUserProcesses= does not reach at logout: for root on the
     system manager (``systemd-run --scope``), for another user on their own manager
     (``systemd-run --user --scope``) only where they linger, since without lingering systemd
-    stops that manager, and every scope in it, once their last session ends. systemd-run
+    stops that manager, and every scope in it, once they last log out. systemd-run
     --scope moves itself into the scope, then execs the command. A systemd-run that exits or
     is still there after 10 s without the launcher having run (no bus, an old systemd-run, a
     unit by that name) is killed and the shard is started with ``setsid`` alone, as where

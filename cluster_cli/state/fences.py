@@ -15,7 +15,19 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.state.backend import Tx
-from cluster_cli.state.launches import _F, _KEY, _R, _bump, _holds, _ints, _owner, _records, _row, gpu_uuids
+from cluster_cli.state.launches import (
+    _F,
+    _KEY,
+    _R,
+    _bump,
+    _holds,
+    _ints,
+    _owner,
+    _records,
+    _row,
+    gpu_uuids,
+    write_fences,
+)
 from cluster_cli.state.records import DOWN, FENCED, STOPPED, Fence, ReplicaRecord, ShardRun, replica_name
 
 
@@ -123,16 +135,7 @@ class FenceTable:
                     what = f"GPU {item}" if kind == "gpu" else f"port {item}"
                     self._event(tx, "conflict", f"{node}: {what} is held by {replica_name(owner[0], owner[1])} "
                                 f"while {rec.name} generation {rec.generation} may still use it", node=node, **ids)  # fmt: skip
-            for run, reason in left:
-                tx.execute(
-                    f"INSERT INTO fences({_F}) VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (token) DO UPDATE "
-                    "SET reason=excluded.reason, checked_at=excluded.checked_at",
-                    (run.node, run.run_dir, run.token, r.model, r.replica, rec.generation, now, reason,
-                     run.pid, run.start_time, now),
-                )  # fmt: skip
-                tx.execute("UPDATE shards SET state='fenced', updated_at=? WHERE token=?", (now, run.token))
-                self._event(tx, "fenced", f"{rec.name} may still run on {run.node}: {reason}", node=run.node,
-                            detail={"token": run.token, "run_dir": run.run_dir, "why": why}, **ids)  # fmt: skip
+            write_fences(tx, rec, left, now, why=why, event=self._event)
             out = _records(tx, include_down=True, include_fenced=True, key=rec.key)
         return out[0] if out else replace(rec, status=FENCED, desired=DOWN)
 

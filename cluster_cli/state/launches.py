@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -288,16 +288,7 @@ class LaunchTable:
                 desired = DOWN if wanted_down else old.desired
                 kept = self._observe(tx, old, replace(old, status=FENCED, endpoint=None, detail=why), desired=desired)
                 tx.execute(f"UPDATE shards SET state='stopped' WHERE {_KEY} AND state<>'planned'", rec.key)
-                for run, reason in left:
-                    tx.execute(
-                        f"INSERT INTO fences({_F}) VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (token) DO UPDATE "
-                        "SET reason=excluded.reason, checked_at=excluded.checked_at",
-                        (run.node, run.run_dir, run.token, r.model, r.replica, rec.generation, now, reason,
-                         run.pid, run.start_time, now),
-                    )  # fmt: skip
-                    tx.execute("UPDATE shards SET state='fenced', updated_at=? WHERE token=?", (now, run.token))
-                    self._event(tx, "fenced", f"{rec.name} may still run on {run.node}: {reason}", node=run.node,
-                                detail={"token": run.token, "run_dir": run.run_dir, "why": why}, **ids)  # fmt: skip
+                write_fences(tx, rec, left, now, why=why, event=self._event)
                 return kept
             tx.execute(f"DELETE FROM holds WHERE {_KEY}", rec.key)
             if wanted_down:
@@ -311,6 +302,26 @@ class LaunchTable:
 
 
 # ---- rows -------------------------------------------------------------------
+def write_fences(
+    tx: Tx, rec: ReplicaRecord, left: Sequence[tuple[ShardRun, str]], now: float, *, why: str,
+    event: Callable[..., None],
+) -> None:  # fmt: skip
+    """A fence record per shard of ``rec`` in ``left`` (each with why it may still run), its
+    shard marked fenced, and a ``fenced`` event (``event``: the store's ``_event``)."""
+    r = rec.replica
+    ids = {"model": r.model, "replica": r.replica, "generation": rec.generation}
+    for run, reason in left:
+        tx.execute(
+            f"INSERT INTO fences({_F}) VALUES (?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (token) DO UPDATE "
+            "SET reason=excluded.reason, checked_at=excluded.checked_at",
+            (run.node, run.run_dir, run.token, r.model, r.replica, rec.generation, now, reason,
+             run.pid, run.start_time, now),
+        )  # fmt: skip
+        tx.execute("UPDATE shards SET state='fenced', updated_at=? WHERE token=?", (now, run.token))
+        event(tx, "fenced", f"{rec.name} may still run on {run.node}: {reason}", node=run.node,
+              detail={"token": run.token, "run_dir": run.run_dir, "why": why}, **ids)  # fmt: skip
+
+
 def _records(
     tx: Tx, *, include_down: bool, include_fenced: bool, key: tuple[str, int, int] | None = None
 ) -> list[ReplicaRecord]:
