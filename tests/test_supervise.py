@@ -360,3 +360,30 @@ def test_a_frozen_node_holds_up_neither_the_ticks_nor_the_rebuild(tmp_path: Path
         assert rec.shards[0].token not in node.engines  # fenced: the old engine stopped
 
     run(tmp_path, body)
+
+
+def test_a_node_still_away_when_the_brake_releases_gets_a_whole_grace(tmp_path: Path) -> None:
+    """Every node cut off for longer than the grace, then back one by one: the last one back is
+    not lost (and its replica not rebuilt) the moment the others' return releases the brake."""
+
+    async def body(rig: Rig) -> None:
+        before = {k: r.shards for k, r in (await rig.live()).items()}
+        for n in NODES:
+            rig.fleet[n].partitioned = True
+        for _ in range(4):
+            await rig.step(20)
+        assert rig.sup.brake is not None
+        last = next(iter(before["m/0"])).node
+        for n in NODES:
+            if n != last:
+                rig.fleet[n].partitioned = False
+        await rig.step()
+        assert rig.sup.brake is None and rig.sup.nodes[last].state == "unreachable"
+        await rig.step(20)
+        assert rig.sup.nodes[last].state == "unreachable"  # within its new grace
+        rig.fleet[last].partitioned = False
+        await rig.step()
+        await rig.step()
+        assert {k: r.shards for k, r in (await rig.live()).items()} == before
+
+    run(tmp_path, body)

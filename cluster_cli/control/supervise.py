@@ -232,9 +232,11 @@ class Supervisor:
 
     async def _braking(self, now: float) -> None:
         why = supervision.braking(self.nodes, now, grace_s=self.settings.grace_s, share=self.settings.brake_share)
-        if why == self.brake:
-            return
-        self.brake = why
+        was, self.brake = self.brake, why
+        if (why is None) == (was is None):
+            return  # still on (its wording may change with the count) or still off
+        if why is None:
+            supervision.rearm(self.nodes, now)
         msg = f"storm brake on: {why}" if why else "storm brake off: the nodes answer again, rebuilding resumes"
         self.log(msg)
         with contextlib.suppress(ClusterctlError):

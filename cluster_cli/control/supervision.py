@@ -126,6 +126,14 @@ def expire(nodes: dict[str, NodeState], now: float, *, grace_s: float = GRACE_S,
     return out
 
 
+def rearm(nodes: dict[str, NodeState], now: float) -> None:
+    """The storm brake was released: a node still unreachable gets a whole grace from now, as a
+    network that comes back comes back node by node (its time while braked proves nothing)."""
+    for ns in nodes.values():
+        if ns.state == UNREACHABLE:
+            ns.missed_since = now
+
+
 def fenced(nodes: dict[str, NodeState], name: str, now: float, *, interval_s: float, grace_s: float) -> Change | None:
     """The fence of ``name`` is done: ready, unless it is damped and has not answered long
     enough yet (then it stays fencing: fenced again at its next heartbeat, harmless)."""
