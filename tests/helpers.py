@@ -14,7 +14,7 @@ Placement:
 
 Router:
 
-* ``Clock``: an injected clock (``clock.t += 5`` moves it on); ``worker``: a router worker
+* ``Clock``: an injected clock (``clock.t += 5`` moves it on); ``endpoint``: a router endpoint
   for an endpoint on 127.0.0.1:9000+i; ``router_config``: a validated router config.
 * ``chat_request`` and ``read_until``: a raw HTTP/1.1 chat request, and reading responses
   off a socket.
@@ -37,7 +37,7 @@ from cluster_cli.engines import MetricMapping
 from cluster_cli.facts import Gpu, GpuProcess, HcaPort, NodeFacts, Replica, Shard
 from cluster_cli.router.breaker import BreakerConfig
 from cluster_cli.router.config import EndpointView, RouterConfig
-from cluster_cli.router.worker import Worker
+from cluster_cli.router.endpoint import Endpoint
 
 # --------------------------------------------------------------------------- placement
 
@@ -187,7 +187,7 @@ class Clock:
         return self.t
 
 
-def worker(i: int, clock: Clock, *, max_inflight: int | None = None, draining: bool = False) -> Worker:
+def endpoint(i: int, clock: Clock, *, max_inflight: int | None = None, draining: bool = False) -> Endpoint:
     view = EndpointView(
         url=f"http://127.0.0.1:{9000 + i}",
         host="127.0.0.1",
@@ -200,7 +200,7 @@ def worker(i: int, clock: Clock, *, max_inflight: int | None = None, draining: b
         health_path="/health",
         models=("m",),
     )
-    return Worker(view, breaker_cfg=BreakerConfig(), clock=clock, stale_s=3.0, probe_s=5.0)
+    return Endpoint(view, breaker_cfg=BreakerConfig(), clock=clock, stale_s=3.0, probe_s=5.0)
 
 
 def router_config(models: dict, router: dict | None = None) -> RouterConfig:

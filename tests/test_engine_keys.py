@@ -376,7 +376,7 @@ def test_the_router_sends_the_engines_key_and_never_the_clients() -> None:
         seen = eng.paths()
         assert {a for _, a in seen} == {b"Bearer " + key.encode()}  # every request: chat, health, metrics
         assert not any(b"sk-client" in h for h in eng.heads)
-        f.lt.wait_for(lambda: f.router.table.workers[next(iter(f.router.table.workers))].scraped.running == 1.0,
+        f.lt.wait_for(lambda: f.router.table.endpoints[next(iter(f.router.table.endpoints))].scraped.running == 1.0,
                       what="the scrape to be read")  # fmt: skip
         # The key shows nowhere the router speaks.
         health = httpx.get(f.url + "/health", headers={"Authorization": "Bearer sk-client"}).text
@@ -502,7 +502,7 @@ def test_llama_server_with_its_key_is_served_only_through_the_router(tmp_path: P
                 f.base + "/chat/completions", json=chat, headers={"Authorization": "Bearer sk-x"}, timeout=60
             )
             assert r.status_code == 200, r.text
-            (w,) = f.router.table.workers.values()
+            (w,) = f.router.table.endpoints.values()
             f.lt.wait_for(
                 lambda: w.scraped.running is not None and w.scraped.error is None, what="a scrape of /metrics"
             )

@@ -9,22 +9,22 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
-from helpers import Clock, router_config, worker
+from helpers import Clock, endpoint, router_config
 
 from cluster_cli.engines import MetricMapping
 from cluster_cli.router.admission import ModelQueue, QueueLimits, Rejected
 from cluster_cli.router.balancer import Balancer, fit_message, no_endpoint
 from cluster_cli.router.breaker import BreakerConfig, State
 from cluster_cli.router.config import EndpointView
+from cluster_cli.router.endpoint import ADMIT_WINDOW_S, Endpoint
 from cluster_cli.router.policy import LeastLoad, PowerOfTwo, RoundRobin, make_policy
 from cluster_cli.router.registry import adopt_peer_capacity, build_table
 from cluster_cli.router.retry import RetryBudget, RetryPolicy
-from cluster_cli.router.worker import ADMIT_WINDOW_S, Worker
 
 
 def test_capacity_is_learned_from_waiting_and_probed_upwards():
     c = Clock()
-    w = worker(0, c)
+    w = endpoint(0, c)
     w.on_scrape(3, 0, 0.1, c())
     assert w.cap is None and not w.saturated(c())  # never queued: capacity unknown
     w.on_scrape(4, 2, 0.5, c())
@@ -45,7 +45,7 @@ def test_capacity_is_learned_from_waiting_and_probed_upwards():
     assert w.cap == 3
 
 
-def send(w: Worker, n: int) -> None:
+def send(w: Endpoint, n: int) -> None:
     for _ in range(n):
         w.acquire()
 
@@ -55,7 +55,7 @@ def test_requests_just_sent_and_still_waiting_do_not_make_the_engine_look_full()
     often shows the router's latest requests waiting with slots free. Only waiting
     beyond what the router sent in the last ADMIT_WINDOW_S shows the engine full."""
     c = Clock()
-    w = worker(0, c)
+    w = endpoint(0, c)
     send(w, 3)
     w.on_scrape(2, 2, 0.1, c())  # 2 waiting, 3 sent a moment ago: not a sign of fullness
     assert w.cap is None and not w.saturated(c())
@@ -64,7 +64,7 @@ def test_requests_just_sent_and_still_waiting_do_not_make_the_engine_look_full()
     w.on_scrape(2, 4, 0.1, c())  # one more than the router just sent: someone waits for a slot
     assert w.cap == 2
     c.t += ADMIT_WINDOW_S + 0.01  # those sends are no longer recent: waiting means full
-    v = worker(1, c)
+    v = endpoint(1, c)
     send(v, 3)
     c.t += ADMIT_WINDOW_S + 0.01
     v.on_scrape(5, 1, 0.1, c())
@@ -76,7 +76,7 @@ def test_an_estimate_learned_too_low_grows_back_while_only_fresh_requests_wait()
     so the engine always shows that one waiting for its step. With the KV cache far from
     full at the estimate, that must not confirm it: probes grow it, one per probe_s."""
     c = Clock()
-    w = worker(0, c)  # probe_s 5
+    w = endpoint(0, c)  # probe_s 5
     c.t += 1
     w.on_scrape(2, 1, 0.1, c())
     assert w.cap == 2
@@ -98,7 +98,7 @@ def test_a_full_engine_at_its_estimate_is_not_probed_past_it():
     or not exported): the fresh request waiting confirms the estimate; no probe."""
     for kv in (0.75, None):  # 3 of 4 slots: 75%, so 100% at the estimate of 4
         c = Clock()
-        w = worker(0, c)
+        w = endpoint(0, c)
         c.t += 1
         w.on_scrape(4, 1, 1.0, c())
         assert w.cap == 4
@@ -111,7 +111,7 @@ def test_a_full_engine_at_its_estimate_is_not_probed_past_it():
         assert caps == {4}  # confirmed at the estimate (3 running + the one just sent), never lowered
     # A configured max_inflight is confirmed the same way, not lowered to what runs.
     c = Clock()
-    m = worker(1, c, max_inflight=8)
+    m = endpoint(1, c, max_inflight=8)
     send(m, 2)
     m.on_scrape(6, 2, None, c())
     assert m.cap == 8
@@ -119,7 +119,7 @@ def test_a_full_engine_at_its_estimate_is_not_probed_past_it():
 
 def test_a_probe_holds_only_once_the_engine_runs_that_many() -> None:
     c = Clock()
-    w = worker(0, c)
+    w = endpoint(0, c)
     w.on_scrape(8, 1, None, c())
     assert w.cap == 8
     c.t += 6
@@ -141,7 +141,7 @@ def test_the_send_window_starts_when_the_scrape_was_asked_for() -> None:
     """A scrape reads the engine when it asks; its answer may come later. A request sent just
     before the scrape started is excused by when the scrape started, not by when it ended."""
     c = Clock()
-    w = worker(0, c)
+    w = endpoint(0, c)
     started = c.t + 0.05
     send(w, 1)
     c.t += 0.3  # the scrape took 0.25 s: the send is older than ADMIT_WINDOW_S by its end
@@ -153,19 +153,19 @@ def test_the_send_window_starts_when_the_scrape_was_asked_for() -> None:
 
 def test_max_inflight_caps_and_unknown_is_not_zero():
     c = Clock()
-    w = worker(0, c, max_inflight=2)
+    w = endpoint(0, c, max_inflight=2)
     w.on_scrape(10, 5, None, c())
     assert w.cap == 2
     w.inflight = 2
     assert w.saturated(c())
-    u = worker(1, c)
+    u = endpoint(1, c)
     u.on_scrape(None, None, None, c())
     assert (u.external(c()), u.kv(c())) == (0.0, None)
 
 
 def test_other_clients_load_counts_only_while_fresh():
     c = Clock()
-    w = worker(0, c)
+    w = endpoint(0, c)
     w.inflight = 1
     w.on_scrape(5, 2, None, c())  # 7 on the engine, 1 of them ours
     assert w.load(c()) == 1 + 6
@@ -175,7 +175,7 @@ def test_other_clients_load_counts_only_while_fresh():
 
 def test_least_load_prefers_free_capacity_and_breaks_ties_at_random():
     c = Clock()
-    a, b = worker(0, c), worker(1, c)
+    a, b = endpoint(0, c), endpoint(1, c)
     a.inflight, b.inflight = 3, 1
     pol = LeastLoad(random.Random(1))
     assert pol.select([a, b], c()) is b
@@ -189,7 +189,7 @@ def test_least_load_prefers_free_capacity_and_breaks_ties_at_random():
 
 def test_p2c_and_round_robin():
     c = Clock()
-    ws = [worker(i, c) for i in range(3)]
+    ws = [endpoint(i, c) for i in range(3)]
     ws[0].inflight = 100
     p = PowerOfTwo(random.Random(3))
     assert ws[0] not in {p.select(ws, c()) for _ in range(50)}  # never wins a pair against an idle one
@@ -199,7 +199,7 @@ def test_p2c_and_round_robin():
 
 def test_fit_message_counts_reasons():
     c = Clock()
-    ws = [worker(0, c, draining=True), worker(1, c, draining=True), worker(2, c), worker(3, c)]
+    ws = [endpoint(0, c, draining=True), endpoint(1, c, draining=True), endpoint(2, c), endpoint(3, c)]
     for w in ws[2:]:
         w.breaker._open()
     assert fit_message(ws) == "0/4 endpoints available: 2 circuit open, 2 draining"
@@ -225,7 +225,7 @@ def test_a_new_engine_behind_the_same_url_starts_unlearned():
     import dataclasses
 
     c = Clock()
-    w = worker(0, c)
+    w = endpoint(0, c)
     w.on_scrape(2, 3, 0.9, c())
     w.inflight = 1
     assert w.cap == 2 and w.scraped.running == 2
@@ -265,15 +265,15 @@ def test_a_shorter_queue_wait_after_a_reload_applies_to_those_already_waiting():
     asyncio.run(go())
 
 
-def _scrape_across_a_reload(monkeypatch, reloaded: Callable[[EndpointView], EndpointView]) -> Worker:
-    """A worker whose scrape (answering vLLM's numbers: 2 running, 3 waiting) is in flight
+def _scrape_across_a_reload(monkeypatch, reloaded: Callable[[EndpointView], EndpointView]) -> Endpoint:
+    """A endpoint whose scrape (answering vLLM's numbers: 2 running, 3 waiting) is in flight
     while its view is replaced by ``reloaded(view)``; returns it once the scrape has landed."""
     import asyncio
 
     from cluster_cli.router import scrape
 
     c = Clock()
-    w = worker(0, c)
+    w = endpoint(0, c)
     vm = MetricMapping.vllm()
     body = f"{vm.running} 2\n{vm.waiting} 3\n".encode()
 
@@ -323,7 +323,7 @@ def test_a_probe_that_was_answered_gives_its_slot_back_once() -> None:
     """Half-open with one probe slot: probe A is answered (its slot goes to B), then A ends.
     A's release must not free B's slot too, or a third request would probe alongside B."""
     c = Clock()
-    w = worker(0, c)
+    w = endpoint(0, c)
     b = w.breaker
     for _ in range(b.cfg.failure_threshold):
         b.on_result(False)
@@ -331,8 +331,8 @@ def test_a_probe_that_was_answered_gives_its_slot_back_once() -> None:
     assert b.current() is State.HALF_OPEN
     cfg = router_config({"m": {"endpoints": [{"url": w.url}]}})
     table = build_table(cfg)
-    table.workers = {w.url: w}
-    table.models["m"].workers = [w]
+    table.endpoints = {w.url: w}
+    table.models["m"].endpoints = [w]
     bal = Balancer(table, make_policy("least_load"), clock=c)
     a = bal.try_acquire(table.models["m"])
     assert a is not None and a.probe and not b.allows()
@@ -346,7 +346,7 @@ def test_a_probe_that_was_answered_gives_its_slot_back_once() -> None:
 
 def test_retry_after_is_the_soonest_breaker_and_never_beyond_the_queue_wait() -> None:
     c = Clock()
-    soon, late = worker(0, c), worker(1, c)
+    soon, late = endpoint(0, c), endpoint(1, c)
     for w, openings in ((soon, 1), (late, 4)):
         w.breaker.openings = openings - 1
         for _ in range(w.breaker.cfg.failure_threshold):
@@ -370,7 +370,7 @@ def test_queued_requests_get_503_at_once_when_their_last_endpoint_goes() -> None
         waiting = asyncio.ensure_future(bal.acquire(entry))
         await asyncio.sleep(0)
         assert len(entry.queue) == 1
-        (w,) = table.workers.values()
+        (w,) = table.endpoints.values()
         for _ in range(w.breaker.cfg.failure_threshold):
             w.breaker.on_result(False)
         bal.kick()
@@ -404,12 +404,12 @@ def test_queue_deadlines_only_shrink_and_the_deadline_itself_is_expired() -> Non
 
 def test_a_re_added_endpoint_starts_at_the_largest_learned_estimate_not_an_operator_limit() -> None:
     c = Clock()
-    a, b, new = worker(0, c), worker(1, c), worker(2, c)
+    a, b, new = endpoint(0, c), endpoint(1, c), endpoint(2, c)
     a.cap, b.cap = 4, 8
     adopt_peer_capacity([a, b, new], {new.url})
     assert new.cap == 8
     c2 = Clock()
-    a, limited, new = worker(0, c2), worker(1, c2, max_inflight=16), worker(2, c2)
+    a, limited, new = endpoint(0, c2), endpoint(1, c2, max_inflight=16), endpoint(2, c2)
     a.cap, limited.cap = 4, 16
     adopt_peer_capacity([a, limited, new], {new.url})
     assert new.cap == 4
@@ -417,7 +417,7 @@ def test_a_re_added_endpoint_starts_at_the_largest_learned_estimate_not_an_opera
 
 def test_an_engine_showing_less_than_the_router_sent_adds_no_negative_load() -> None:
     c = Clock()
-    w = worker(0, c)
+    w = endpoint(0, c)
     w.inflight = 3
     w.on_scrape(0, 0, None, c())  # the scrape raced ahead of our three requests
     assert w.external(c()) == 0.0 and w.load(c()) == 3
@@ -429,7 +429,7 @@ def test_a_reload_with_another_metric_mapping_forgets_the_scraped_load() -> None
     from cluster_cli.router.breaker import BreakerConfig
 
     c = Clock()
-    w = worker(0, c)
+    w = endpoint(0, c)
     w.on_scrape(5, 2, 0.5, c())
     llama = MetricMapping.from_config({"running": "llamacpp:requests_processing"})
     w.update_view(replace(w.view, metrics=llama), breaker_cfg=BreakerConfig(), stale_s=3.0, probe_s=5.0)

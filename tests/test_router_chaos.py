@@ -96,7 +96,7 @@ def test_engine_killed_while_clients_stream():
         # counter also holds later requests that found the victim dead, hence ">=".
         assert len(cut) + _resumed(f) + _retries(f) >= held
         assert sum(e.served for e in f.engines[1:]) == 40 - len(cut)
-        workers = f.router.table.workers
-        f.lt.wait_for(lambda: all(w.inflight == 0 for w in workers.values()), what="in-flight back to 0")
+        endpoints = f.router.table.endpoints
+        f.lt.wait_for(lambda: all(w.inflight == 0 for w in endpoints.values()), what="in-flight back to 0")
     finally:
         f.close()

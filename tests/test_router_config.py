@@ -561,7 +561,7 @@ def test_the_configured_health_failure_threshold_reaches_the_breakers() -> None:
     cfg = router_config(
         {"m": {"endpoints": [{"url": "http://10.0.0.1:8000"}]}}, {"breaker": {"health_failure_threshold": 4}}
     )
-    (w,) = build_table(cfg).workers.values()
+    (w,) = build_table(cfg).endpoints.values()
     for _ in range(3):
         w.breaker.on_health(False)
     assert w.breaker.current() is State.CLOSED
@@ -604,9 +604,9 @@ def test_an_endpoint_may_carry_its_engines_key(tmp_path) -> None:
     assert views["http://198.18.0.11:8080"].api_key == "ck-0123abcd"
     assert views["http://198.18.0.12:8080"].api_key is None  # an engine without one: nothing is sent
     table = build_table(load_router_config(p))
-    w = table.workers["http://198.18.0.11:8080"]
+    w = table.endpoints["http://198.18.0.11:8080"]
     assert w.head_lines == b"198.18.0.11:8080\r\nAuthorization: Bearer ck-0123abcd\r\n"
-    assert table.workers["http://198.18.0.12:8080"].head_lines == b"198.18.0.12:8080\r\n"
+    assert table.endpoints["http://198.18.0.12:8080"].head_lines == b"198.18.0.12:8080\r\n"
     assert "ck-0123abcd" not in json.dumps(w.snapshot(0.0))  # /health's detail never shows it
 
 

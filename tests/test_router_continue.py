@@ -396,4 +396,4 @@ def test_a_client_leaving_during_the_seam_cancels_the_continuation(routed) -> No
         pieces.close()
     held = r.script.log[1][0]
     r.lt.wait_for(lambda: r.script.dropped == [held], what="the continuation's connection to be closed")
-    r.lt.wait_for(lambda: all(w.inflight == 0 for w in r.router.table.workers.values()), what="no request in flight")
+    r.lt.wait_for(lambda: all(w.inflight == 0 for w in r.router.table.endpoints.values()), what="no request in flight")

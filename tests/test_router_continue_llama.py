@@ -108,7 +108,7 @@ def test_a_stream_whose_replica_is_killed_goes_on_elsewhere(replicas) -> None:
     def kill_the_server(n: int) -> None:
         if n != 5 or killed:
             return
-        busy = lt.call(lambda: [u for u, w in router.table.workers.items() if w.inflight])
+        busy = lt.call(lambda: [u for u, w in router.table.endpoints.items() if w.inflight])
         assert len(busy) == 1, busy
         os.killpg(pids[busy[0]], signal.SIGKILL)
         killed.append(busy[0])

@@ -11,7 +11,7 @@ from simengine import Fleet
 
 from cluster_cli.router.breaker import State
 from cluster_cli.router.config import RouterConfig, endpoint_views
-from cluster_cli.router.worker import Worker
+from cluster_cli.router.endpoint import Endpoint
 
 MSG = [{"role": "user", "content": "hello"}]
 
@@ -36,7 +36,7 @@ def test_a_half_open_probe_is_judged_when_the_engine_answers_and_requests_wait_b
     try:
         f.lt.call(lambda: setattr(e, "fail_status", 500))
         assert chat(f).status_code == 500  # the engine's own answer: nowhere else to retry
-        w = f.router.table.workers[e.url]
+        w = f.router.table.endpoints[e.url]
         # The router settles its books just after the answer is out: wait for it (a slow box).
         f.lt.wait_for(lambda: w.failed == 1, what="the failure counted")
         assert w.breaker.state is State.OPEN or w.breaker.openings == 1
@@ -80,7 +80,7 @@ def test_a_probe_that_is_answered_and_then_cut_reopens_the_breaker_for_longer() 
     (e,) = f.engines
     try:
         f.lt.call(lambda: setattr(e, "cut_after", 2))
-        w = f.router.table.workers[e.url]
+        w = f.router.table.endpoints[e.url]
         with httpx.stream(
             "POST", f.base + "/chat/completions", json={"model": "sim", "messages": MSG, "stream": True}, timeout=30
         ) as r:
@@ -107,7 +107,7 @@ def test_an_engine_s_429_is_retried_elsewhere_and_is_no_success_or_failure() -> 
     try:
         codes = [chat(f).status_code for _ in range(20)]
         assert codes == [200] * 20
-        w = f.router.table.workers[busy.url]
+        w = f.router.table.endpoints[busy.url]
         assert busy.requests > 0, "the busy engine was never tried: the test shows nothing"
         assert w.breaker.state is State.CLOSED and w.failed == 0 and w.completed == 0
         assert good.served == 20
@@ -127,7 +127,7 @@ def test_a_single_endpoint_s_429_and_5xx_reach_the_client_as_the_engine_sent_the
             r = chat(f)
             assert r.status_code == status and r.json()["error"]["message"] == "simulated failure"
             assert e.requests - before == 1
-        w = f.router.table.workers[e.url]
+        w = f.router.table.endpoints[e.url]
         f.lt.wait_for(lambda: w.failed == 1, what="the 503 counted")  # just after the answer is out
         assert (w.failed, w.completed) == (1, 0)  # the 503 is a failure, the 429 neither
     finally:
@@ -164,25 +164,25 @@ def test_a_retry_never_goes_back_to_an_endpoint_that_just_failed() -> None:
         f.close()
 
 
-def _worker(url: str) -> Worker:
+def _endpoint(url: str) -> Endpoint:
     cfg = RouterConfig.model_validate(
         {"engines": {"vllm": {"metrics": {}}}, "models": {"m": {"endpoints": [{"url": url, "engine": "vllm"}]}}}
     )
     (view,) = endpoint_views(cfg).values()
-    return Worker(view)
+    return Endpoint(view)
 
 
 def test_an_ipv6_endpoint_is_asked_with_its_address_in_brackets() -> None:
-    assert _worker("http://[::1]:8000").host_header == b"[::1]:8000"
-    assert _worker("http://[fe80::1]:8000").view.host == "fe80::1"  # what the socket connects to
-    assert _worker("http://10.0.0.1:8000").host_header == b"10.0.0.1:8000"
-    assert _worker("http://gpu-01:8000").host_header == b"gpu-01:8000"
+    assert _endpoint("http://[::1]:8000").host_header == b"[::1]:8000"
+    assert _endpoint("http://[fe80::1]:8000").view.host == "fe80::1"  # what the socket connects to
+    assert _endpoint("http://10.0.0.1:8000").host_header == b"10.0.0.1:8000"
+    assert _endpoint("http://gpu-01:8000").host_header == b"gpu-01:8000"
 
 
 def test_a_failed_scrape_drops_the_engine_s_load_at_once() -> None:
     """The contract: a failed scrape falls back to the in-flight count, not to the last
     reading until it goes stale (an engine restarting kept its old load for seconds)."""
-    w = _worker("http://10.0.0.1:8000")
+    w = _endpoint("http://10.0.0.1:8000")
     now = w._clock()
     w.on_scrape(40.0, 3.0, 0.8, now, now)
     assert w.load(now) == 43.0 and w.kv(now) == 0.8

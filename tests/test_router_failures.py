@@ -40,7 +40,7 @@ def test_5xx_is_retried_elsewhere_and_opens_the_breaker():
         for _ in range(20):
             assert c.chat.completions.create(model="sim", messages=MSG).choices
             assert len(list(c.chat.completions.create(model="sim", messages=MSG, stream=True))) == 3
-        w = f.router.table.workers[bad.url]
+        w = f.router.table.endpoints[bad.url]
         assert f.lt.call(lambda: w.breaker.state) is State.OPEN
         assert 1 <= bad.requests <= 3 + 2  # threshold, plus at most a half-open probe or two
         assert 'clusterctl_router_retries_total{model="sim",reason="5xx"}' in httpx.get(f.url + "/metrics").text
@@ -53,7 +53,7 @@ def test_breaker_half_open_probe_closes_after_recovery():
         router={"breaker": {"failure_threshold": 2, "open_for_s": 0.2, "success_threshold": 2}}
     )
     bad = f.engines[0]
-    w = f.router.table.workers[bad.url]
+    w = f.router.table.endpoints[bad.url]
     f.lt.call(lambda: setattr(bad, "fail_status", 503))
     try:
         c = client(f)
@@ -139,7 +139,7 @@ def test_a_client_that_hangs_up_after_done_was_served():
     f = Fleet(1, capacity=4, token_delay_s=0.001, tokens=3).start(access_log=AccessLog(buf))
     eng = f.engines[0]
     eng.done_linger_s = 2.0
-    w = f.router.table.workers[eng.url]
+    w = f.router.table.endpoints[eng.url]
     try:
         chunks = list(client(f).chat.completions.create(model="sim", messages=MSG, stream=True))
         assert len(chunks) == 4
@@ -200,7 +200,7 @@ def test_a_non_streamed_answer_may_take_longer_than_the_idle_timeout():
             assert r.status_code == 200, r.text
             assert len(r.json()["choices"][0]["message"]["content"].split()) == 20
         assert sum(e.requests for e in f.engines) == 2
-        states = f.lt.call(lambda: [w.breaker.state for w in f.router.table.workers.values()])
+        states = f.lt.call(lambda: [w.breaker.state for w in f.router.table.endpoints.values()])
         assert all(s.name == "CLOSED" for s in states), states
     finally:
         f.close()
@@ -221,7 +221,7 @@ def test_a_response_timeout_is_a_504_not_retried_and_no_breaker_strike():
         assert ei.value.status_code == 504 and ei.value.body["code"] == "upstream_timeout"
         assert ei.value.response.headers["x-should-retry"] == "false"
         assert sum(e.requests for e in f.engines) == 1  # not retried by the router nor the client
-        states = f.lt.call(lambda: [w.breaker.state for w in f.router.table.workers.values()])
+        states = f.lt.call(lambda: [w.breaker.state for w in f.router.table.endpoints.values()])
         assert all(s.name == "CLOSED" for s in states), states
         # A stream's head comes at once: the same engines serve it under the same limits.
         assert chat(f, stream=True).status_code == 200
@@ -255,7 +255,7 @@ def test_draining_endpoint_gets_nothing_and_503_reason():
     f.start(cfg=f.config(endpoint_extra={0: {"draining": True}, 1: {"draining": True}}))
     try:
         for e in f.engines[2:]:
-            w = f.router.table.workers[e.url]
+            w = f.router.table.endpoints[e.url]
             f.lt.call(lambda w=w: (w.breaker._open(), None)[1])
         r = chat(f)
         assert r.status_code == 503
@@ -320,7 +320,7 @@ def test_a_retry_waits_for_the_busy_endpoint_rather_than_the_dead_one():
         t.start()
         f.lt.wait_for(lambda: len(entry.queue) == 1 or "r" in result, what="the retry queued for tiny-1")
         assert "r" not in result, result["r"].text  # not failed on tiny-0 over and over
-        assert f.router.table.workers[dead.url].breaker.failures == 1
+        assert f.router.table.endpoints[dead.url].breaker.failures == 1
         for s in (s1, s2):
             s.close()  # the stream on tiny-1 ends: its slot goes to the waiting retry
         t.join(20)
@@ -349,7 +349,7 @@ def test_learned_capacity_holds_requests_in_the_router():
     """Once a scrape shows the engine queueing, the router keeps the surplus in its own queue."""
     f = Fleet(1, capacity=2, token_delay_s=0.02, tokens=1000).start()
     eng = f.engines[0]
-    w = f.router.table.workers[eng.url]
+    w = f.router.table.endpoints[eng.url]
     socks = []
     try:
         socks = [_raw_stream(f.port) for _ in range(3)]
@@ -370,7 +370,7 @@ def test_requests_waiting_only_for_the_next_scheduler_step_do_not_teach_a_low_ca
     that taught a capacity of 3 to an engine of 8 and the router held requests back from
     it (at 8 req/s on 16 slots, time to first token went from 15 ms to 9 s)."""
     f = Fleet(1, capacity=8, token_delay_s=0.1, tokens=4).start()
-    w = f.router.table.workers[f.engines[0].url]
+    w = f.router.table.endpoints[f.engines[0].url]
     stop = time.monotonic() + 4.0
     codes: list[int] = []
 
@@ -556,7 +556,7 @@ def test_a_slow_engine_that_misses_health_checks_keeps_its_requests():
         tp.start()
         f.lt.wait_for(lambda: f.engines[0].running == 2, what="both running")
         f.lt.call(lambda: setattr(f.engines[0], "health_status", 503))
-        f.lt.wait_for(lambda: f.router.table.workers[f.engines[0].url].breaker.state is State.OPEN, what="open")
+        f.lt.wait_for(lambda: f.router.table.endpoints[f.engines[0].url].breaker.state is State.OPEN, what="open")
         time.sleep(0.5)
         f.lt.call(lambda: setattr(f.engines[0], "health_status", 200))
         ts.join(20)
@@ -578,9 +578,9 @@ def test_the_same_5xx_from_every_endpoint_is_the_requests_fault_and_opens_no_bre
         for _ in range(6):
             r = chat(f)
             assert r.status_code == 500  # the engine's own answer, relayed after the retry
-        workers = [f.router.table.workers[e.url] for e in f.engines]
-        assert [f.lt.call(lambda w=w: w.breaker.current()) for w in workers] == [State.CLOSED, State.CLOSED]
-        assert [w.failed for w in workers] == [0, 0]
+        endpoints = [f.router.table.endpoints[e.url] for e in f.engines]
+        assert [f.lt.call(lambda w=w: w.breaker.current()) for w in endpoints] == [State.CLOSED, State.CLOSED]
+        assert [w.failed for w in endpoints] == [0, 0]
         for e in f.engines:  # the next good request is served at once
             f.lt.call(lambda e=e: setattr(e, "fail_status", None))
         assert chat(f).status_code == 200
@@ -604,7 +604,7 @@ def test_a_501_is_relayed_not_retried_and_blames_no_engine():
             c.embeddings.create(model="sim", input="x")
         assert ei.value.status_code == 501 and ei.value.response.headers["x-should-retry"] == "false"
         assert sum(e.requests for e in f.engines) == 5
-        assert [w.breaker.state for w in f.router.table.workers.values()] == [State.CLOSED, State.CLOSED]
+        assert [w.breaker.state for w in f.router.table.endpoints.values()] == [State.CLOSED, State.CLOSED]
     finally:
         f.close()
 
@@ -618,7 +618,7 @@ def test_kept_connections_the_engine_closed_after_a_stream_are_retried_on_a_new_
     f = Fleet(1, capacity=8, token_delay_s=0.001, tokens=2).start()
     engine = f.engines[0]
     f.lt.call(lambda: setattr(engine, "drop_after_stream", True))
-    w = f.router.table.workers[engine.url]
+    w = f.router.table.endpoints[engine.url]
     try:
         for _ in range(5):
             threads = [threading.Thread(target=lambda: chat(f, stream=True)) for _ in range(4)]
@@ -681,7 +681,7 @@ def test_a_half_open_probe_is_bounded_by_the_idle_timeout_and_reopens_the_breake
         }
     )
     e = f.engines[0]
-    w = f.router.table.workers[e.url]
+    w = f.router.table.endpoints[e.url]
     try:
         f.lt.call(lambda: setattr(e, "fail_status", 500))
         assert chat(f).status_code == 500
@@ -707,7 +707,7 @@ def test_router_does_not_answer_queue_full_for_clients_that_left():
     )
     f.lt.call(lambda: setattr(f.engines[0], "hang", True))
     q = f.router.table.models["sim"].queue
-    w = f.router.table.workers[f.engines[0].url]
+    w = f.router.table.endpoints[f.engines[0].url]
     body = {"model": "sim", "messages": []}
 
     def post(timeout: float) -> int | str:
@@ -753,7 +753,7 @@ def test_a_client_that_stops_reading_is_dropped_without_blaming_the_engine() -> 
         access_log=AccessLog(log, max_buffer=1),
     )
     try:
-        w = f.router.table.workers[f.engines[0].url]
+        w = f.router.table.endpoints[f.engines[0].url]
         s = _stream_socket(f.port)
         s.recv(1024)
         time.sleep(2.5)  # stalled for more than the idle timeout

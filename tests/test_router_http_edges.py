@@ -226,7 +226,7 @@ def sse_events(raw: bytes) -> list[bytes]:
 
 
 def worker_counts(f: Fleet, eng: RawEngine) -> tuple[int, int]:
-    w = f.router.table.workers[f"http://127.0.0.1:{eng.port}"]  # type: ignore[union-attr]
+    w = f.router.table.endpoints[f"http://127.0.0.1:{eng.port}"]  # type: ignore[union-attr]
     f.lt.wait_for(lambda: w.inflight == 0, what="the request to leave the endpoint")
     return f.lt.call(lambda: (w.completed, w.failed))
 
@@ -730,7 +730,7 @@ def test_a_plain_body_cut_by_the_engine_is_the_engines_failure_not_the_clients()
     r = Router(cfg)
     rport = lt.run(r.start("127.0.0.1", 0))
     try:
-        w = r.table.workers[url]
+        w = r.table.endpoints[url]
         for _ in range(3):
             with pytest.raises(httpx.HTTPError):  # the truncated body must not look complete
                 httpx.post(f"http://127.0.0.1:{rport}/v1/chat/completions", json={"model": "m", "messages": []})

@@ -85,15 +85,15 @@ def test_openai_client_non_stream_and_stream(routed):
 def test_both_replicas_serve_and_metrics_are_scraped(routed):
     base, urls, router, lt = routed
     c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
-    workers = [router.table.workers[u] for u in urls]
+    endpoints = [router.table.endpoints[u] for u in urls]
     # Idle replicas tie, and ties are broken at random: six in a row to one is 1 in 32.
     for _ in range(40):
         c.chat.completions.create(model=ALIAS, messages=MSG, max_tokens=2)
-        if lt.call(lambda: all(w.completed > 0 for w in workers)):
+        if lt.call(lambda: all(w.completed > 0 for w in endpoints)):
             break
-    assert lt.call(lambda: all(w.completed > 0 for w in workers))
-    lt.wait_for(lambda: all(w.scraped.running is not None for w in workers), what="scrapes", timeout=20)
-    assert all(w.scraped.kv is None for w in workers)  # this llama.cpp exports no KV gauge: unknown
+    assert lt.call(lambda: all(w.completed > 0 for w in endpoints))
+    lt.wait_for(lambda: all(w.scraped.running is not None for w in endpoints), what="scrapes", timeout=20)
+    assert all(w.scraped.kv is None for w in endpoints)  # this llama.cpp exports no KV gauge: unknown
     assert "clusterctl_router_requests_total" in httpx.get(base + "/metrics").text
 
 
@@ -103,7 +103,9 @@ def test_disconnect_frees_the_llama_slot(routed):
     stream = c.chat.completions.create(model=ALIAS, messages=MSG, max_tokens=4000, stream=True)
     next(iter(stream))
     stream.close()
-    lt.wait_for(lambda: all(router.table.workers[u].inflight == 0 for u in urls), what="router in-flight 0", timeout=20)
+    lt.wait_for(
+        lambda: all(router.table.endpoints[u].inflight == 0 for u in urls), what="router in-flight 0", timeout=20
+    )
 
     def processing() -> float:
         total = 0.0

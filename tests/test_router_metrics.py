@@ -39,7 +39,7 @@ def test_metrics_and_access_log():
             )
         assert httpx.post(f.base + "/chat/completions", json={"model": "nope", "messages": MSG}).status_code == 404
         f.lt.wait_for(
-            lambda: all(w.scraped.running is not None for w in f.router.table.workers.values()), what="scrapes"
+            lambda: all(w.scraped.running is not None for w in f.router.table.endpoints.values()), what="scrapes"
         )
         text = httpx.get(f.url + "/metrics").text
         s = samples(text)
@@ -126,7 +126,7 @@ def test_health_is_degraded_while_a_model_has_no_endpoint():
         "router": {"scrape_interval_s": 0.1, "health_interval_s": 0.2},
     }
     f.start(cfg=cfg)
-    w0 = f.router.table.workers[f.engines[0].url]
+    w0 = f.router.table.endpoints[f.engines[0].url]
     try:
         r = httpx.get(f.url + "/health")
         assert r.status_code == 200

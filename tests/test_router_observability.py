@@ -51,7 +51,7 @@ def test_refusals_stay_out_of_the_latency_histograms_and_bounds_are_prometheus_s
             body = json.dumps({"model": name, "messages": MSG})  # ensure_ascii: "x\\ud800y" on the wire
             r = httpx.post(f.base + "/chat/completions", content=body, headers={"content-type": "application/json"})
             assert r.status_code == 404
-        f.lt.wait_for(lambda: all(w.inflight == 0 for w in f.router.table.workers.values()), what="books settled")
+        f.lt.wait_for(lambda: all(w.inflight == 0 for w in f.router.table.endpoints.values()), what="books settled")
         text = httpx.get(f.url + "/metrics").text
         fams = _families(text)
         durations = [s for s in fams["clusterctl_router_request_duration_seconds"] if s.name.endswith("_count")]

@@ -174,7 +174,7 @@ def test_client_disconnect_frees_engine_slot():
         assert f.lt.call(lambda: eng.running) == 1
         stream.close()  # the client goes away mid-stream
         f.lt.wait_for(lambda: eng.running == 0 and eng.aborted == 1, what="engine slot freed")
-        f.lt.wait_for(lambda: f.router.table.workers[eng.url].inflight == 0, what="router in-flight back to 0")
+        f.lt.wait_for(lambda: f.router.table.endpoints[eng.url].inflight == 0, what="router in-flight back to 0")
         assert eng.served == 0
     finally:
         f.close()
@@ -195,7 +195,7 @@ def test_client_disconnect_while_queued_in_engine():
             f.lt.wait_for(lambda: eng.waiting == 1, what="second request queued in the engine")
         f.lt.wait_for(lambda: eng.waiting == 0 and eng.aborted == 1, what="queued request dropped")
         s1.close()
-        f.lt.wait_for(lambda: eng.running == 0 and f.router.table.workers[eng.url].inflight == 0, what="all freed")
+        f.lt.wait_for(lambda: eng.running == 0 and f.router.table.endpoints[eng.url].inflight == 0, what="all freed")
     finally:
         f.close()
 
@@ -203,7 +203,7 @@ def test_client_disconnect_while_queued_in_engine():
 def test_llamacpp_metric_names_are_scraped():
     f = Fleet(1, capacity=3, token_delay_s=0.001, metrics_style="llamacpp").start()
     try:
-        w = f.router.table.workers[f.engines[0].url]
+        w = f.router.table.endpoints[f.engines[0].url]
         f.lt.wait_for(lambda: w.scraped.running is not None, what="a scrape")
         assert w.scraped.waiting == 0.0
         assert w.scraped.kv is None  # llama.cpp exports no KV-cache gauge: unknown, not 0

@@ -35,8 +35,8 @@ def test_reload_carries_live_state_and_retires_removed(tmp_path):
     f.start(cfg=_cfg(f, [0, 1]), source=src)
     a_url, b_url, c_url = (e.url for e in f.engines)
     try:
-        wa = f.router.table.workers[a_url]
-        wb = f.router.table.workers[b_url]
+        wa = f.router.table.endpoints[a_url]
+        wb = f.router.table.endpoints[b_url]
         # a long stream pinned to A (B's breaker held open), then some live state on A
         body = json.dumps({"model": "sim", "messages": MSG, "stream": True}).encode()
         f.lt.call(lambda: setattr(wb.breaker, "state", State.OPEN) or setattr(wb.breaker, "opened_at", 1e18))
@@ -47,16 +47,16 @@ def test_reload_carries_live_state_and_retires_removed(tmp_path):
             f.lt.call(lambda: (setattr(wa.breaker, "failures", 2), setattr(wa, "drain_rate", 7.5)))
 
             path.write_text(yaml.safe_dump(_cfg(f, [0, 2], **{"0": {"replica": "renamed"}})))  # B out, C in
-            f.lt.wait_for(lambda: c_url in f.router.table.workers, what="reload")
-            assert f.router.table.workers[a_url] is wa  # same live object
+            f.lt.wait_for(lambda: c_url in f.router.table.endpoints, what="reload")
+            assert f.router.table.endpoints[a_url] is wa  # same live object
             assert f.lt.call(lambda: (wa.inflight, wa.breaker.failures, wa.drain_rate, wa.view.replica)) == (
                 1,
                 2,
                 7.5,
                 "renamed",
             )
-            assert wb.removed and b_url not in f.router.table.workers
-            wc = f.router.table.workers[c_url]
+            assert wb.removed and b_url not in f.router.table.endpoints
+            wc = f.router.table.endpoints[c_url]
             assert (wc.inflight, wc.breaker.state, wc.cap) == (0, State.CLOSED, None)  # cold
         f.lt.wait_for(lambda: wa.inflight == 0, what="in-flight released when the client left")
         f.lt.wait_for(lambda: wb not in f.router.table.retired, what="removed endpoint retired")
@@ -81,7 +81,7 @@ def test_reload_finishes_inflight_on_removed_endpoint(tmp_path):
             events = r.iter_lines()
             assert next(e for e in events if e.startswith("data: "))
             path.write_text(yaml.safe_dump(_cfg(f, [1])))
-            f.lt.wait_for(lambda: f.engines[1].url in f.router.table.workers, what="reload")
+            f.lt.wait_for(lambda: f.engines[1].url in f.router.table.endpoints, what="reload")
             rest = [e for e in events if e.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"  # the removed endpoint finished its stream
         r = httpx.post(f.base + "/chat/completions", json={"model": "sim", "messages": MSG, "max_tokens": 1})
@@ -158,7 +158,7 @@ def test_a_file_pyyaml_cannot_build_is_rejected_and_watching_goes_on(tmp_path):
             assert "invalid YAML" in f.router.last_reload_error
         path.write_text(yaml.safe_dump(_cfg(f, [0], **{"0": {"replica": "back"}})))
         f.lt.wait_for(lambda: f.router.reloads_ok == 1, what="the watcher still running")
-        assert next(iter(f.router.table.workers.values())).view.replica == "back"
+        assert next(iter(f.router.table.endpoints.values())).view.replica == "back"
     finally:
         f.close()
 
@@ -178,7 +178,7 @@ def test_a_rewrite_that_keeps_size_and_mtime_is_seen(tmp_path):
         path.write_text(text)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         f.lt.wait_for(lambda: f.router.reloads_ok == 1, what="reload")
-        assert f.lt.call(lambda: f.router.table.workers[f.engines[0].url].view.draining) is True
+        assert f.lt.call(lambda: f.router.table.endpoints[f.engines[0].url].view.draining) is True
     finally:
         f.close()
 
@@ -463,7 +463,7 @@ def test_draining_closes_the_endpoints_kept_connections_and_unused_ones_expire(t
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump(_cfg(f, [0, 1])))
     f.start(cfg=_cfg(f, [0, 1]), source=FileSource(path, interval=0.05))
-    w0, w1 = (f.router.table.workers[e.url] for e in f.engines)
+    w0, w1 = (f.router.table.endpoints[e.url] for e in f.engines)
     try:
         with httpx.Client() as client:
             for _ in range(40):  # until both endpoints have served (ties go either way)

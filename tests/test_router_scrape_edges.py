@@ -24,8 +24,8 @@ from cluster_cli.engines.metrics import parse_metrics, resolve
 from cluster_cli.router import health, scrape
 from cluster_cli.router.breaker import BreakerConfig
 from cluster_cli.router.config import EndpointView
+from cluster_cli.router.endpoint import Endpoint
 from cluster_cli.router.http import fetch
-from cluster_cli.router.worker import Worker
 
 VM = MetricMapping.vllm()
 RUN, WAIT, KV = VM.running, VM.waiting, VM.kv_cache_usage
@@ -34,8 +34,8 @@ GUARD_S = 10.0  # hang guard only: every wait below ends in milliseconds when th
 _port = iter(range(21000, 30000))
 
 
-def worker(mapping: MetricMapping = VM, clock: Callable[[], float] = time.monotonic) -> Worker:
-    port = next(_port)  # a distinct URL per worker (the unusable-value warning is once per URL)
+def endpoint(mapping: MetricMapping = VM, clock: Callable[[], float] = time.monotonic) -> Endpoint:
+    port = next(_port)  # a distinct URL per endpoint (the unusable-value warning is once per URL)
     view = EndpointView(
         url=f"http://127.0.0.1:{port}",
         host="127.0.0.1",
@@ -48,7 +48,7 @@ def worker(mapping: MetricMapping = VM, clock: Callable[[], float] = time.monoto
         health_path="/health",
         models=("m",),
     )
-    return Worker(view, breaker_cfg=BreakerConfig(), clock=clock, stale_s=3.0, probe_s=5.0)
+    return Endpoint(view, breaker_cfg=BreakerConfig(), clock=clock, stale_s=3.0, probe_s=5.0)
 
 
 def parse(text: str) -> dict[str, list[float]]:
@@ -163,7 +163,7 @@ def test_a_sum_that_overflows_is_unknown():
 # ---------------------------------------------------------------- scrape_one
 
 
-def _scrape(monkeypatch, w: Worker, body: bytes, status: int = 200) -> None:
+def _scrape(monkeypatch, w: Endpoint, body: bytes, status: int = 200) -> None:
     async def fake_fetch(host, port, path, timeout):
         return status, body
 
@@ -182,7 +182,7 @@ def _scrape(monkeypatch, w: Worker, body: bytes, status: int = 200) -> None:
     ],
 )
 def test_a_scrape_without_any_mapped_metric_is_an_error(monkeypatch, body):
-    w = worker()
+    w = endpoint()
     _scrape(monkeypatch, w, b"%s 2\n" % RUN.encode())
     at = w.scraped.at
     _scrape(monkeypatch, w, body)
@@ -193,14 +193,14 @@ def test_a_scrape_without_any_mapped_metric_is_an_error(monkeypatch, body):
 
 
 def test_a_typo_in_a_custom_mapping_is_named_in_the_error(monkeypatch):
-    w = worker(MetricMapping("llamacpp:requests_procesing", None, None))
+    w = endpoint(MetricMapping("llamacpp:requests_procesing", None, None))
     _scrape(monkeypatch, w, b"llamacpp:requests_processing 1\n")
     assert w.scraped.error == "none of the mapped metrics (llamacpp:requests_procesing) in /metrics"
     assert not w.fresh(time.monotonic())
 
 
 def test_one_mapped_metric_found_is_a_good_scrape(monkeypatch):
-    w = worker()
+    w = endpoint()
     _scrape(monkeypatch, w, b"<html>\n%s\t3\n" % RUN.encode())
     s = w.scraped
     assert (s.running, s.waiting, s.kv, s.error) == (3.0, None, None, None)
@@ -208,7 +208,7 @@ def test_one_mapped_metric_found_is_a_good_scrape(monkeypatch):
 
 
 def test_a_scrape_with_no_usable_value_is_an_error(monkeypatch):
-    w = worker()
+    w = endpoint()
     _scrape(monkeypatch, w, b"%s -1\n%s NaN\n%s +Inf\n" % (RUN.encode(), WAIT.encode(), KV.encode()))
     assert w.scraped.error is not None and w.scraped.error.startswith("no usable value in /metrics")
     assert "running" in w.scraped.error and "kv_cache_usage" in w.scraped.error
@@ -216,7 +216,7 @@ def test_a_scrape_with_no_usable_value_is_an_error(monkeypatch):
 
 
 def test_an_unusable_value_is_unknown_and_warned_about_once(monkeypatch, caplog):
-    w = worker()
+    w = endpoint()
     body = b"%s 1\n%s 0\n%s 5\n" % (RUN.encode(), WAIT.encode(), KV.encode())
     with caplog.at_level(logging.WARNING, logger="clusterctl.router"):
         for _ in range(3):
@@ -273,7 +273,7 @@ def _run_loop_edges(monkeypatch, module, start_loop) -> None:
     """One endpoint (a) hangs: b is polled round after round meanwhile, a never twice at once;
     released, a is polled again at once; removed while hanging, its poll is cancelled;
     cancelling the loop cancels what is in flight."""
-    a, b = worker(), worker()
+    a, b = endpoint(), endpoint()
     pa, pb = a.view.port, b.view.port
     listed = [a, b]
     kicks = [0]
@@ -312,8 +312,8 @@ def _run_loop_edges(monkeypatch, module, start_loop) -> None:
 
 
 def test_a_hanging_scrape_holds_up_no_other_endpoint(monkeypatch):
-    def start(workers, interval, kick):
-        return scrape.scrape_loop(workers, interval, time.monotonic, kick)
+    def start(endpoints, interval, kick):
+        return scrape.scrape_loop(endpoints, interval, time.monotonic, kick)
 
     _run_loop_edges(monkeypatch, scrape, start)
 
@@ -323,7 +323,7 @@ def test_a_hanging_health_check_holds_up_no_other_endpoint(monkeypatch):
 
 
 def test_a_healthy_endpoint_stays_fresh_while_another_scrape_hangs(monkeypatch):
-    a, b = worker(), worker()
+    a, b = endpoint(), endpoint()
 
     async def go() -> None:
         eng = Engines(b"%s 2\n" % RUN.encode())
@@ -345,8 +345,8 @@ def test_a_healthy_endpoint_stays_fresh_while_another_scrape_hangs(monkeypatch):
     asyncio.run(go())
 
 
-def test_health_loop_skips_removed_workers(monkeypatch):
-    a, b = worker(), worker()
+def test_health_loop_skips_removed_endpoints(monkeypatch):
+    a, b = endpoint(), endpoint()
     a.removed = True
 
     async def go() -> None:

@@ -241,7 +241,7 @@ def config(urls: list[str], draining: set[str] = frozenset(), max_queue: int = 3
 
 class BalancerMachine(RuleBasedStateMachine):
     """Requests start, queue, finish, fail, get cancelled (also just as a slot is handed over) and
-    reloads change the fleet: every worker's in-flight equals the leases outstanding on it, never < 0."""
+    reloads change the fleet: every endpoint's in-flight equals the leases outstanding on it, never < 0."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -250,11 +250,11 @@ class BalancerMachine(RuleBasedStateMachine):
         self.urls = URLS[:3]
         self.table = build_table(config(self.urls), clock=self.clock)
         self.bal = Balancer(self.table, LeastLoad(random.Random(0)), self.clock)
-        for w in self.table.workers.values():
-            w.cap = 2  # learned capacity: a third request on a worker queues in the router
+        for w in self.table.endpoints.values():
+            w.cap = 2  # learned capacity: a third request on an endpoint queues in the router
         self.tasks: list[asyncio.Task[Lease]] = []
         self.held: list[Lease] = []
-        self.all_workers = {id(w): w for w in self.table.workers.values()}
+        self.all_endpoints = {id(w): w for w in self.table.endpoints.values()}
         self.retries: dict[asyncio.Task[Lease], tuple[list, list]] = {}  # task -> (excluded, others)
 
     def teardown(self) -> None:
@@ -273,8 +273,8 @@ class BalancerMachine(RuleBasedStateMachine):
             if not t.cancelled() and t.exception() is None:
                 lease = t.result()
                 self.held.append(lease)
-                if lease.worker in excluded:  # back to a failed endpoint only when no other could serve
-                    assert not any(w.unavailable_reason() is None and not w.removed for w in others), lease.worker.url
+                if lease.endpoint in excluded:  # back to a failed endpoint only when no other could serve
+                    assert not any(w.unavailable_reason() is None and not w.removed for w in others), lease.endpoint.url
             elif not t.cancelled():
                 assert isinstance(t.exception(), Rejected)
 
@@ -288,10 +288,10 @@ class BalancerMachine(RuleBasedStateMachine):
     def start_retry(self, data: st.DataObject) -> None:
         """A retry: it avoids the endpoints that failed it while another one is eligible."""
         entry = self.bal.table.models["m"]
-        exclude = data.draw(st.lists(st.sampled_from(list(entry.workers)), unique=True, max_size=3))
+        exclude = data.draw(st.lists(st.sampled_from(list(entry.endpoints)), unique=True, max_size=3))
         task = self.loop.create_task(self.bal.acquire(entry, exclude))
         self.tasks.append(task)
-        self.retries[task] = (exclude, [w for w in entry.workers if w not in exclude])
+        self.retries[task] = (exclude, [w for w in entry.endpoints if w not in exclude])
         self.settle()
 
     @rule(data=st.data(), outcome=st.sampled_from([True, False, None]))
@@ -320,7 +320,7 @@ class BalancerMachine(RuleBasedStateMachine):
 
     @rule(url=st.sampled_from(URLS))
     def break_endpoint(self, url: str) -> None:
-        w = self.bal.table.workers.get(url)
+        w = self.bal.table.endpoints.get(url)
         if w is not None:
             w.breaker._open()
             self.bal.kick()
@@ -332,10 +332,10 @@ class BalancerMachine(RuleBasedStateMachine):
     def reload(self, urls: list[str], drain: set[str]) -> None:
         old = self.bal.table
         table = build_table(config(urls, drain), old, clock=self.clock)
-        for w in table.workers.values():
+        for w in table.endpoints.values():
             if w.cap is None:
                 w.cap = 2
-            self.all_workers[id(w)] = w
+            self.all_endpoints[id(w)] = w
         self.bal.swap(table)
         self.settle()
 
@@ -349,8 +349,8 @@ class BalancerMachine(RuleBasedStateMachine):
     def inflight_matches_leases(self) -> None:
         per: dict[int, int] = {}
         for lease in self.held:
-            per[id(lease.worker)] = per.get(id(lease.worker), 0) + 1
-        for wid, w in self.all_workers.items():
+            per[id(lease.endpoint)] = per.get(id(lease.endpoint), 0) + 1
+        for wid, w in self.all_endpoints.items():
             assert w.inflight >= 0
             assert w.inflight == per.get(wid, 0), (w.url, w.inflight, per.get(wid, 0))
         assert self.bal.active_leases == len(self.held)
@@ -359,7 +359,7 @@ class BalancerMachine(RuleBasedStateMachine):
     def no_waiter_while_a_slot_it_may_take_is_free(self) -> None:
         entry = self.bal.table.models["m"]
         now = self.clock()
-        eligible = [w for w in entry.workers if w.unavailable_reason() is None]
+        eligible = [w for w in entry.endpoints if w.unavailable_reason() is None]
         free = [w for w in eligible if not w.saturated(now)]
         for waiter in entry.queue.waiters:
             if waiter.fut.done():
@@ -379,11 +379,11 @@ class ReloadMachine(RuleBasedStateMachine):
         self.clock = Clock()
         self.table = build_table(config(URLS[:2]), clock=self.clock)
         self.expected: dict[str, tuple[int, int, float]] = {}
-        self.objs = dict(self.table.workers)
+        self.objs = dict(self.table.endpoints)
 
     @rule(url=st.sampled_from(URLS), n=st.integers(0, 3), f=st.integers(0, 2), rate=st.floats(0, 50))
     def mutate(self, url: str, n: int, f: int, rate: float) -> None:
-        w = self.table.workers.get(url)
+        w = self.table.endpoints.get(url)
         if w is not None:
             w.inflight, w.breaker.failures, w.drain_rate = n, f, rate
 
@@ -391,10 +391,10 @@ class ReloadMachine(RuleBasedStateMachine):
         urls=st.lists(st.sampled_from(URLS), min_size=1, max_size=4, unique=True), drain=st.sets(st.sampled_from(URLS))
     )
     def reload(self, urls: list[str], drain: set[str]) -> None:
-        before = {u: (w, w.inflight, w.breaker.failures, w.drain_rate) for u, w in self.table.workers.items()}
+        before = {u: (w, w.inflight, w.breaker.failures, w.drain_rate) for u, w in self.table.endpoints.items()}
         retiring = {w.url: w for w in self.table.retired}
         self.table = build_table(config(urls, drain), self.table, clock=self.clock)
-        for u, w in self.table.workers.items():
+        for u, w in self.table.endpoints.items():
             assert w.view.draining == (u in drain)
             assert not w.removed
             if u in before:
@@ -406,7 +406,7 @@ class ReloadMachine(RuleBasedStateMachine):
                 assert (w.inflight, w.breaker.state, w.cap, w.drain_rate) == (0, State.CLOSED, None, 0.0)
             self.objs[u] = w
         for u, (obj, *_rest) in before.items():
-            if u not in self.table.workers:
+            if u not in self.table.endpoints:
                 assert obj.removed and obj in self.table.retired
 
     @rule()
@@ -416,11 +416,11 @@ class ReloadMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_in_flight_is_forgotten(self) -> None:
-        live = set(map(id, self.table.workers.values())) | set(map(id, self.table.retired))
+        live = set(map(id, self.table.endpoints.values())) | set(map(id, self.table.retired))
         for w in self.objs.values():
             if w.inflight > 0:
                 assert id(w) in live
-        assert set(self.table.models["m"].workers) <= set(self.table.workers.values())
+        assert set(self.table.models["m"].endpoints) <= set(self.table.endpoints.values())
 
 
 TestReload = ReloadMachine.TestCase
@@ -432,26 +432,26 @@ def test_a_retry_waits_for_an_untried_endpoint_rather_than_going_back_to_the_one
         clock = Clock()
         table = build_table(config(URLS[:2]), clock=clock)
         bal = Balancer(table, LeastLoad(random.Random(0)), clock)
-        a, b = table.workers[URLS[0]], table.workers[URLS[1]]
+        a, b = table.endpoints[URLS[0]], table.endpoints[URLS[1]]
         a.cap = b.cap = 1
         entry = table.models["m"]
         held_b = bal._pick_now(entry, [a])  # b is busy with a long stream
-        assert held_b is not None and held_b.worker is b
+        assert held_b is not None and held_b.endpoint is b
         # a request failed on a (now free again): its retry must not go back to a while b exists
         assert bal.try_acquire(entry, [a]) is None
         retry = asyncio.ensure_future(bal.acquire(entry, [a]))
         plain = asyncio.ensure_future(bal.acquire(entry))  # a newcomer behind it may still use a
         await asyncio.sleep(0)
-        assert not retry.done() and plain.done() and plain.result().worker is a
+        assert not retry.done() and plain.done() and plain.result().endpoint is a
         held_b.release(True)  # b frees up: the retry gets it
         await asyncio.sleep(0)
-        assert retry.done() and retry.result().worker is b
+        assert retry.done() and retry.result().endpoint is b
         retry.result().release(True)
         plain.result().release(True)
         # with b gone (breaker open), a is the only one left: the retry may go back to it
         b.breaker._open()
         lease = await bal.acquire(entry, [a])
-        assert lease.worker is a
+        assert lease.endpoint is a
         lease.release(True)
         assert a.inflight == b.inflight == 0
 
@@ -517,7 +517,7 @@ def test_a_slot_of_an_endpoint_two_models_share_goes_to_the_longest_waiting_requ
             await asyncio.sleep(0)
             assert f.done()
             f.result().release(True)
-        assert table.workers[URLS[0]].inflight == 0
+        assert table.endpoints[URLS[0]].inflight == 0
 
     asyncio.run(go())
 
@@ -531,7 +531,7 @@ def test_an_endpoint_of_unknown_capacity_beside_known_ones_does_not_take_the_who
     async def go() -> None:
         clock = Clock()
         table = build_table(config(URLS[:2], max_queue=64), clock=clock)
-        warm_a, warm_b = (table.workers[u] for u in URLS[:2])
+        warm_a, warm_b = (table.endpoints[u] for u in URLS[:2])
         warm_a.cap = 2  # learned while warm_b has not yet: warm_b does not take it
         bal = Balancer(table, LeastLoad(random.Random(0)), clock)
         entry = table.models["m"]
@@ -542,7 +542,7 @@ def test_an_endpoint_of_unknown_capacity_beside_known_ones_does_not_take_the_who
         clock.t += 60
         table = build_table(config(URLS[:3], max_queue=64), table, clock=clock)  # the third comes back
         bal.swap(table)
-        cold = table.workers[URLS[2]]
+        cold = table.endpoints[URLS[2]]
         entry = table.models["m"]
         leases = [lease for _ in range(18) if (lease := bal.try_acquire(entry)) is not None]
         per = [w.inflight for w in (warm_a, warm_b, cold)]
@@ -709,7 +709,7 @@ def test_lease_carries_the_half_open_generation():
     table = build_table(one_endpoint(), clock=clock)
     bal = Balancer(table, LeastLoad(random.Random(0)), clock)
     entry = table.models["m"]
-    w = table.workers[URL]
+    w = table.endpoints[URL]
     b = w.breaker
     b.cfg = BreakerConfig(failure_threshold=1, success_threshold=1, open_for_s=1)
     _half_open(b, clock)
@@ -794,13 +794,13 @@ def _learn(w, running: int, now: float) -> None:
 def test_reload_raising_or_removing_max_inflight_resets_the_cap(new_limit):
     clock = Clock()
     table = build_table(one_endpoint(max_inflight=2), clock=clock)
-    w = table.workers[URL]
+    w = table.endpoints[URL]
     _learn(w, 2, clock())
     assert w.cap == 2
     w.inflight = 2
     w.breaker.on_result(False)
     table = build_table(one_endpoint(max_inflight=new_limit), table, clock=clock)
-    assert table.workers[URL] is w
+    assert table.endpoints[URL] is w
     assert w.cap == new_limit
     assert not w.saturated(clock())  # a third request may go now
     assert (w.inflight, w.breaker.failures) == (2, 1)  # other live state carried over
@@ -812,7 +812,7 @@ def test_reload_raising_or_removing_max_inflight_resets_the_cap(new_limit):
 def test_reload_lowering_max_inflight_and_unchanged_limit():
     clock = Clock()
     table = build_table(one_endpoint(max_inflight=8), clock=clock)
-    w = table.workers[URL]
+    w = table.endpoints[URL]
     _learn(w, 5, clock())
     table = build_table(one_endpoint(max_inflight=8), table, clock=clock)
     assert w.cap == 5  # same limit: the learned estimate is kept

@@ -345,7 +345,7 @@ def test_with_its_key_in_the_environment_it_serves_v1_only_with_the_key_as_vllm_
                 f"{f.base}/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True}
             )
             assert text.status_code == 200 and text.text.rstrip().endswith("data: [DONE]")
-        (w,) = f.router.table.workers.values()
+        (w,) = f.router.table.endpoints.values()
         f.lt.wait_for(lambda: w.scraped.running is not None, what="a scrape")
     finally:
         f.close()

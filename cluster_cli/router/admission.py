@@ -12,7 +12,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass
 
-from cluster_cli.router.worker import Worker
+from cluster_cli.router.endpoint import Endpoint
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Waiter:
     __slots__ = ("deadline", "exclude", "fut", "live", "queued_at")
 
     def __init__(
-        self, fut: asyncio.Future[Worker], queued_at: float, deadline: float, exclude: tuple[Worker, ...] = ()
+        self, fut: asyncio.Future[Endpoint], queued_at: float, deadline: float, exclude: tuple[Endpoint, ...] = ()
     ) -> None:
         self.fut = fut
         self.queued_at = queued_at
@@ -84,7 +84,7 @@ class ModelQueue:
             w.live = False
             self.live -= 1
 
-    def push(self, fut: asyncio.Future[Worker], now: float, exclude: tuple[Worker, ...] = ()) -> Waiter:
+    def push(self, fut: asyncio.Future[Endpoint], now: float, exclude: tuple[Endpoint, ...] = ()) -> Waiter:
         q = self.waiters
         if len(q) > 2 * self.live + 16:  # mostly clients that gave up: drop them (amortised O(1))
             keep: deque[Waiter] = deque()

@@ -1,11 +1,11 @@
 """Pick an endpoint for a request, or queue it while every endpoint is full.
 
-``acquire`` returns a ``Lease``: the request counts as in flight on its worker from
+``acquire`` returns a ``Lease``: the request counts as in flight on its endpoint from
 then on, and ``Lease.release(outcome)`` (idempotent) undoes it exactly once, whatever
 happens to the request (success, error, retry, client gone). Releasing a slot hands it
-to the oldest queued request of any model the worker serves.
+to the oldest queued request of any model the endpoint serves.
 
-Only eligible workers (not removed, not draining, breaker allowing) are candidates;
+Only eligible endpoints (not removed, not draining, breaker allowing) are candidates;
 the policy chooses among those that are not saturated. With none eligible the
 request is refused with a reason in the style of a scheduler's FitError:
 "0/4 endpoints available: 2 circuit open, 2 draining".
@@ -19,17 +19,17 @@ from collections import Counter
 from collections.abc import Callable, Collection
 
 from cluster_cli.router.admission import ModelQueue, Rejected
+from cluster_cli.router.endpoint import Endpoint
 from cluster_cli.router.policy.base import Policy
 from cluster_cli.router.registry import ModelEntry, Table
-from cluster_cli.router.worker import Worker
 
 
 class Lease:
-    __slots__ = ("_balancer", "answered_at_head", "gen", "released", "worker")
+    __slots__ = ("_balancer", "answered_at_head", "endpoint", "gen", "released")
 
-    def __init__(self, balancer: Balancer, worker: Worker, gen: int) -> None:
+    def __init__(self, balancer: Balancer, endpoint: Endpoint, gen: int) -> None:
         self._balancer = balancer
-        self.worker = worker
+        self.endpoint = endpoint
         self.gen = gen  # the breaker's half-open generation when this is a probe, else 0
         self.released = False
         self.answered_at_head = False
@@ -45,7 +45,7 @@ class Lease:
         breaker: an engine that answers and then cuts its streams must not close it."""
         if self.gen and not self.released and not self.answered_at_head:
             self.answered_at_head = True
-            w = self.worker
+            w = self.endpoint
             w.breaker.on_answered(self.gen)
             self._balancer.dispatch_for(w)
 
@@ -54,7 +54,7 @@ class Lease:
         if self.released:
             return
         self.released = True
-        w = self.worker
+        w = self.endpoint
         holds = not self.answered_at_head
         if outcome is None:
             w.breaker.on_abandon(self.gen, holds)
@@ -64,18 +64,18 @@ class Lease:
         self._balancer.on_release(w)
 
 
-def no_endpoint(workers: Collection[Worker]) -> Rejected:
+def no_endpoint(endpoints: Collection[Endpoint]) -> Rejected:
     """503 for a model none of whose endpoints may take a request now. ``Retry-After`` is the
     time until the first open breaker lets a probe through (at least 1 s); none when every
     endpoint is draining or removed, since nothing says when that ends."""
-    waits = [t for w in workers if (t := w.breaker.reopens_in()) is not None]
-    return Rejected(503, "no_endpoint", fit_message(workers), max(1.0, min(waits)) if waits else None)
+    waits = [t for w in endpoints if (t := w.breaker.reopens_in()) is not None]
+    return Rejected(503, "no_endpoint", fit_message(endpoints), max(1.0, min(waits)) if waits else None)
 
 
-def fit_message(workers: Collection[Worker]) -> str:
-    counts = Counter(r for w in workers if (r := w.unavailable_reason()) is not None)
+def fit_message(endpoints: Collection[Endpoint]) -> str:
+    counts = Counter(r for w in endpoints if (r := w.unavailable_reason()) is not None)
     parts = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()))
-    return f"0/{len(workers)} endpoints available: {parts}" if parts else f"0/{len(workers)} endpoints available"
+    return f"0/{len(endpoints)} endpoints available: {parts}" if parts else f"0/{len(endpoints)} endpoints available"
 
 
 class Balancer:
@@ -86,8 +86,8 @@ class Balancer:
         self.active_leases = 0
 
     # ---------------------------------------------------------------- picking
-    def _pick_now(self, entry: ModelEntry, exclude: Collection[Worker] = ()) -> Lease | None:
-        """A lease on the best unsaturated eligible worker, or None (all full or none eligible).
+    def _pick_now(self, entry: ModelEntry, exclude: Collection[Endpoint] = ()) -> Lease | None:
+        """A lease on the best unsaturated eligible endpoint, or None (all full or none eligible).
 
         ``exclude`` (a retry: the endpoints that already failed it) are avoided while any other
         eligible endpoint exists, even one that is full for now: the retry then waits for it
@@ -95,12 +95,12 @@ class Balancer:
         has been tried, any of them may take it.
         """
         now = self.clock()
-        cands = [w for w in entry.workers if w.unavailable_reason() is None and not w.saturated(now)]
+        cands = [w for w in entry.endpoints if w.unavailable_reason() is None and not w.saturated(now)]
         if exclude:
             untried = [w for w in cands if w not in exclude]
             if untried:
                 cands = untried
-            elif any(w not in exclude and w.unavailable_reason() is None for w in entry.workers):
+            elif any(w not in exclude and w.unavailable_reason() is None for w in entry.endpoints):
                 return None
         w = self.policy.select(cands, now)
         if w is None:
@@ -110,15 +110,15 @@ class Balancer:
         return Lease(self, w, w.breaker.on_send())
 
     def any_eligible(self, entry: ModelEntry) -> bool:
-        return any(w.unavailable_reason() is None for w in entry.workers)
+        return any(w.unavailable_reason() is None for w in entry.endpoints)
 
-    def try_acquire(self, entry: ModelEntry, exclude: Collection[Worker] = ()) -> Lease | None:
+    def try_acquire(self, entry: ModelEntry, exclude: Collection[Endpoint] = ()) -> Lease | None:
         """The fast path: a lease now, or None when the request must go through ``acquire`` (queue/refuse)."""
         if entry.queue.waiters and entry.queue.peek_live():
             return None
         return self._pick_now(entry, exclude)
 
-    async def acquire(self, entry: ModelEntry, exclude: Collection[Worker] = ()) -> Lease:
+    async def acquire(self, entry: ModelEntry, exclude: Collection[Endpoint] = ()) -> Lease:
         q = entry.queue
         if not q.waiters or not q.peek_live():  # nobody ahead in the queue
             lease = self._pick_now(entry, exclude)
@@ -127,7 +127,7 @@ class Balancer:
         else:
             self.dispatch(entry)
         if not self.any_eligible(entry):
-            raise no_endpoint(entry.workers)
+            raise no_endpoint(entry.endpoints)
         if not q.has_room():
             q.rejected_full += 1
             raise Rejected(
@@ -201,16 +201,16 @@ class Balancer:
                 return False  # nothing is free for a waiter with no exclusions: nor for any behind it
         return False
 
-    def has_untried(self, entry: ModelEntry, tried: Collection[Worker]) -> bool:
+    def has_untried(self, entry: ModelEntry, tried: Collection[Endpoint]) -> bool:
         """Whether an endpoint not in ``tried`` may take a retry (now or once it has room)."""
-        return any(w not in tried and w.unavailable_reason() is None for w in entry.workers)
+        return any(w not in tried and w.unavailable_reason() is None for w in entry.endpoints)
 
-    def on_release(self, w: Worker) -> None:
+    def on_release(self, w: Endpoint) -> None:
         if self.active_leases > 0:
             self.active_leases -= 1
         self.dispatch_for(w)
 
-    def dispatch_for(self, w: Worker) -> None:
+    def dispatch_for(self, w: Endpoint) -> None:
         """Dispatch the queues of every model ``w`` serves (a slot of it came free)."""
         models = self.table.models
         entries = [e for name in w.view.models if (e := models.get(name)) is not None and e.queue.waiters]
@@ -236,7 +236,7 @@ class Balancer:
                     )
                 )
             if q.waiters and not self.any_eligible(entry):
-                rejected = no_endpoint(entry.workers)
+                rejected = no_endpoint(entry.endpoints)
                 while (waiter := q.pop_live()) is not None:
                     waiter.fut.set_exception(Rejected(503, "no_endpoint", rejected.message, rejected.retry_after))
 

@@ -290,7 +290,7 @@ class EndpointView:
 
 
 def endpoint_views(cfg: RouterConfig) -> dict[str, EndpointView]:
-    """URL -> EndpointView; an endpoint listed under several models is one upstream."""
+    """URL -> EndpointView; an endpoint listed under several models is one endpoint."""
     acc: dict[str, dict] = {}
     for mname, m in cfg.models.items():
         for ep in m.endpoints:

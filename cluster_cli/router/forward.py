@@ -1,6 +1,6 @@
 """The forwarding loop: one proxied request, attempt by attempt, until it is answered.
 
-    forward --Balancer.acquire--> Lease(worker) --relay--> Relay --judge--> Forwarded
+    forward --Balancer.acquire--> Lease(endpoint) --relay--> Relay --judge--> Forwarded
        ^                                                    |
        +------------- retry (another endpoint) -------------+
 
@@ -50,10 +50,10 @@ from cluster_cli.router.retry import RetryBudget
 from cluster_cli.router.upstream import UpstreamConn, UpstreamError
 
 if TYPE_CHECKING:
+    from cluster_cli.router.endpoint import Endpoint
     from cluster_cli.router.lifecycle import Lifecycle
     from cluster_cli.router.registry import ModelEntry
     from cluster_cli.router.server import ClientConn
-    from cluster_cli.router.worker import Worker
 
 CONNECT_FAILED = -1  # a Relay's outcome when no connection to the engine could be made (else proxy's OK...REFUSED)
 _RESUMED_PATHS = (CHAT_PATH.encode(), COMPLETIONS_PATH.encode())
@@ -85,7 +85,7 @@ class Relay:
     """
 
     outcome: int
-    upstream: Worker
+    upstream: Endpoint
     exchange: Exchange | None  # None: no connection was made
     error: UpstreamError | None
     relayed: int = 0
@@ -107,9 +107,9 @@ class Trace:
     __slots__ = ("asked", "attempts", "endpoint", "exchange", "model", "suspects")
 
     def __init__(self) -> None:
-        # Endpoints that answered this request with a 5xx and were retried: (worker, the
+        # Endpoints that answered this request with a 5xx and were retried: (endpoint, the
         # breaker generation it was sent in, status), judged once the request's end is known.
-        self.suspects: Sequence[tuple[Worker, int, int]] = ()
+        self.suspects: Sequence[tuple[Endpoint, int, int]] = ()
         self.asked = ""  # the model the client named (capped), once the body is parsed
         self.model = ""  # the configured model it resolved to
         self.endpoint = ""  # the replica of the current attempt
@@ -155,7 +155,7 @@ async def forward(
 
     rp = router.retry_policy
     balancer = router.balancer
-    tried: list[Worker] = []
+    tried: list[Endpoint] = []
     attempts = 0
     # A kept-alive connection the engine closed before answering (llama-server closes about
     # a quarter of them after a streamed reply, without saying so) is not the engine's
@@ -191,7 +191,7 @@ async def forward(
                     router.metrics.rejection(model, r.reason)
                     return fail(conn, r.status, r.message, r.reason, model, endpoint, attempts, _retry_after(r))
                 return _no_retry(router, conn, r, entry, last_error, last_status, model, endpoint, attempts)
-            w = lease.worker
+            w = lease.endpoint
             if attempts > 1 and not (budget := budget or _BudgetSlot(router.budget)).take(router.inflight_total):
                 lease.release(None)
                 msg = f"{last_error}; retry budget exhausted"
@@ -200,7 +200,7 @@ async def forward(
             trace.attempts = attempts
             # Retries go to another endpoint: with one, the engine's own answer is relayed.
             may_retry = (
-                attempts < rp.max_attempts and len(entry.workers) > 1 and balancer.has_untried(entry, (*tried, w))
+                attempts < rp.max_attempts and len(entry.endpoints) > 1 and balancer.has_untried(entry, (*tried, w))
             )
             payload = start_line + w.head_lines + head_tail + req.body
             # A half-open breaker's probe holds the endpoint's one slot until its head comes:
@@ -283,7 +283,7 @@ async def forward(
                 return _last_failure(conn, last_error, last_status, model, endpoint, attempts)
             now_entry = router.table.models.get(model)  # a reload may have replaced its endpoints
             if now_entry is not None and not balancer.has_untried(now_entry, tried):
-                r = no_endpoint(now_entry.workers) if not balancer.any_eligible(now_entry) else _NOWHERE_ELSE
+                r = no_endpoint(now_entry.endpoints) if not balancer.any_eligible(now_entry) else _NOWHERE_ELSE
                 return _no_retry(router, conn, r, now_entry, last_error, last_status, model, endpoint, attempts)
             router.metrics.retry(model, reason)
             delay = rp.backoff(attempts + 1)
@@ -311,7 +311,7 @@ async def _relay(
     (an ``Exchange`` by default) until the attempt ends. The lease is released here only
     when the request is cancelled (its client left: the engine's request is dropped at
     once); otherwise the caller judges the result."""
-    w = lease.worker
+    w = lease.endpoint
     pool = w.pool
     assert pool is not None  # attached by the router when the table was built
     ex: Exchange | None = None
@@ -361,7 +361,7 @@ class _Cut:
     error: UpstreamError | None
     stopped: bool  # cut by the router's shutdown
     attempts: int
-    tried: list[Worker]
+    tried: list[Endpoint]
     budget: _BudgetSlot
 
 
@@ -452,7 +452,7 @@ async def _continue(
 
         tries += 1
         attempts += 1
-        w = lease.worker
+        w = lease.endpoint
         endpoint = trace.endpoint = w.view.replica
         trace.attempts = attempts
         data = json.dumps(
@@ -529,7 +529,7 @@ def _last_failure(conn: ClientConn, msg: str, last_status: int, model: str, endp
     return fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts)
 
 
-def settle(suspects: Sequence[tuple[Worker, int, int]], final: int) -> None:
+def settle(suspects: Sequence[tuple[Endpoint, int, int]], final: int) -> None:
     """The breaker verdicts held back for the 5xx answers a request was retried after. Served
     elsewhere (or failed otherwise), each was its engine's failure; answered with the same
     5xx by every endpoint it tried, it was the request: no engine is blamed."""

@@ -12,12 +12,12 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from cluster_cli.router.breaker import State
+from cluster_cli.router.endpoint import Endpoint
 from cluster_cli.router.http import fetch
 from cluster_cli.router.scrape import poll_each
-from cluster_cli.router.worker import Worker
 
 
-async def check_one(w: Worker, timeout: float, interval: float = 0.0) -> bool:
+async def check_one(w: Endpoint, timeout: float, interval: float = 0.0) -> bool:
     try:
         key = w.view.api_key  # the engine's own key, when it has one
         auth = {"api_key": key} if key else {}
@@ -37,14 +37,14 @@ async def check_one(w: Worker, timeout: float, interval: float = 0.0) -> bool:
 
 
 async def health_loop(
-    workers: Callable[[], Iterable[Worker]],
+    endpoints: Callable[[], Iterable[Endpoint]],
     interval: Callable[[], float],
     after: Callable[[], None] = lambda: None,
 ) -> None:
-    """Check every (not removed) worker each ``interval()`` seconds, each on its own schedule,
+    """Check every (not removed) endpoint each ``interval()`` seconds, each on its own schedule,
     each check bounded by the interval (0.5 to 5 s)."""
 
-    def one(w: Worker, iv: float) -> Coroutine[Any, Any, bool]:
+    def one(w: Endpoint, iv: float) -> Coroutine[Any, Any, bool]:
         return check_one(w, max(0.5, min(iv, 5.0)), iv)
 
-    await poll_each("health check", lambda: [w for w in workers() if not w.removed], interval, one, after)
+    await poll_each("health check", lambda: [w for w in endpoints() if not w.removed], interval, one, after)

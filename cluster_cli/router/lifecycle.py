@@ -17,6 +17,7 @@ from collections.abc import Callable
 from cluster_cli.router.accesslog import AccessLog
 from cluster_cli.router.balancer import Balancer
 from cluster_cli.router.config import LimitsSpec, RouterConfig
+from cluster_cli.router.endpoint import Endpoint
 from cluster_cli.router.health import health_loop
 from cluster_cli.router.keys import ApiKeys
 from cluster_cli.router.metrics import RouterMetrics
@@ -27,7 +28,6 @@ from cluster_cli.router.scrape import scrape_loop
 from cluster_cli.router.server import ClientConn, raise_fd_limit
 from cluster_cli.router.source import EndpointSource
 from cluster_cli.router.upstream import UpstreamPool
-from cluster_cli.router.worker import Worker
 
 log = logging.getLogger("clusterctl.router")
 
@@ -129,7 +129,7 @@ class Lifecycle:
                 )
 
     def _attach_pools(self, table: Table) -> None:
-        for w in table.workers.values():
+        for w in table.endpoints.values():
             if w.pool is None:
                 w.pool = UpstreamPool(w.view.host, w.view.port, connect_timeout=self.connect_timeout)
             else:
@@ -148,12 +148,12 @@ class Lifecycle:
         self.balancer.swap(table, dropped)
         self.reloads_ok += 1
         self.last_reload_error = None
-        added = [u for u in table.workers if u not in old.workers]
-        removed = [u for u in old.workers if u not in table.workers]
+        added = [u for u in table.endpoints if u not in old.endpoints]
+        removed = [u for u in old.endpoints if u not in table.endpoints]
         log.warning(
             "config reloaded: %d models, %d endpoints (%d added, %d removed)",
             len(table.models),
-            len(table.workers),
+            len(table.endpoints),
             len(added),
             len(removed),
         )
@@ -188,19 +188,19 @@ class Lifecycle:
             loop.create_task(self._sweeper()),
             loop.create_task(
                 scrape_loop(
-                    self._live_workers, lambda: self.cfg.router.scrape_interval_s, self.clock, self.balancer.kick
+                    self._live_endpoints, lambda: self.cfg.router.scrape_interval_s, self.clock, self.balancer.kick
                 )
             ),
             loop.create_task(
-                health_loop(self._live_workers, lambda: self.cfg.router.health_interval_s, self.balancer.kick)
+                health_loop(self._live_endpoints, lambda: self.cfg.router.health_interval_s, self.balancer.kick)
             ),
         ]
         if self.source is not None:
             self._tasks.append(loop.create_task(self.source.run(self.reload, self.reject_config)))
         return bound
 
-    def _live_workers(self) -> list[Worker]:
-        return list(self.table.workers.values())
+    def _live_endpoints(self) -> list[Endpoint]:
+        return list(self.table.endpoints.values())
 
     async def stop(self, grace: float = 10.0) -> None:
         """Stop accepting, let in-flight requests finish for up to ``grace`` seconds, then end
@@ -239,7 +239,7 @@ class Lifecycle:
         for c in list(self.lingering):
             if c.tr is not None:
                 c.tr.close()  # its answer is out (half-closed); what it still sends is not waited for
-        for w in list(self.table.workers.values()) + list(self.table.retired):
+        for w in list(self.table.endpoints.values()) + list(self.table.retired):
             if w.pool is not None:
                 w.pool.close()
         end = time.monotonic() + 1.0  # before the loop ends: a slow reader's last bytes
@@ -263,7 +263,7 @@ class Lifecycle:
         now = self.clock()
         mono = time.monotonic()
         t = self.table
-        for w in t.workers.values():
+        for w in t.endpoints.values():
             pool = w.pool
             if pool is None:
                 continue
@@ -282,7 +282,7 @@ class Lifecycle:
                 if w.pool is not None:
                     w.pool.close()
         if now - last_rates >= 1.0:
-            for w in list(t.workers.values()) + t.retired:
+            for w in list(t.endpoints.values()) + t.retired:
                 w.update_rates(now)
         read_limit = self.request_read_timeout
         for c in [c for c in self.conns if not c.busy]:

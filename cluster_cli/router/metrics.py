@@ -83,8 +83,8 @@ class _StateCollector(Collector):
             "Scraped engine load by signal (absent = unknown).",
             labels=[*labels, "signal"],
         )
-        workers = list(r.table.workers.values()) + list(r.table.retired)
-        for w in workers:
+        endpoints = list(r.table.endpoints.values()) + list(r.table.retired)
+        for w in endpoints:
             lv = [w.view.replica, w.url]
             inflight.add_metric(lv, w.inflight)
             breaker.add_metric(lv, int(w.breaker.current()))

@@ -1,6 +1,6 @@
 """Config -> routing table, carrying live endpoint state across reloads.
 
-Endpoints are keyed by URL. One that survives an update keeps its ``Worker`` (in-flight
+Endpoints are keyed by URL. One that survives an update keeps its ``Endpoint`` (in-flight
 count, breaker, drain rate, learned capacity, pooled connections); a new one starts
 cold; a removed one is marked ``removed``, gets no new requests and is retired once its
 in-flight requests finish (listed again before that, it comes back with its state).
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from cluster_cli.router.admission import ModelQueue, QueueLimits
 from cluster_cli.router.breaker import BreakerConfig
 from cluster_cli.router.config import RouterConfig, endpoint_views
-from cluster_cli.router.worker import Worker
+from cluster_cli.router.endpoint import Endpoint
 
 
 @dataclass
 class ModelEntry:
     name: str
-    workers: list[Worker]
+    endpoints: list[Endpoint]
     queue: ModelQueue
 
 
@@ -32,9 +32,9 @@ class ModelEntry:
 class Table:
     cfg: RouterConfig
     models: dict[str, ModelEntry]
-    workers: dict[str, Worker]
+    endpoints: dict[str, Endpoint]
     models_json: bytes = b""
-    retired: list[Worker] = field(default_factory=list)
+    retired: list[Endpoint] = field(default_factory=list)
 
 
 def breaker_config(cfg: RouterConfig) -> BreakerConfig:
@@ -62,7 +62,7 @@ def model_json(name: str) -> bytes:
     return json.dumps(_model_object(name), separators=(",", ":")).encode()
 
 
-def adopt_peer_capacity(workers: list[Worker], restarted: set[str]) -> None:
+def adopt_peer_capacity(endpoints: list[Endpoint], restarted: set[str]) -> None:
     """An endpoint whose estimate starts over at a reload (re-added, its limit changed) beside
     endpoints of the same model that kept a learned one starts at the largest of those, probed
     upwards as any estimate. Never full, it took every request the others had no room for (a
@@ -70,10 +70,10 @@ def adopt_peer_capacity(workers: list[Worker], restarted: set[str]) -> None:
     Not at the router's start: every endpoint of an unequal fleet learns its own (the first
     one learned, a small engine's, would be imposed on the others)."""
     # Learned estimates only: an operator's max_inflight is that endpoint's own limit.
-    learned = [w.cap for w in workers if w.url not in restarted and w.cap is not None and w.view.max_inflight is None]
+    learned = [w.cap for w in endpoints if w.url not in restarted and w.cap is not None and w.view.max_inflight is None]
     if not learned:
         return
-    for w in workers:
+    for w in endpoints:
         if w.url in restarted and w.cap is None:
             w.cap = max(learned)
 
@@ -87,23 +87,23 @@ def build_table(
     """A new table for ``cfg``; live state of surviving endpoints and models comes from ``old``."""
     bcfg = breaker_config(cfg)
     stale_s, probe_s = cfg.router.scrape_stale_s, cfg.router.capacity_probe_s
-    old_workers = old.workers if old else {}
+    old_endpoints = old.endpoints if old else {}
     retiring = {w.url: w for w in old.retired} if old else {}
-    workers: dict[str, Worker] = {}
+    endpoints: dict[str, Endpoint] = {}
     restarted: set[str] = set()  # endpoints whose capacity estimate starts over with this table
     for url, view in endpoint_views(cfg).items():
-        w = old_workers.get(url) or retiring.get(url)  # one still finishing comes back with its state
+        w = old_endpoints.get(url) or retiring.get(url)  # one still finishing comes back with its state
         if w is None:
-            w = Worker(view, breaker_cfg=bcfg, clock=clock, stale_s=stale_s, probe_s=probe_s)
+            w = Endpoint(view, breaker_cfg=bcfg, clock=clock, stale_s=stale_s, probe_s=probe_s)
             restarted.add(url)
         elif w.update_view(view, breaker_cfg=bcfg, stale_s=stale_s, probe_s=probe_s):
             restarted.add(url)
-        workers[url] = w
-    retired = [w for u, w in old_workers.items() if u not in workers]
+        endpoints[url] = w
+    retired = [w for u, w in old_endpoints.items() if u not in endpoints]
     for w in retired:
         w.removed = True
     if old:  # still finishing from earlier reloads, unless they came back
-        retired += [w for w in old.retired if w.url not in workers and w not in retired]
+        retired += [w for w in old.retired if w.url not in endpoints and w not in retired]
 
     models: dict[str, ModelEntry] = {}
     for name, m in cfg.models.items():
@@ -119,7 +119,7 @@ def build_table(
             q.limits = limits
         else:
             q = ModelQueue(limits)
-        models[name] = ModelEntry(name, [workers[ep.url] for ep in m.endpoints], q)
+        models[name] = ModelEntry(name, [endpoints[ep.url] for ep in m.endpoints], q)
         if old is not None and restarted:
-            adopt_peer_capacity(models[name].workers, restarted)
-    return Table(cfg, models, workers, models_json(list(models)), retired)
+            adopt_peer_capacity(models[name].endpoints, restarted)
+    return Table(cfg, models, endpoints, models_json(list(models)), retired)

@@ -1,7 +1,7 @@
 """The router's routes: which path a request takes, API keys, model lookup, and the routes it
 answers itself (/health, /metrics, /v1/models); proxied requests go to ``forward``.
 
-    client --ClientConn--> Router.handle --forward--> Balancer.acquire --> Lease(worker)
+    client --ClientConn--> Router.handle --forward--> Balancer.acquire --> Lease(endpoint)
                                  |                                            |
                                  +----------- Exchange (sink) <--UpstreamConn (pooled)
 """
@@ -137,7 +137,7 @@ class Router(Lifecycle):
             "status": status,
             "models": {n: len(e.queue) for n, e in t.models.items()},
             "unavailable_models": unavailable,
-            "endpoints": [w.snapshot(now) for w in list(t.workers.values()) + t.retired],
+            "endpoints": [w.snapshot(now) for w in list(t.endpoints.values()) + t.retired],
             "last_reload_error": self.last_reload_error,
             "last_keys_error": self.last_keys_error,
         }

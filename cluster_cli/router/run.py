@@ -142,7 +142,7 @@ async def _announce(config_path: Path, url: str, source: FileSource, router: Rou
     written = 0.0
     while True:
         draining = {
-            w.view.replica: w.inflight for w in router.table.workers.values() if w.view.draining and w.view.replica
+            w.view.replica: w.inflight for w in router.table.endpoints.values() if w.view.draining and w.view.replica
         }
         for w in router.table.retired:  # removed from the config, still finishing what it had
             if w.view.replica and w.inflight:

@@ -2,7 +2,7 @@
 
 How the text becomes readings (sums, maxima, what is unknown) is ``engines/metrics.py``'s,
 shared with ``clusterctl status``. A failed scrape makes the engine's load unknown at once
-(``Worker.on_scrape_error``), and a stale scrape is ignored: the balancer then uses
+(``Endpoint.on_scrape_error``), and a stale scrape is ignored: the balancer then uses
 in-flight counts only. A scrape that answers 200 without any of the mapped metrics (an HTML
 page, a typo in a mapped name) is a failed scrape, not a reading of "nothing known".
 
@@ -19,15 +19,15 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from cluster_cli.engines.metrics import mapped_names, parse_metrics, resolve_checked
+from cluster_cli.router.endpoint import Endpoint
 from cluster_cli.router.http import fetch
-from cluster_cli.router.worker import Worker
 
 log = logging.getLogger("clusterctl.router")
 
 _warned: set[tuple[str, str]] = set()  # (endpoint URL, signal) already warned about an unusable value
 
 
-async def scrape_one(w: Worker, timeout: float, now: Callable[[], float]) -> None:
+async def scrape_one(w: Endpoint, timeout: float, now: Callable[[], float]) -> None:
     mapping = w.view.metrics
     gen = w.engine_gen
     if mapping.running is None and mapping.waiting is None and mapping.kv_cache_usage is None:
@@ -64,7 +64,7 @@ async def scrape_one(w: Worker, timeout: float, now: Callable[[], float]) -> Non
     w.on_scrape(running, waiting, kv, now(), started)
 
 
-def _retrieve(what: str, w: Worker, task: asyncio.Task[object]) -> None:
+def _retrieve(what: str, w: Endpoint, task: asyncio.Task[object]) -> None:
     if task.cancelled():
         return
     e = task.exception()
@@ -74,34 +74,34 @@ def _retrieve(what: str, w: Worker, task: asyncio.Task[object]) -> None:
 
 async def poll_each(
     what: str,
-    workers: Callable[[], Iterable[Worker]],
+    endpoints: Callable[[], Iterable[Endpoint]],
     interval: Callable[[], float],
-    one: Callable[[Worker, float], Coroutine[Any, Any, object]],
+    one: Callable[[Endpoint, float], Coroutine[Any, Any, object]],
     after: Callable[[], None] = lambda: None,
 ) -> None:
-    """Run ``one(w, iv)`` for every worker every ``iv = interval()`` seconds, each endpoint on
+    """Run ``one(w, iv)`` for every endpoint every ``iv = interval()`` seconds, each endpoint on
     its own schedule.
 
-    The loop ticks every ``iv`` and starts each listed worker's ``one`` as a task of its own:
-    one that is slow or hangs holds up no other endpoint. A worker whose previous run is
+    The loop ticks every ``iv`` and starts each listed endpoint's ``one`` as a task of its own:
+    one that is slow or hangs holds up no other endpoint. A endpoint whose previous run is
     still going at a tick is not run twice at once: its next run starts as soon as that one
     ends. Once per tick, when every run in flight has ended or the tick's time is up,
-    ``after()`` is called (the balancer re-dispatches on what was learned). A worker no
+    ``after()`` is called (the balancer re-dispatches on what was learned). A endpoint no
     longer listed has its run in flight cancelled; cancelling the loop cancels, and awaits,
     every run in flight.
     """
     loop = asyncio.get_running_loop()
-    tasks: dict[Worker, asyncio.Task[object]] = {}
-    owed: set[Worker] = set()  # ticked while still running: to run again as soon as it ends
-    listed: set[Worker] = set()
+    tasks: dict[Endpoint, asyncio.Task[object]] = {}
+    owed: set[Endpoint] = set()  # ticked while still running: to run again as soon as it ends
+    listed: set[Endpoint] = set()
     closing = False
 
-    def start(w: Worker, iv: float) -> None:
+    def start(w: Endpoint, iv: float) -> None:
         task = loop.create_task(one(w, iv))
         tasks[w] = task
         task.add_done_callback(functools.partial(ended, w))
 
-    def ended(w: Worker, task: asyncio.Task[object]) -> None:
+    def ended(w: Endpoint, task: asyncio.Task[object]) -> None:
         if tasks.get(w) is task:
             del tasks[w]
         _retrieve(what, w, task)
@@ -114,7 +114,7 @@ async def poll_each(
         while True:
             iv = interval()
             tick = loop.time()
-            ws = list(workers())
+            ws = list(endpoints())
             listed = set(ws)
             for w in [w for w in tasks if w not in listed]:
                 tasks.pop(w).cancel()  # removed: its result no longer matters
@@ -140,15 +140,15 @@ async def poll_each(
 
 
 async def scrape_loop(
-    workers: Callable[[], Iterable[Worker]],
+    endpoints: Callable[[], Iterable[Endpoint]],
     interval: Callable[[], float],
     now: Callable[[], float],
     after: Callable[[], None] = lambda: None,
 ) -> None:
-    """Scrape every worker each ``interval()`` seconds, each on its own schedule (``poll_each``),
+    """Scrape every endpoint each ``interval()`` seconds, each on its own schedule (``poll_each``),
     each scrape bounded by twice the interval (0.2 to 2 s)."""
 
-    def one(w: Worker, iv: float) -> Coroutine[Any, Any, None]:
+    def one(w: Endpoint, iv: float) -> Coroutine[Any, Any, None]:
         return scrape_one(w, max(0.2, min(iv * 2, 2.0)), now)
 
-    await poll_each("metric scrape", workers, interval, one, after)
+    await poll_each("metric scrape", endpoints, interval, one, after)

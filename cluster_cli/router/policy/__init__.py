@@ -1,4 +1,4 @@
-"""Load-balancing policies. Each gets only eligible, unsaturated workers and picks one.
+"""Load-balancing policies. Each gets only eligible, unsaturated endpoints and picks one.
 
 ``least_load`` (default) scans every candidate; ``p2c`` samples two; ``round_robin``
 ignores load. ``bench/router.py`` compares them on unequal engines.

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from cluster_cli.router.worker import Worker
+from cluster_cli.router.endpoint import Endpoint
 
 KV_WEIGHT = 0.25  # a full KV cache counts like a quarter of the endpoint's slots being busy
 
 
-def score(w: Worker, now: float, use_capacity: bool) -> float:
+def score(w: Endpoint, now: float, use_capacity: bool) -> float:
     """Lower is better: the share of the endpoint's slots in use once this request joins.
 
     With every candidate's capacity known, load is a fraction of that capacity, so a
@@ -29,6 +29,6 @@ def score(w: Worker, now: float, use_capacity: bool) -> float:
 class Policy(Protocol):
     name: str
 
-    def select(self, workers: Sequence[Worker], now: float) -> Worker | None:
-        """Pick one of ``workers`` (all eligible, unsaturated); None only when empty."""
+    def select(self, endpoints: Sequence[Endpoint], now: float) -> Endpoint | None:
+        """Pick one of ``endpoints`` (all eligible, unsaturated); None only when empty."""
         ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cluster_cli.router.worker import Worker
+from cluster_cli.router.endpoint import Endpoint
 
 
 class RoundRobin:
@@ -13,9 +13,9 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def select(self, workers: Sequence[Worker], now: float) -> Worker | None:
-        if not workers:
+    def select(self, endpoints: Sequence[Endpoint], now: float) -> Endpoint | None:
+        if not endpoints:
             return None
-        w = workers[self._next % len(workers)]
+        w = endpoints[self._next % len(endpoints)]
         self._next += 1
         return w

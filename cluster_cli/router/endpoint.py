@@ -55,7 +55,7 @@ class Scraped:
     error: str | None = None
 
 
-class Worker:
+class Endpoint:
     __slots__ = (
         "_cap_obs",
         "_clock",
