@@ -315,16 +315,22 @@ def test_cli_help_states_defaults_choices_and_exit_codes():
     out = res.output
     assert " ." not in out  # rich ate "[default: ...]" in the help text and left the period behind
     rows = {}
+    last = None
     for line in out.splitlines():
         parts = line.strip("│ *").split()
         if parts and parts[0].startswith("--"):
-            rows[parts[0]] = " ".join(parts[1:])
+            last = parts[0]
+            rows[last] = " ".join(parts[1:])
+        elif parts and last and line.startswith("│") and not line[1:30].strip(" *"):
+            rows[last] += " " + " ".join(parts)  # the row's help, wrapped
+        else:
+            last = None
     assert set(rows) >= {"--config", "--policy", "--max-body-bytes", "--connect-timeout", "--idle-timeout",
                          "--max-queue", "--queue-timeout", "--log-level", "--watch-interval"}  # fmt: skip
     for opt, row in rows.items():
         if opt not in ("--config", "--help"):
             assert "default" in row, (opt, row)
-    assert "<least_load|p2c|round_robin>" in rows["--policy"] and "least_load if unset" in rows["--policy"]
+    assert "<least_load|p2c|round_robin|prefix>" in rows["--policy"] and "least_load if unset" in rows["--policy"]
     assert "<debug|info|warning|error>" in rows["--log-level"] and "[default: warning]" in rows["--log-level"]
     assert "32 MiB" in rows["--max-body-bytes"] and "5 if unset" in rows["--connect-timeout"]
     assert "300 if unset" in rows["--idle-timeout"] and "256 if unset" in rows["--max-queue"]

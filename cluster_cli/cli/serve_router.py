@@ -55,6 +55,7 @@ class Policy(StrEnum):
     least_load = "least_load"
     p2c = "p2c"
     round_robin = "round_robin"
+    prefix = "prefix"
 
 
 class LogLevel(StrEnum):
@@ -81,7 +82,8 @@ def serve_router(
     policy: Policy | None = typer.Option(
         None,
         "--policy",
-        help="Load-balancing policy; default the config's router.policy, least_load if unset.",
+        help="Load-balancing policy (prefix: to the replica already holding the prompt's beginning, "
+        "guarded by load); default the config's router.policy, least_load if unset.",
         show_default=False,
     ),
     max_body_bytes: int | None = typer.Option(
@@ -139,7 +141,7 @@ def serve_router(
         "--grace",
         min=0,
         help="On SIGTERM/SIGINT, seconds in-flight requests get to finish; the rest then end as if "
-        "their engine failed (a started stream gets an SSE error event and a clean end).",
+        "their engine failed (a stream: an SSE error event).",
     ),
 ) -> None:
     from cluster_cli.control import router

@@ -12,6 +12,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass
 
+from cluster_cli.router.affinity import Affinity
 from cluster_cli.router.endpoint import Endpoint
 
 
@@ -33,15 +34,21 @@ class Rejected(Exception):
 
 
 class Waiter:
-    __slots__ = ("deadline", "exclude", "fut", "live", "queued_at")
+    __slots__ = ("deadline", "exclude", "fut", "hint", "live", "queued_at")
 
     def __init__(
-        self, fut: asyncio.Future[Endpoint], queued_at: float, deadline: float, exclude: tuple[Endpoint, ...] = ()
+        self,
+        fut: asyncio.Future[Endpoint],
+        queued_at: float,
+        deadline: float,
+        exclude: tuple[Endpoint, ...] = (),
+        hint: Affinity | None = None,
     ) -> None:
         self.fut = fut
         self.queued_at = queued_at
         self.deadline = deadline
         self.exclude = exclude  # a retry: the endpoints that already failed it
+        self.hint = hint  # what its prompt shares with earlier requests (the prefix policy)
         self.live = True  # counted in its queue's ``live`` (until resolved, cancelled or removed)
 
 
@@ -84,7 +91,13 @@ class ModelQueue:
             w.live = False
             self.live -= 1
 
-    def push(self, fut: asyncio.Future[Endpoint], now: float, exclude: tuple[Endpoint, ...] = ()) -> Waiter:
+    def push(
+        self,
+        fut: asyncio.Future[Endpoint],
+        now: float,
+        exclude: tuple[Endpoint, ...] = (),
+        hint: Affinity | None = None,
+    ) -> Waiter:
         q = self.waiters
         if len(q) > 2 * self.live + 16:  # mostly clients that gave up: drop them (amortised O(1))
             keep: deque[Waiter] = deque()
@@ -94,7 +107,7 @@ class ModelQueue:
                 else:
                     keep.append(old)
             self.waiters = q = keep
-        w = Waiter(fut, now, now + self.limits.max_wait_s, exclude)
+        w = Waiter(fut, now, now + self.limits.max_wait_s, exclude, hint)
         q.append(w)
         self.live += 1
         fut.add_done_callback(lambda _f, w=w: self._gone(w))

@@ -19,7 +19,10 @@ from collections import Counter
 from collections.abc import Callable, Collection
 
 from cluster_cli.router.admission import ModelQueue, Rejected
+from cluster_cli.router.affinity import Affinity
+from cluster_cli.router.config import PrefixSpec, RouterConfig
 from cluster_cli.router.endpoint import Endpoint
+from cluster_cli.router.policy import PrefixAffinity, make_policy
 from cluster_cli.router.policy.base import Policy
 from cluster_cli.router.registry import ModelEntry, Table
 
@@ -81,12 +84,33 @@ def fit_message(endpoints: Collection[Endpoint]) -> str:
 class Balancer:
     def __init__(self, table: Table, policy: Policy, clock: Callable[[], float] = time.monotonic) -> None:
         self.table = table
-        self.policy = policy
+        self.policy = policy  # the router's
+        self.model_policies: dict[str, Policy] = {}  # models with a policy of their own
         self.clock = clock
         self.active_leases = 0
 
+    def configure(self, cfg: RouterConfig) -> None:
+        """The router's and each model's policy for ``cfg``. A policy whose name is unchanged is
+        kept, with what it learned (a prefix index), and takes the new settings."""
+        spec = cfg.router.prefix
+        self.policy = _reuse(self.policy, cfg.router.policy, spec)
+        own = {}
+        for name, m in cfg.models.items():
+            if m.policy is not None and m.policy != cfg.router.policy:
+                own[name] = _reuse(self.model_policies.get(name), m.policy, spec)
+        self.model_policies = own
+        for p in (self.policy, *own.values()):
+            if isinstance(p, PrefixAffinity):
+                for model in [m for m in p.indexes.keys() | p.sessions.keys() if m not in cfg.models]:
+                    p.forget_model(model)
+
+    def policy_for(self, model: str) -> Policy:
+        return self.model_policies.get(model, self.policy)
+
     # ---------------------------------------------------------------- picking
-    def _pick_now(self, entry: ModelEntry, exclude: Collection[Endpoint] = ()) -> Lease | None:
+    def _pick_now(
+        self, entry: ModelEntry, exclude: Collection[Endpoint] = (), hint: Affinity | None = None
+    ) -> Lease | None:
         """A lease on the best unsaturated eligible endpoint, or None (all full or none eligible).
 
         ``exclude`` (a retry: the endpoints that already failed it) are avoided while any other
@@ -102,7 +126,7 @@ class Balancer:
                 cands = untried
             elif any(w not in exclude and w.unavailable_reason() is None for w in entry.endpoints):
                 return None
-        w = self.policy.select(cands, now)
+        w = self.model_policies.get(entry.name, self.policy).select(cands, now, hint)
         if w is None:
             return None
         w.acquire()
@@ -112,16 +136,20 @@ class Balancer:
     def any_eligible(self, entry: ModelEntry) -> bool:
         return any(w.unavailable_reason() is None for w in entry.endpoints)
 
-    def try_acquire(self, entry: ModelEntry, exclude: Collection[Endpoint] = ()) -> Lease | None:
+    def try_acquire(
+        self, entry: ModelEntry, exclude: Collection[Endpoint] = (), hint: Affinity | None = None
+    ) -> Lease | None:
         """The fast path: a lease now, or None when the request must go through ``acquire`` (queue/refuse)."""
         if entry.queue.waiters and entry.queue.peek_live():
             return None
-        return self._pick_now(entry, exclude)
+        return self._pick_now(entry, exclude, hint)
 
-    async def acquire(self, entry: ModelEntry, exclude: Collection[Endpoint] = ()) -> Lease:
+    async def acquire(
+        self, entry: ModelEntry, exclude: Collection[Endpoint] = (), hint: Affinity | None = None
+    ) -> Lease:
         q = entry.queue
         if not q.waiters or not q.peek_live():  # nobody ahead in the queue
-            lease = self._pick_now(entry, exclude)
+            lease = self._pick_now(entry, exclude, hint)
             if lease is not None:
                 return lease
         else:
@@ -137,7 +165,7 @@ class Balancer:
                 q.retry_after(),
             )
         fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
-        q.push(fut, self.clock(), tuple(exclude))  # type: ignore[arg-type]
+        q.push(fut, self.clock(), tuple(exclude), hint)  # type: ignore[arg-type]
         self.dispatch(entry)
         try:
             return await fut
@@ -158,7 +186,7 @@ class Balancer:
         if not q.waiters or not q.peek_live():
             return False
         head = q.waiters[0]
-        lease = self._pick_now(entry, head.exclude)
+        lease = self._pick_now(entry, head.exclude, head.hint)
         if lease is None:
             # A retry at the head waits for endpoints it has not tried; the slot that is
             # free may still suit someone behind it.
@@ -192,7 +220,7 @@ class Balancer:
         for waiter in q.waiters:
             if waiter.fut.done():
                 continue
-            lease = self._pick_now(entry, waiter.exclude)
+            lease = self._pick_now(entry, waiter.exclude, waiter.hint)
             if lease is not None:
                 q.remove(waiter)
                 waiter.fut.set_result(lease)  # type: ignore[arg-type]
@@ -252,3 +280,11 @@ class Balancer:
             while (waiter := q.pop_live()) is not None:
                 waiter.fut.set_exception(Rejected(503, "model_removed", f"model {name!r} was removed from the config"))
         self.kick()
+
+
+def _reuse(old: Policy | None, name: str, spec: PrefixSpec) -> Policy:
+    if old is not None and old.name == name:
+        if isinstance(old, PrefixAffinity):
+            old.configure(spec)
+        return old
+    return make_policy(name, spec)

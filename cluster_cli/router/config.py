@@ -121,9 +121,27 @@ class QueueSpec(_Strict):
     max_wait_s: StrictFloat = Field(default=30.0, gt=0)
 
 
+PolicyName = Literal["least_load", "p2c", "round_robin", "prefix"]
+
+
+class PrefixSpec(_Strict):
+    """The ``prefix`` policy's settings (docs/router.md, "Prefix affinity")."""
+
+    block_chars: StrictInt = Field(default=64, ge=8, le=4096)  # ~16 tokens: vLLM's KV block
+    min_match_chars: StrictInt = Field(default=256, ge=0)  # shorter matches: load decides
+    max_prompt_chars: StrictInt = Field(default=256 * 1024, ge=0)  # of a prompt, indexed
+    max_nodes: StrictInt = Field(default=65536, ge=16)  # per model: ~300 bytes each
+    balance_abs: StrictFloat = Field(default=4.0, ge=0)  # requests above the least loaded...
+    balance_rel: StrictFloat = Field(default=1.5, ge=1)  # ...and this many times it: load decides
+    session_header: str = Field(default="x-session-id", max_length=64, pattern=r"^[A-Za-z0-9-]*$")  # "": off
+    session_from_user: StrictBool = True  # the OpenAI body's "user" field as a session key
+    max_sessions: StrictInt = Field(default=100_000, ge=1)
+
+
 class ModelSpec(_Strict):
     endpoints: list[EndpointSpec] = Field(min_length=1)
     admission: QueueSpec | None = None
+    policy: PolicyName | None = None  # this model's own; None: router.policy
     # Continue this model's cut streams on another replica (router.resume_limit bounds how often).
     resume: StrictBool = True
 
@@ -174,7 +192,8 @@ class LimitsSpec(_Strict):
 
 
 class RouterSpec(_Strict):
-    policy: Literal["least_load", "p2c", "round_robin"] = "least_load"
+    policy: PolicyName = "least_load"
+    prefix: PrefixSpec = PrefixSpec()
     scrape_interval_s: StrictFloat = Field(default=0.5, gt=0)
     scrape_stale_s: StrictFloat = Field(default=3.0, gt=0)
     health_interval_s: StrictFloat = Field(default=2.0, gt=0)

@@ -62,6 +62,7 @@ class Endpoint:
         "_rate_mark",
         "_sent",
         "breaker",
+        "cache_gen",
         "cap",
         "cap_confirmed_at",
         "completed",
@@ -97,7 +98,10 @@ class Endpoint:
         # What every proxied request's head gets after "Host: ": the host, then the engine's own key
         # when it has one (the client's Authorization is never relayed: http.REQUEST_DROP).
         self.head_lines = self.host_header + b"\r\n" + bearer_line(view.api_key)
-        self.breaker = Breaker(breaker_cfg, clock=clock, name=view.replica)
+        self.breaker = Breaker(breaker_cfg, clock=clock, name=view.replica, on_change=self._breaker_changed)
+        # Bumped whenever the engine's cache must be taken as gone (it restarted, failed,
+        # was drained or removed): what the prefix policy learned of it before no longer holds.
+        self.cache_gen = 0
         self.inflight = 0
         self.completed = 0
         self.failed = 0
@@ -136,6 +140,8 @@ class Endpoint:
         if new_engine:
             self.scraped = Scraped()
             self.engine_gen += 1  # a scrape started before this is the old engine's: dropped
+        if new_engine or (view.draining and not self.view.draining):
+            self.cache_gen += 1
         self.view = view
         self.head_lines = self.host_header + b"\r\n" + bearer_line(view.api_key)  # a new engine here: its own key
         self.breaker.cfg = breaker_cfg
@@ -144,6 +150,15 @@ class Endpoint:
         self.probe_s = probe_s
         self.removed = False
         return restart
+
+    def retire(self) -> None:
+        """Removed from the config: no new requests; those in flight finish."""
+        self.removed = True
+        self.cache_gen += 1
+
+    def _breaker_changed(self, old: State, new: State) -> None:
+        if new is State.OPEN:
+            self.cache_gen += 1  # failing: it may come back as a new process with an empty cache
 
     # ---------------------------------------------------------------- eligibility
     def unavailable_reason(self) -> str | None:

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.router.admission import Rejected
+from cluster_cli.router.affinity import Affinity, blocks, prompt_text
 from cluster_cli.router.balancer import Lease, no_endpoint
 from cluster_cli.router.http import Request, error_response
+from cluster_cli.router.policy import PrefixAffinity
 from cluster_cli.router.proxy import (
     FAIL_AFTER,
     FAIL_BEFORE,
@@ -54,6 +57,8 @@ if TYPE_CHECKING:
     from cluster_cli.router.lifecycle import Lifecycle
     from cluster_cli.router.registry import ModelEntry
     from cluster_cli.router.server import ClientConn
+
+log = logging.getLogger("clusterctl.router")
 
 CONNECT_FAILED = -1  # a Relay's outcome when no connection to the engine could be made (else proxy's OK...REFUSED)
 _RESUMED_PATHS = (CHAT_PATH.encode(), COMPLETIONS_PATH.encode())
@@ -172,6 +177,7 @@ async def forward(
     last_status = 502
     endpoint = ""
     resume = _resumable(router, req, model, body)
+    hint = affinity_of(router, req, model, body)
     try:
         while True:
             if router.stopping is not None:  # the grace period ran out between attempts
@@ -184,7 +190,7 @@ async def forward(
                     return fail(conn, 503, msg, "model_removed", model, endpoint, attempts - 1)
                 entry = now_entry
             try:
-                lease: Lease = balancer.try_acquire(entry, tried) or await balancer.acquire(entry, tried)
+                lease: Lease = balancer.try_acquire(entry, tried, hint) or await balancer.acquire(entry, tried, hint)
             except Rejected as r:
                 attempts -= 1  # this one never reached an engine
                 if r.reason != "no_endpoint" or not last_error:
@@ -198,6 +204,8 @@ async def forward(
                 return fail(conn, last_status, msg, "upstream_error", model, endpoint, attempts - 1)
             endpoint = trace.endpoint = w.view.replica
             trace.attempts = attempts
+            if hint is not None and hint.outcome:
+                _affinity_decided(router, hint, endpoint)
             # Retries go to another endpoint: with one, the engine's own answer is relayed.
             may_retry = (
                 attempts < rp.max_attempts and len(entry.endpoints) > 1 and balancer.has_untried(entry, (*tried, w))
@@ -363,6 +371,33 @@ class _Cut:
     attempts: int
     tried: list[Endpoint]
     budget: _BudgetSlot
+
+
+def affinity_of(router: Lifecycle, req: Request, model: str, body: dict[str, Any] | None) -> Affinity | None:
+    """What the request shares with earlier ones, where its model's policy routes on it."""
+    policy = router.balancer.policy_for(model)
+    if body is None or not isinstance(policy, PrefixAffinity):
+        return None
+    spec = policy.spec
+    session = None
+    if spec.session_header:
+        name = spec.session_header.lower().encode()
+        session = next((v.decode("latin-1") for k, v in req.headers if k == name), None)
+    if session is None and spec.session_from_user and isinstance(body.get("user"), str):
+        session = body["user"]
+    text = prompt_text(req.path, body)
+    if text is None and not session:
+        return None
+    hashed = blocks(text or "", spec.block_chars, spec.max_prompt_chars // spec.block_chars)
+    return Affinity(model, hashed, session[:256] if session else None)
+
+
+def _affinity_decided(router: Lifecycle, hint: Affinity, replica: str) -> None:
+    chars = router.balancer.policy_for(hint.model).spec.block_chars  # type: ignore[attr-defined]
+    router.metrics.affinity(hint.model, hint.outcome, hint.matched * chars, len(hint.blocks) * chars)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s -> %s: %s", hint.model, replica, hint.note(chars))
+    hint.outcome = ""  # a retry decides again
 
 
 def _resumable(router: Lifecycle, req: Request, model: str, body: dict[str, Any] | None) -> _Resume | str | None:

@@ -70,7 +70,8 @@ class Lifecycle:
         self._apply_limits(cfg)
         table = build_table(cfg, clock=clock)
         self._attach_pools(table)
-        self.balancer = Balancer(table, make_policy(cfg.router.policy), clock)
+        self.balancer = Balancer(table, make_policy(cfg.router.policy, cfg.router.prefix), clock)
+        self.balancer.configure(cfg)
         self.metrics = RouterMetrics(lambda: self)
         self.server: asyncio.base_events.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -142,8 +143,7 @@ class Lifecycle:
         table = build_table(cfg, old, clock=self.clock)
         self._attach_pools(table)
         dropped = [(n, e.queue) for n, e in old.models.items() if n not in table.models]
-        if cfg.router.policy != old.cfg.router.policy:
-            self.balancer.policy = make_policy(cfg.router.policy)
+        self.balancer.configure(cfg)
         self.cfg = cfg
         self.balancer.swap(table, dropped)
         self.reloads_ok += 1

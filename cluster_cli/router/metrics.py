@@ -157,6 +157,8 @@ class _RequestCollector(Collector):
         self.resumed: dict[str, int] = {}  # cut streams continued elsewhere that ended whole
         self.resume_failures: dict[tuple[str, str], int] = {}  # (model, reason)
         self.seam: dict[str, _Hist] = {}  # a cut to the continuation's first relayed byte
+        self.affinity: dict[tuple[str, str], int] = {}  # (model, outcome): the prefix policy's decisions
+        self.prefix_chars: dict[str, list[int]] = {}  # model -> [chars matched, chars of prompts]
 
     def collect(self) -> Iterator[object]:
         req = CounterMetricFamily(
@@ -196,6 +198,23 @@ class _RequestCollector(Collector):
             fam = CounterMetricFamily(name, doc, labels=["model", "reason"])
             for (model, reason), n in list(counts.items()):
                 fam.add_metric([model, reason], n)
+            yield fam
+        aff = CounterMetricFamily(
+            "clusterctl_router_prefix_decisions",
+            "The prefix policy's decisions: session, matched (longest prefix), overridden (by the load"
+            " guard), short (match below min_match_chars), miss.",
+            labels=["model", "outcome"],
+        )
+        for (model, outcome), n in list(self.affinity.items()):
+            aff.add_metric([model, outcome], n)
+        yield aff
+        for name, doc, i in (
+            ("clusterctl_router_prefix_matched_chars", "Prompt characters found on the chosen replica.", 0),
+            ("clusterctl_router_prefix_prompt_chars", "Prompt characters indexed (whole blocks).", 1),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=["model"])
+            for model, pair in list(self.prefix_chars.items()):
+                fam.add_metric([model], pair[i])
             yield fam
         for name, doc, hists in (
             (
@@ -263,6 +282,17 @@ class RouterMetrics:
         if h is None:
             h = self._req.seam[model] = _Hist()
         h.observe(seconds)
+
+    def affinity(self, model: str, outcome: str, matched_chars: int, prompt_chars: int) -> None:
+        """The prefix policy chose a replica for a request of ``model``."""
+        r = self._req
+        key = (model, outcome)
+        r.affinity[key] = r.affinity.get(key, 0) + 1
+        pair = r.prefix_chars.get(model)
+        if pair is None:
+            pair = r.prefix_chars[model] = [0, 0]
+        pair[0] += matched_chars
+        pair[1] += prompt_chars
 
     def answered(self, status: int) -> None:
         """A request the router answered itself (a route of its own, a refusal): counted under

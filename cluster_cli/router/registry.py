@@ -101,7 +101,7 @@ def build_table(
         endpoints[url] = w
     retired = [w for u, w in old_endpoints.items() if u not in endpoints]
     for w in retired:
-        w.removed = True
+        w.retire()
     if old:  # still finishing from earlier reloads, unless they came back
         retired += [w for w in old.retired if w.url not in endpoints and w not in retired]
 

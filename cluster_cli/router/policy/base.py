@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from cluster_cli.router.affinity import Affinity
 from cluster_cli.router.endpoint import Endpoint
 
 KV_WEIGHT = 0.25  # a full KV cache counts like a quarter of the endpoint's slots being busy
@@ -29,6 +30,7 @@ def score(w: Endpoint, now: float, use_capacity: bool) -> float:
 class Policy(Protocol):
     name: str
 
-    def select(self, endpoints: Sequence[Endpoint], now: float) -> Endpoint | None:
-        """Pick one of ``endpoints`` (all eligible, unsaturated); None only when empty."""
+    def select(self, endpoints: Sequence[Endpoint], now: float, hint: Affinity | None = None) -> Endpoint | None:
+        """Pick one of ``endpoints`` (all eligible, unsaturated); None only when empty.
+        ``hint``: what the request shares with earlier ones (only ``prefix`` uses it)."""
         ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from cluster_cli.router.affinity import Affinity
 from cluster_cli.router.endpoint import Endpoint
 from cluster_cli.router.policy.base import score
 
@@ -15,7 +16,7 @@ class PowerOfTwo:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def select(self, endpoints: Sequence[Endpoint], now: float) -> Endpoint | None:
+    def select(self, endpoints: Sequence[Endpoint], now: float, hint: Affinity | None = None) -> Endpoint | None:
         n = len(endpoints)
         if n == 0:
             return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cluster_cli.router.affinity import Affinity
 from cluster_cli.router.endpoint import Endpoint
 
 
@@ -13,7 +14,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def select(self, endpoints: Sequence[Endpoint], now: float) -> Endpoint | None:
+    def select(self, endpoints: Sequence[Endpoint], now: float, hint: Affinity | None = None) -> Endpoint | None:
         if not endpoints:
             return None
         w = endpoints[self._next % len(endpoints)]
