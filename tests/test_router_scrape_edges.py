@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cluster_cli.engines import MetricMapping
-from cluster_cli.engines.metrics import parse_metrics, resolve
+from cluster_cli.engines.metrics import CACHE_COUNTERS, cache_reading, parse_metrics, resolve
 from cluster_cli.router import health, scrape
 from cluster_cli.router.breaker import BreakerConfig
 from cluster_cli.router.config import EndpointView
@@ -445,3 +445,38 @@ def test_the_primary_metric_name_wins_over_its_fallback() -> None:
     primary, legacy = mapping.kv_cache_usage, mapping.names("kv_cache_usage")[1]
     assert resolve({primary: [0.2], legacy: [0.7]}, mapping)[2] == 0.2
     assert resolve({legacy: [0.7]}, mapping)[2] == 0.7
+
+
+# ---------------------------------------------------------------- prefix-cache counters
+def test_engines_prefix_cache_counters_are_read_in_tokens():
+    vllm, llama = CACHE_COUNTERS["vllm"], CACHE_COUNTERS["llamacpp"]
+    assert cache_reading(
+        {"vllm:prefix_cache_hits_total": [30.0], "vllm:prefix_cache_queries_total": [100.0]}, vllm
+    ) == (30.0, 100.0)
+    old = {"vllm:gpu_prefix_cache_hits_total": [1.0, 2.0], "vllm:gpu_prefix_cache_queries_total": [5.0, 5.0]}
+    assert cache_reading(old, vllm) == (3.0, 10.0)  # summed over label sets
+    both = {"llamacpp:prompt_tokens_cached_total": [723.0], "llamacpp:prompt_tokens_total": [438.0]}
+    assert cache_reading(both, llama) == (723.0, 1161.0)  # processed ones exclude the cached
+    assert cache_reading({"llamacpp:prompt_tokens_total": [438.0]}, llama) is None  # an older build: unknown
+    assert (
+        cache_reading({"vllm:prefix_cache_hits_total": [5.0], "vllm:prefix_cache_queries_total": [4.0]}, vllm) is None
+    )
+    assert (
+        cache_reading({"vllm:prefix_cache_hits_total": [math.nan], "vllm:prefix_cache_queries_total": [4.0]}, vllm)
+        is None
+    )
+
+
+def test_a_scrape_keeps_the_cache_counters_and_a_restart_empties_the_cache(monkeypatch):
+    w = endpoint()
+    _scrape(
+        monkeypatch, w, b"%s 1\nvllm:prefix_cache_hits_total 50\nvllm:prefix_cache_queries_total 80\n" % RUN.encode()
+    )
+    assert w.scraped.cache == (50.0, 80.0)
+    gen = w.cache_gen
+    _scrape(
+        monkeypatch, w, b"%s 1\nvllm:prefix_cache_hits_total 60\nvllm:prefix_cache_queries_total 90\n" % RUN.encode()
+    )
+    assert w.cache_gen == gen
+    _scrape(monkeypatch, w, b"%s 1\nvllm:prefix_cache_hits_total 0\nvllm:prefix_cache_queries_total 9\n" % RUN.encode())
+    assert w.cache_gen == gen + 1 and w.scraped.cache == (0.0, 9.0)  # counters went back: a new process

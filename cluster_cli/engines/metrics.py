@@ -12,10 +12,61 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from cluster_cli.engines.base import MetricMapping
 
 SIGNALS = ("running", "waiting", "kv_cache_usage")
+
+
+@dataclass(frozen=True)
+class CacheCounters:
+    """Where an engine counts the prompt tokens its prefix cache served (counters, in tokens):
+    ``hits``, and either ``queries`` (every prompt token looked up) or ``misses`` (those it
+    processed). Each is a list of names, the first the scrape has decides."""
+
+    hits: tuple[str, ...]
+    queries: tuple[str, ...] = ()
+    misses: tuple[str, ...] = ()
+
+    def names(self) -> list[str]:
+        return [*self.hits, *self.queries, *self.misses]
+
+
+# By engine name, as the router config spells it. vLLM >= 0.8 (V1), then its older gauge names;
+# llama-server exports prompt_tokens_total without the cached ones, since late 2025.
+CACHE_COUNTERS = {
+    "vllm": CacheCounters(
+        hits=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+        queries=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    ),
+    "llamacpp": CacheCounters(hits=("llamacpp:prompt_tokens_cached_total",), misses=("llamacpp:prompt_tokens_total",)),
+}
+
+
+def cache_reading(values: dict[str, list[float]], counters: CacheCounters) -> tuple[float, float] | None:
+    """(prompt tokens served from the cache, prompt tokens in all) since the engine started,
+    or None where the engine exports no such counters (or unusable values)."""
+
+    def first(names: tuple[str, ...]) -> float | None:
+        for name in names:
+            samples = values.get(name)
+            if samples:
+                v = sum(samples)
+                return v if math.isfinite(v) and v >= 0 and all(x >= 0 for x in samples) else None
+        return None
+
+    hits = first(counters.hits)
+    if hits is None:
+        return None
+    queries = first(counters.queries)
+    if queries is None:
+        misses = first(counters.misses)
+        if misses is None:
+            return None
+        queries = hits + misses
+    return (hits, queries) if queries >= hits else None
+
 
 # Text exposition format (Prometheus 0.0.4, and OpenMetrics' sample lines): tokens are
 # separated by spaces or tabs, a line may be indented, a label set needs no blank after its

@@ -53,6 +53,7 @@ class Scraped:
     at: float = -1e18
     inflight_then: int = 0
     error: str | None = None
+    cache: tuple[float, float] | None = None  # the engine's (prompt tokens from its cache, prompt tokens)
 
 
 class Endpoint:

@@ -98,7 +98,22 @@ class _StateCollector(Collector):
             for sig, v in (("running", s.running), ("waiting", s.waiting), ("kv_cache_usage", s.kv)):
                 if v is not None:
                     loadm.add_metric([*lv, sig], v)
+            if s.cache is not None:
+                loadm.add_metric([*lv, "prompt_cached_tokens"], s.cache[0])
+                loadm.add_metric([*lv, "prompt_tokens"], s.cache[1])
         yield from (inflight, breaker, draining, drain, age, cap, loadm)
+        ratio = GaugeMetricFamily(
+            "clusterctl_router_engine_cache_hit_ratio",
+            "Prompt tokens the model's engines served from their prefix caches, over all their prompt"
+            " tokens, since they started (engines that export it: vLLM, llama-server).",
+            labels=["model"],
+        )
+        for name, entry in r.table.models.items():
+            seen = [c for w in entry.endpoints if (c := w.scraped.cache) is not None]
+            total = sum(q for _, q in seen)
+            if total > 0:
+                ratio.add_metric([name], sum(h for h, _ in seen) / total)
+        yield ratio
         ql = GaugeMetricFamily(
             "clusterctl_router_queue_length", "Requests waiting for a slot, per model.", labels=["model"]
         )

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
-from cluster_cli.engines.metrics import mapped_names, parse_metrics, resolve_checked
+from cluster_cli.engines.metrics import CACHE_COUNTERS, cache_reading, mapped_names, parse_metrics, resolve_checked
 from cluster_cli.router.endpoint import Endpoint
 from cluster_cli.router.http import fetch
 
@@ -40,8 +40,10 @@ async def scrape_one(w: Endpoint, timeout: float, now: Callable[[], float]) -> N
         if status != 200:
             raise ValueError(f"HTTP {status}")
         names = mapped_names(mapping)
-        values = parse_metrics(body.decode("utf-8", "replace"), names)
+        counters = CACHE_COUNTERS.get(w.view.engine)
+        values = parse_metrics(body.decode("utf-8", "replace"), names + (counters.names() if counters else []))
         (running, waiting, kv), bad = resolve_checked(values, mapping)
+        cache = cache_reading(values, counters) if counters else None
     except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
         if w.engine_gen == gen:
             w.on_scrape_error(f"{type(e).__name__}: {e}"[:200])
@@ -61,7 +63,11 @@ async def scrape_one(w: Endpoint, timeout: float, now: Callable[[], float]) -> N
         if key not in _warned:
             _warned.add(key)
             log.warning("%s: unusable value in /metrics, taken as unknown: %s", w.url, note)
+    before = w.scraped.cache
     w.on_scrape(running, waiting, kv, now(), started)
+    w.scraped.cache = cache
+    if cache is not None and before is not None and cache[1] < before[1]:
+        w.cache_gen += 1  # its counters went back: a new process, with an empty cache
 
 
 def _retrieve(what: str, w: Endpoint, task: asyncio.Task[object]) -> None:
