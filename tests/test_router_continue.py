@@ -334,6 +334,26 @@ def test_the_models_switch_turns_it_off(routed) -> None:
     check_stream(client, CHAT_PATH, refused=True)
     assert "off for this model" in events_of(client)[-1]["error"]["message"]  # type: ignore[index]
     assert len(r.script.log) == 1
+    assert r.metric("clusterctl_router_resume_failures_total", reason="disabled") == 1
+    assert r.metric("clusterctl_router_responses_cut_total") == 1
+
+
+def test_a_stream_that_could_never_be_continued_counts_as_unsupported(routed) -> None:
+    r = routed()
+    body = {**body_for(CHAT_PATH), "logprobs": True}
+    r.script.steps = [Step(cut=_offset(VLLM, CHAT_PATH, body_for(CHAT_PATH), b'"ld"'))]
+    check_stream(r.stream(CHAT_PATH, body), CHAT_PATH, refused=True)
+    assert r.metric("clusterctl_router_resume_failures_total", reason="unsupported") == 1
+
+
+def test_a_continuation_takes_no_slot_of_the_retry_budget(routed) -> None:
+    """A dead node cuts all its streams at once: each continuation replaces lost work, and
+    a budget of retries (none at all here) must not refuse them."""
+    r = routed(router={"retry": {"budget_ratio": 0.0, "min_retry_concurrency": 0}})
+    body = body_for(CHAT_PATH)
+    r.script.steps = [Step(cut=_offset(VLLM, CHAT_PATH, body, b'"ld"'))]
+    check_stream(r.stream(CHAT_PATH, body), CHAT_PATH, refused=False)
+    assert r.metric("clusterctl_router_requests_resumed_total") == 1
 
 
 def test_with_no_other_replica_the_stream_ends_with_the_error_event(routed) -> None:

@@ -238,7 +238,7 @@ def test_a_continued_stream_equals_an_uncut_one_where_its_tokens_agree(fleet: Fl
         assert fleet.arm.events is None, "no request was cut"
         assert len(ids) == 1 and len(reasons) == 1, (ids, reasons)
         # counted as the request ends, just after its last bytes went out
-        fleet.lt.wait_for(lambda: sum(fleet.router.metrics._req.resumed.values()) == resumed + 1, what="resumed")
+        fleet.lt.wait_for(lambda n=resumed + 1: sum(fleet.router.metrics._req.resumed.values()) == n, what="resumed")
         generated = _relayed(fleet.arm.sent, chat)  # what the first replica streamed, token by token
         prefix = "".join(generated)
         assert whole.startswith(prefix) and text.startswith(prefix), "the first replica's text is the uncut run's"

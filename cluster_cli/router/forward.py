@@ -239,6 +239,8 @@ async def forward(
                     budget = budget or _BudgetSlot(router.budget)
                     cut = _Cut(ex, relay.error, cut_by_stop, attempts, tried, budget)
                     return await _continue(router, conn, req, model, resume, cut, t0, trace)
+                if isinstance(resume, _NotResumed) and not cut_by_stop:
+                    router.metrics.resume_failure(model, resume.bucket)
                 if ex.abort_client:
                     conn.abort()
                 err = relay.error.message if relay.error else "upstream failed"
@@ -400,21 +402,32 @@ def _affinity_decided(router: Lifecycle, hint: Affinity, replica: str) -> None:
     hint.outcome = ""  # a retry decides again
 
 
-def _resumable(router: Lifecycle, req: Request, model: str, body: dict[str, Any] | None) -> _Resume | str | None:
+@dataclass(slots=True, frozen=True)
+class _NotResumed:
+    """A stream that could never be continued: why (for its error event) and the metric's reason."""
+
+    why: str
+    bucket: str  # disabled or unsupported
+
+
+def _resumable(
+    router: Lifecycle, req: Request, model: str, body: dict[str, Any] | None
+) -> _Resume | _NotResumed | None:
     """For a chat or text completion stream: the settings to continue it if cut, or why it
-    never could be (for its error event); None for any other request."""
+    never could be; None for any other request."""
     if body is None or body.get("stream") is not True or req.path not in _RESUMED_PATHS:
         return None
     spec = router.cfg.models.get(model)
     r = router.cfg.router
-    why = can_resume(body, req.path, StreamState(), 0, r.resume_limit, enabled=spec is None or spec.resume)
+    enabled = spec is None or spec.resume
+    why = can_resume(body, req.path, StreamState(), 0, r.resume_limit, enabled=enabled)
     if why is not None:
-        return why
+        return _NotResumed(why, "unsupported" if enabled and r.resume_limit else "disabled")
     return _Resume(body, req.path, r.resume_limit, r.limits.stall_timeout_s)
 
 
 def _first_exchange(
-    resume: _Resume | str | None,
+    resume: _Resume | _NotResumed | None,
 ) -> Callable[[ClientConn, UpstreamConn, bool, asyncio.Future[int], bool], Exchange] | None:
     """The sink of a first attempt: it keeps a StreamState when the stream may be continued."""
     if resume is None:
@@ -422,8 +435,8 @@ def _first_exchange(
 
     def make(client: ClientConn, up: UpstreamConn, may_retry: bool, fut: asyncio.Future[int], h10: bool) -> Exchange:
         ex = Exchange(client, up, may_retry, fut, h10)
-        if isinstance(resume, str):
-            ex.cut_why = resume
+        if isinstance(resume, _NotResumed):
+            ex.cut_why = resume.why
         else:
             ex.state = StreamState()  # a retry before any byte went out starts a new one
             ex.stall_s = resume.stall_s
@@ -470,8 +483,9 @@ async def _continue(
             bucket = "limit" if tries >= rs.limit else "unsupported"
         elif entry is None or not balancer.has_untried(entry, cut.tried):
             why, bucket = "no other replica of the model is left to continue it", "no_endpoint"
-        elif not cut.budget.take(router.inflight_total):
-            why, bucket = "the router's retry budget is exhausted", "budget"
+        # No retry budget: a continuation replaces work its engine lost, it adds none. A node
+        # that dies cuts all its streams at once, and the budget (a share of what is in
+        # flight) refused most of them while the survivors had room.
         lease: Lease | None = None
         if why is None:
             assert entry is not None

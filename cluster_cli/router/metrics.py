@@ -30,7 +30,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 # continuations used up (``limit``), a request or stream no continuation reproduces
 # (``unsupported``: n > 1, logprobs, a tool call...), no other replica or no retry budget
 # (``no_endpoint``, ``budget``), the engine's refusal (``engine_refused``), the router stopping.
-RESUME_FAILURES = ("disabled", "limit", "unsupported", "no_endpoint", "budget", "engine_refused", "shutdown")
+RESUME_FAILURES = ("disabled", "limit", "unsupported", "no_endpoint", "engine_refused", "shutdown")
 # Bounds as prometheus-client's own histograms write them ("1.0", not "1"): Prometheus joins
 # series on the label's text, so the same bound must be spelt the same everywhere.
 _BOUNDS = (*map(floatToGoString, LATENCY_BUCKETS), "+Inf")
