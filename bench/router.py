@@ -25,6 +25,17 @@ client (keep-alive), so it costs little CPU next to the proxy it measures.
 
     python bench/router.py peers --peers-test overhead --duration 5 --rounds 3
     python bench/router.py peers --peers-test balance --duration 60 --load 0.8
+
+4. failover: per contender 2 fresh engines (256-token replies at 8 ms a token), 64 closed-loop
+   streams for --duration (20 s) and one engine SIGKILLed at --kill-at (8 s): clusterctl (a cut
+   stream continued on the other replica), clusterctl with ``resume: false``, and the peers
+   harness's nginx, vllm-router and LiteLLM (imported from a scratch copy; each skipped when
+   not installed). Failed requests, streams resumed and seamless (the whole text equal to an
+   uncut reply's), the seam (largest gap between two chunks of a resumed stream; the router's
+   ``clusterctl_router_seam_seconds``), and a fresh request's TTFT on the surviving engine.
+
+    python bench/router.py failover
+    python bench/router.py failover --contenders clusterctl,nginx --router-yaml "{resume_limit: 1}"
 """
 
 from __future__ import annotations
@@ -100,20 +111,30 @@ def wait_port(port: int, timeout: float = 30.0) -> None:
     raise RuntimeError(f"nothing listening on {port} after {timeout}s")
 
 
-def start_engine(rundir: Path, port: int, *, capacity: int, delay_ms: float, tokens: int) -> Proc:
-    argv = [sys.executable, str(SIMENGINE), "--port", str(port), "--model", MODEL, "--capacity", str(capacity),
+def start_engine(rundir: Path, port: int, *, capacity: int, delay_ms: float, tokens: int, model: str = MODEL) -> Proc:
+    argv = [sys.executable, str(SIMENGINE), "--port", str(port), "--model", model, "--capacity", str(capacity),
             "--token-delay-ms", str(delay_ms), "--tokens", str(tokens)]  # fmt: skip
     p = Proc(argv, rundir / f"engine-{port}.log")
     wait_port(port)
     return p
 
 
-def start_router(rundir: Path, port: int, engine_ports: list[int], policy: str = "least_load") -> Proc:
+def start_router(
+    rundir: Path,
+    port: int,
+    engine_ports: list[int],
+    policy: str = "least_load",
+    *,
+    resume: bool = True,
+    router_yaml: str = "",
+) -> Proc:
     cfg = rundir / f"router-{port}.yaml"
     eps = "\n".join(
         f'      - {{url: "http://127.0.0.1:{p}", engine: vllm, replica: e{i}}}' for i, p in enumerate(engine_ports)
     )
-    cfg.write_text(f"engines:\n  vllm: {{metrics: {{}}}}\nmodels:\n  {MODEL}:\n    endpoints:\n{eps}\n")
+    off = "" if resume else "    resume: false\n"
+    extra = f"router: {router_yaml}\n" if router_yaml else ""
+    cfg.write_text(f"engines:\n  vllm: {{metrics: {{}}}}\nmodels:\n  {MODEL}:\n{off}    endpoints:\n{eps}\n{extra}")
     argv = [sys.executable, "-c", "from cluster_cli.cli.main import run; run()", "serve-router", "--config", str(cfg),
             "--port", str(port), "--policy", policy, "--access-log", str(rundir / f"access-{port}.log")]  # fmt: skip
     p = Proc(argv, rundir / f"router-{port}.log")
@@ -415,6 +436,423 @@ def run_balance(a: argparse.Namespace, rundir: Path) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- failover
+FAILOVER_CONTENDERS = ("clusterctl", "clusterctl-noresume", "nginx", "vllm-router", "litellm")
+
+
+class SSEConn:
+    """One keep-alive connection for streamed chat completions, read event by event.
+
+    ``stream`` returns what the client saw of one response: status, text, content chunks,
+    finish reasons, [DONE], error events, the largest gap between two content chunks, and
+    whether (and when) the simulated engine's continuation marker ``sim_continued_from``
+    arrived: the router keeps a continuation's extra fields, so a resumed stream shows it.
+    """
+
+    def __init__(self, port: int, auth: str | None = None) -> None:
+        self.port = port
+        self.auth = auth
+        self.r: asyncio.StreamReader | None = None
+        self.w: asyncio.StreamWriter | None = None
+
+    def request(self, model: str, max_tokens: int) -> bytes:
+        body = json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": max_tokens}
+        ).encode()
+        auth = b"Authorization: Bearer %b\r\n" % self.auth.encode() if self.auth else b""
+        return (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+            b"%bContent-Length: %d\r\n\r\n%b" % (self.port, auth, len(body), body)
+        )
+
+    def close(self) -> None:
+        if self.w is not None:
+            self.w.close()
+        self.w = self.r = None
+
+    async def stream(self, req: bytes, rec: dict) -> None:
+        """Fill ``rec`` as the response comes; raises on a connection error (``rec`` keeps what came)."""
+        if self.w is None:
+            self.r, self.w = await asyncio.open_connection("127.0.0.1", self.port)
+            self.w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        r, w = self.r, self.w
+        w.write(req)
+        head = await r.readuntil(b"\r\n\r\n")
+        rec["status"] = int(head[9:12])
+        lower = head.lower()
+        if b"transfer-encoding: chunked" not in lower:
+            clen = int(lower.split(b"content-length:")[1].split(b"\r\n")[0]) if b"content-length:" in lower else 0
+            rec["body"] = (await r.readexactly(clen))[:300].decode("utf-8", "replace")
+            if b"connection: close" in lower or b"content-length:" not in lower:
+                self.close()
+            return
+        buf = b""
+        sse = b""
+        while True:
+            while (i := buf.find(b"\r\n")) < 0:
+                buf += await self._more(r)
+            size = int(buf[:i].split(b";")[0], 16)
+            if size == 0:
+                while len(buf) < i + 4:
+                    buf += await self._more(r)
+                break
+            need = i + 2 + size + 2
+            while len(buf) < need:
+                buf += await self._more(r)
+            sse += buf[i + 2 : i + 2 + size]
+            buf = buf[need:]
+            if b"\r" in sse:
+                sse = sse.replace(b"\r\n", b"\n")
+            *events, sse = sse.split(b"\n\n")
+            if events:
+                _sse_events(events, rec, time.perf_counter())
+        if b"connection: close" in lower:
+            self.close()
+
+    @staticmethod
+    async def _more(r: asyncio.StreamReader) -> bytes:
+        data = await r.read(65536)
+        if not data:
+            raise asyncio.IncompleteReadError(b"", None)
+        return data
+
+
+def _sse_events(events: list[bytes], rec: dict, now: float) -> None:
+    for ev in events:
+        for line in ev.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                rec["done"] += 1
+                continue
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                rec["unreadable"] += 1
+                continue
+            choices = obj.get("choices") if isinstance(obj, dict) else None
+            if not isinstance(obj, dict) or ("error" in obj and not choices):
+                rec["errors"] += 1
+                continue
+            if "sim_continued_from" in obj and rec["resumed_at"] is None:
+                rec["resumed_at"] = now
+            if not choices:
+                continue
+            ch = choices[0]
+            delta = ch.get("delta") or {}
+            piece = delta.get("content") if isinstance(delta, dict) else None
+            piece = piece if piece is not None else ch.get("text")
+            if piece:
+                rec["text"].append(piece)
+                last = rec["last"]
+                if last is None:
+                    rec["first"] = now
+                elif now - last > rec["gap"]:
+                    rec["gap"] = now - last
+                rec["last"] = now
+            if ch.get("finish_reason"):
+                rec["finish"] += 1
+
+
+def _new_record(t0: float) -> dict:
+    return {"t0": t0, "status": None, "text": [], "first": None, "last": None, "gap": 0.0, "finish": 0, "done": 0,
+            "errors": 0, "unreadable": 0, "resumed_at": None, "exc": None}  # fmt: skip
+
+
+async def _one_stream(conn: SSEConn, req: bytes, timeout: float) -> dict:
+    rec = _new_record(time.perf_counter())
+    try:
+        await asyncio.wait_for(conn.stream(req, rec), timeout)
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, TimeoutError) as e:
+        rec["exc"] = type(e).__name__
+        conn.close()
+    rec["end"] = time.perf_counter()
+    return rec
+
+
+def _verdict(rec: dict, tokens: int) -> str | None:
+    """Why a stream failed, or None: the client saw an error, no finish_reason, no [DONE], or
+    another count of tokens (content chunks: the simulated engine sends one token a chunk)."""
+    if rec["exc"] is not None:
+        return "connection"
+    if rec["status"] != 200:
+        return f"HTTP {rec['status']}"
+    if rec["errors"] or rec["unreadable"]:
+        return "error event"
+    if rec["finish"] != 1:
+        return "no finish_reason" if not rec["finish"] else f"finish_reason x{rec['finish']}"
+    if rec["done"] != 1:
+        return "no [DONE]" if not rec["done"] else f"[DONE] x{rec['done']}"
+    if len(rec["text"]) != tokens:
+        return f"tokens {len(rec['text'])}"
+    return None
+
+
+async def _get(port: int, path: str) -> str:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        w.write(b"GET %b HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n" % path.encode())
+        data = await asyncio.wait_for(r.read(), 5)
+    finally:
+        w.close()
+    return data.split(b"\r\n\r\n", 1)[-1].decode("utf-8", "replace")
+
+
+def _prom(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text: name -> [(labels, value)]."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        lab = dict(kv.split("=", 1) for kv in labels.rstrip("}").split(",") if "=" in kv)
+        out.setdefault(name, []).append(({k: v.strip('"') for k, v in lab.items()}, float(value)))
+    return out
+
+
+def _hist_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """A quantile of a Prometheus histogram (cumulative (le, count) pairs), as histogram_quantile does."""
+    buckets = sorted(buckets)
+    total = buckets[-1][1] if buckets else 0
+    if not total:
+        return None
+    rank = q * total
+    lo_bound, lo_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return lo_bound
+            return lo_bound + (le - lo_bound) * ((rank - lo_count) / max(count - lo_count, 1e-12))
+        lo_bound, lo_count = le, count
+    return lo_bound
+
+
+def _router_resume_metrics(text: str) -> dict:
+    m = _prom(text)
+    name = "clusterctl_router_seam_seconds"
+    buckets = [(float(lab["le"]), v) for lab, v in m.get(name + "_bucket", []) if lab.get("model") == MODEL]
+    count = sum(v for lab, v in m.get(name + "_count", []) if lab.get("model") == MODEL)
+    total = sum(v for lab, v in m.get(name + "_sum", []) if lab.get("model") == MODEL)
+    ms = lambda x: None if x is None else round(x * 1000, 1)  # noqa: E731
+    fails: dict[str, int] = {}
+    for lab, v in m.get("clusterctl_router_resume_failures_total", []):
+        if v:
+            fails[lab.get("reason", "")] = fails.get(lab.get("reason", ""), 0) + int(v)
+    return {
+        "resumed": int(sum(v for _, v in m.get("clusterctl_router_requests_resumed_total", []))),
+        "resume_failures": fails,
+        "cut": int(sum(v for _, v in m.get("clusterctl_router_responses_cut_total", []))),
+        "seam_count": int(count),
+        "seam_mean_ms": ms(total / count) if count else None,
+        "seam_p50_ms": ms(_hist_quantile(buckets, 0.5)),
+        "seam_p99_ms": ms(_hist_quantile(buckets, 0.99)),
+    }
+
+
+def _load_peers(a: argparse.Namespace, rundir: Path):
+    """The shared harness's peers.py, imported from a scratch copy (None when it is absent)."""
+    import importlib.util
+    import shutil
+
+    src = Path(a.peers_dir) if a.peers_dir else ROOT.parent / "shared" / "bench-peers"
+    if not (src / "peers.py").is_file():
+        return None
+    work = rundir / "bench-peers"
+    if not work.exists():
+        shutil.copytree(src, work, ignore=shutil.ignore_patterns("results-*.json", "__pycache__"))
+        for p in (work, *work.rglob("*")):  # the source may be read-only; the copy is ours
+            p.chmod(p.stat().st_mode | 0o200)
+    spec = importlib.util.spec_from_file_location("bench_peers", work / "peers.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def _peer_missing(peers, name: str) -> str | None:
+    if peers is None:
+        return "the shared peers harness is not there (give --peers-dir)"
+    path = {"nginx": peers.NGINX, "vllm-router": peers.VLLM_ROUTER, "litellm": peers.LITELLM}[name]
+    if not os.path.exists(path):
+        return f"not installed ({path}; python bench/router.py peers --install, or peers.sh install)"
+    return None
+
+
+async def _failover_load(
+    port: int, auth: str | None, model: str, a: argparse.Namespace, victim: Proc, victim_port: int, survivor: int
+) -> dict:
+    """64 closed-loop streams for a.duration; at a.kill_at the victim engine is SIGKILLed; from then
+    on fresh short streams straight to the survivor measure its time to first token."""
+    records: list[dict] = []
+    probes: list[float] = []
+    t_start = time.perf_counter()
+    t_end = t_start + a.duration
+    info: dict = {}
+
+    async def worker() -> None:
+        conn = SSEConn(port, auth)
+        req = conn.request(model, a.stream_tokens)
+        while time.perf_counter() < t_end:
+            rec = await _one_stream(conn, req, a.request_timeout)
+            records.append(rec)
+            if _verdict(rec, a.stream_tokens) is not None:
+                await asyncio.sleep(0.1)  # a client's pause before it tries again: no storm of instant failures
+        conn.close()
+
+    async def killer() -> None:
+        await asyncio.sleep(a.kill_at)
+        try:
+            m = _prom(await _get(victim_port, "/metrics"))
+            info["victim_running"] = int(sum(v for _, v in m.get("vllm:num_requests_running", [])))
+        except OSError:
+            info["victim_running"] = None
+        os.killpg(victim.p.pid, signal.SIGKILL)
+        info["t_kill"] = time.perf_counter()
+        conn = SSEConn(survivor)
+        req = conn.request(model, 4)
+        while time.perf_counter() < t_end:
+            await asyncio.sleep(0.1)
+            rec = await _one_stream(conn, req, 10)
+            if rec["first"] is not None:
+                probes.append(rec["first"] - rec["t0"])
+        conn.close()
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(a.streams)]
+    await killer()
+    _done, pending = await asyncio.wait(tasks, timeout=a.request_timeout + 5)
+    for t in pending:
+        t.cancel()
+    info.update(records=records, probes=probes, t_start=t_start, incomplete=len(pending))
+    return info
+
+
+def _failover_summary(info: dict, expected: str, tokens: int) -> dict:
+    ms = lambda x: None if x is None else round(x * 1000, 1)  # noqa: E731
+    t_kill = info["t_kill"]
+    failed: dict[str, int] = {}
+    fail_cut = fail_new = resumed = seamless = wrong_text = 0
+    gaps: list[float] = []
+    from_kill: list[float] = []
+    ttft_after: list[float] = []
+    for rec in info["records"]:
+        why = _verdict(rec, tokens)
+        text = "".join(rec["text"])
+        if why is not None:
+            failed[why] = failed.get(why, 0) + 1
+            if rec["t0"] < t_kill:
+                fail_cut += 1
+            else:
+                fail_new += 1
+        elif text != expected:
+            wrong_text += 1
+        if rec["resumed_at"] is not None:
+            resumed += 1
+            seamless += why is None and text == expected
+            gaps.append(rec["gap"])
+            from_kill.append(rec["resumed_at"] - t_kill)
+        if rec["t0"] >= t_kill and rec["first"] is not None:
+            ttft_after.append(rec["first"] - rec["t0"])
+    n_failed = sum(failed.values())
+    return {
+        "requests": len(info["records"]),
+        "ok": len(info["records"]) - n_failed,
+        "failed": n_failed,
+        "failed_started_before_kill": fail_cut,
+        "failed_started_after_kill": fail_new,
+        "failed_why": failed,
+        "incomplete": info["incomplete"],
+        "victim_running_at_kill": info.get("victim_running"),
+        "resumed": resumed,
+        "seamless": seamless,
+        "wrong_text_not_failed": wrong_text,
+        "seam_gap_p50_ms": ms(pct(gaps, 0.5)),
+        "seam_gap_p99_ms": ms(pct(gaps, 0.99)),
+        "seam_gap_max_ms": ms(max(gaps) if gaps else None),
+        "seam_from_kill_p50_ms": ms(pct(from_kill, 0.5)),
+        "seam_from_kill_p99_ms": ms(pct(from_kill, 0.99)),
+        "survivor_ttft_p50_ms": ms(pct(info["probes"], 0.5)),
+        "survivor_ttft_p99_ms": ms(pct(info["probes"], 0.99)),
+        "probes": len(info["probes"]),
+        "ttft_after_kill_p50_ms": ms(pct(ttft_after, 0.5)),
+    }
+
+
+def run_failover(a: argparse.Namespace, rundir: Path) -> dict:
+    """Per contender: 2 fresh engines, the proxy, 64 closed-loop streams, one engine SIGKILLed."""
+    wanted = [c.strip() for c in a.contenders.split(",") if c.strip()]
+    if not 0 < a.kill_at < a.duration:
+        raise SystemExit("bench/router.py failover: --kill-at must fall inside --duration")
+    peers = _load_peers(a, rundir) if any(c in ("nginx", "vllm-router", "litellm") for c in wanted) else None
+    out: dict = {"runs": {}, "skipped": {}, "params": {
+        "streams": a.streams, "tokens": a.stream_tokens, "token_delay_ms": a.token_delay_ms,
+        "duration_s": a.duration, "kill_at_s": a.kill_at, "router_yaml": a.router_yaml}}  # fmt: skip
+    if peers is not None:
+        out["peer_versions"] = {k: v for k, v in peers.versions().items() if k in ("nginx", "vllm-router", "litellm")}
+    for name in wanted:
+        if name not in FAILOVER_CONTENDERS:
+            raise SystemExit(f"bench/router.py failover: unknown contender {name!r} (of {FAILOVER_CONTENDERS})")
+        peer = name in ("nginx", "vllm-router", "litellm")
+        if peer and (why := _peer_missing(peers, name)):
+            out["skipped"][name] = why
+            print(f"  failover {name}: skipped: {why}", file=sys.stderr)
+            continue
+        model = peers.MODEL if peer else MODEL
+        eports = [free_port(), free_port()]
+        engines = [
+            start_engine(rundir, p, capacity=4 * a.streams, delay_ms=a.token_delay_ms, tokens=a.stream_tokens,
+                         model=model)
+            for p in eports
+        ]  # fmt: skip
+        proxy = None
+        try:
+            ref = asyncio.run(_reference(eports[1], model, a.stream_tokens))
+            expected = "".join(ref["text"])
+            assert _verdict(ref, a.stream_tokens) is None, f"the engine's own stream: {ref}"
+            port = free_port()
+            auth = None
+            if name.startswith("clusterctl"):
+                proxy = start_router(rundir, port, eports, resume=name == "clusterctl", router_yaml=a.router_yaml)
+                time.sleep(1.0)  # first scrapes and health checks
+            elif name == "nginx":
+                proxy = peers.start_nginx(str(rundir), port, eports)
+            elif name == "vllm-router":
+                proxy = peers.start_vllm_router(str(rundir), port, eports, policy="round_robin")
+            else:
+                proxy = peers.start_litellm(str(rundir), port, eports, workers=os.cpu_count() or 1)
+                auth = peers.LITELLM_KEY
+            info = asyncio.run(_failover_load(port, auth, model, a, engines[0], eports[0], eports[1]))
+            res = _failover_summary(info, expected, a.stream_tokens)
+            if name.startswith("clusterctl"):
+                res["router"] = _router_resume_metrics(asyncio.run(_get(port, "/metrics")))
+            out["runs"][name] = res
+            print(f"  failover {name}: {json.dumps(res)}", file=sys.stderr)
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            for e in engines:
+                e.stop()
+    return out
+
+
+async def _reference(port: int, model: str, tokens: int) -> dict:
+    """One uncut stream straight from an engine: the text every stream must end up with."""
+    conn = SSEConn(port)
+    rec = await _one_stream(conn, conn.request(model, tokens), 30)
+    conn.close()
+    return rec
+
+
+def _target(r: dict) -> str:
+    """Target: no failed request, seam p99 < 200 ms + the survivor's TTFT p50."""
+    if r["failed"]:
+        return f"no ({r['failed']} failed)"
+    if not r["resumed"]:
+        return "no stream resumed" if r["incomplete"] == 0 else "no"
+    limit = 200 + (r["survivor_ttft_p50_ms"] or 0)
+    return ("met" if r["seam_gap_p99_ms"] < limit else "no") + f" (p99 {r['seam_gap_p99_ms']} < {limit:.0f} ms)"
+
+
 def _served(port: int) -> float:
     import urllib.request
 
@@ -483,6 +921,33 @@ def print_tables(res: dict) -> None:
                 f"| {pol} | {r['count']} | {r['errors']} | {r['incomplete']} | {r['req_per_s']} | {r['ttft_p50_ms']} | "
                 f"{r['ttft_p99_ms']} | {r['latency_p99_ms']} | {r['slow_share']} | {ratio} |"
             )
+    if "failover" in res:
+        print_failover(res["failover"])
+
+
+def print_failover(f: dict) -> None:
+    p = f["params"]
+    print(
+        f"\n## failover ({p['streams']} streams of {p['tokens']} tokens at {p['token_delay_ms']} ms a token, "
+        f"{p['duration_s']} s, one of 2 engines SIGKILLed at {p['kill_at_s']} s; ms)"
+    )
+    print(
+        "| contender | requests | failed (started before / after the kill) | on the victim at the kill | resumed "
+        "(router) | seamless | seam p50 / p99 (client) | router seam p50 / p99 (mean) | survivor TTFT p50 | target |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in f["runs"].items():
+        rt = r.get("router")
+        routed = f" ({rt['resumed']})" if rt else ""
+        rseam = f"{rt['seam_p50_ms']} / {rt['seam_p99_ms']} ({rt['seam_mean_ms']})" if rt and rt["seam_count"] else "-"
+        seam = f"{r['seam_gap_p50_ms']} / {r['seam_gap_p99_ms']}" if r["resumed"] else "-"
+        print(
+            f"| {name} | {r['requests']} | {r['failed']} ({r['failed_started_before_kill']} / "
+            f"{r['failed_started_after_kill']}) | {r['victim_running_at_kill']} | {r['resumed']}{routed} | "
+            f"{r['seamless']} | {seam} | {rseam} | {r['survivor_ttft_p50_ms']} | {_target(r)} |"
+        )
+    for name, why in f["skipped"].items():
+        print(f"| {name} | skipped: {why} |||||||||")
 
 
 def run_peers(a: argparse.Namespace) -> int:
@@ -520,8 +985,10 @@ def run_peers(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["overhead", "balance", "all", "peers"])
-    ap.add_argument("--duration", type=float, default=None, help="seconds per cell (overhead 5, balance 60)")
+    ap.add_argument("what", choices=["overhead", "balance", "failover", "all", "peers"])
+    ap.add_argument(
+        "--duration", type=float, default=None, help="seconds per cell (overhead 5, balance 60, failover 20)"
+    )
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--load", type=float, default=0.8)
@@ -537,6 +1004,13 @@ def main(argv: list[str] | None = None) -> None:
         "--peers-dir", default=None, help="peers: the harness (default: shared/bench-peers beside the repo)"
     )
     ap.add_argument("--install", action="store_true", help="peers: install nginx and the peers' venvs first")
+    ap.add_argument("--streams", type=int, default=64, help="failover: concurrent streams")
+    ap.add_argument("--stream-tokens", type=int, default=256, help="failover: tokens per stream")
+    ap.add_argument("--token-delay-ms", type=float, default=8.0, help="failover: the engines' time per token")
+    ap.add_argument("--kill-at", type=float, default=8.0, help="failover: seconds into the run the engine is killed")
+    ap.add_argument("--request-timeout", type=float, default=60.0, help="failover: a stream's limit")
+    ap.add_argument("--router-yaml", default="", help="failover: clusterctl's router section, a YAML flow mapping")
+    ap.add_argument("--contenders", default=",".join(FAILOVER_CONTENDERS), help="failover: which, in this order")
     ap.add_argument("--floor", action="store_true",
                     help="overhead: also a bare uvloop byte relay (bench/relay.py) and nginx, in the same rounds")  # fmt: skip
     a = ap.parse_args(argv)
@@ -549,15 +1023,18 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     res: dict = {"machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "params": vars(a)}
+    given = a.duration
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
         rundir = Path(tmp)
         if a.what in ("overhead", "all"):
-            a.duration = a.duration or 5.0
+            a.duration = given or 5.0
             res["overhead"] = run_overhead(a, rundir)
-            a.duration = None if a.what == "all" else a.duration
         if a.what in ("balance", "all"):
-            a.duration = a.duration or 60.0
+            a.duration = given or 60.0
             res["balance"] = run_balance(a, rundir)
+        if a.what in ("failover", "all"):
+            a.duration = given or 20.0
+            res["failover"] = run_failover(a, rundir)
     res["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
     print_tables(res)
     if a.out:

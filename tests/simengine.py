@@ -9,6 +9,13 @@ made to fail (``fail_status`` = 5xx answers, ``refuse()`` = connections refused,
 pause after "[DONE]" before the stream's terminating chunk, ``health_status``),
 or killed mid-stream (``kill()``: every connection reset, the port closed).
 
+Its text is one deterministic sequence of pieces (``lorem ipsum dolor ...``, one a token).
+Asked to continue its own text (chat: a final assistant message with
+``continue_final_message: true``; completions: a prompt that ends with the sequence's start)
+it goes on from where that text stops, as a router continuing a cut stream asks, so the
+whole text equals an uncut reply; such a reply's chunks carry ``"sim_continued_from": K``
+(the pieces the given text held) and ``continued`` counts them.
+
 Streams send their response head at once (as vLLM does) and tokens as they come.
 A client that disconnects frees its slot at once (``aborted`` counts it).
 
@@ -43,12 +50,63 @@ REASONS = {
 
 
 class _Seq:
-    __slots__ = ("conn", "done", "i", "kind", "n", "rid", "stream")
+    __slots__ = ("conn", "done", "i", "kind", "lead", "n", "rid", "start", "stream")
 
-    def __init__(self, conn: _Conn, n: int, stream: bool, kind: str, rid: int) -> None:
+    def __init__(
+        self, conn: _Conn, n: int, stream: bool, kind: str, rid: int, start: int = 0, lead: bytes = b""
+    ) -> None:
         self.conn, self.n, self.stream, self.kind, self.rid = conn, n, stream, kind, rid
+        self.start = start  # index of the first piece to generate (a continuation's)
+        self.lead = lead  # the rest of a piece the given text ends inside of, sent first
         self.i = 0
         self.done: asyncio.Future[bool] | None = None
+
+
+def held_pieces(text: str) -> tuple[int, str] | None:
+    """How much of the engine's sequence ``text`` is, from its start: (whole pieces, the part of
+    the next piece after them), or None when it is not a prefix of the sequence."""
+    k = pos = 0
+    while pos < len(text):
+        piece = (WORDS[k % len(WORDS)] + b" ").decode()
+        if text.startswith(piece, pos):
+            k += 1
+            pos += len(piece)
+        elif piece.startswith(text[pos:]):
+            return k, piece[len(text) - pos :]
+        else:
+            return None
+    return k, ""
+
+
+def continued_from(path: bytes, req: dict) -> tuple[int, bytes]:
+    """Where a request asks the sequence to go on: (first piece, rest of a split piece)."""
+    held = None
+    if b"chat" in path:
+        msgs = req.get("messages")
+        if req.get("continue_final_message") is True and isinstance(msgs, list) and msgs:
+            last = msgs[-1]
+            content = last.get("content") if isinstance(last, dict) and last.get("role") == "assistant" else None
+            if isinstance(content, list):  # content parts
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            if isinstance(content, str) and content:
+                held = held_pieces(content)
+    else:
+        prompt = req.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            # The earliest start of the sequence that runs to the prompt's end: the longest text.
+            first = WORDS[0].decode() + " "
+            at = prompt.find(first)
+            while at >= 0 and held is None:
+                held = held_pieces(prompt[at:])
+                if held is not None and held[0] == 0:
+                    held = None  # a word of the prompt's own, not a piece of the engine's
+                at = prompt.find(first, at + 1)
+    if held is None:
+        return 0, b""
+    k, rest = held
+    return (k + 1, rest.encode()) if rest else (k, b"")
 
 
 class SimEngine:
@@ -81,6 +139,7 @@ class SimEngine:
         self.served = 0
         self.aborted = 0
         self.requests = 0
+        self.continued = 0  # requests that went on from text the engine had produced
         self.port = 0
         self._queue: deque[_Seq] = deque()
         self._active: list[_Seq] = []
@@ -144,6 +203,12 @@ class SimEngine:
     def _piece(self, i: int) -> bytes:
         return WORDS[i % len(WORDS)] + b" "
 
+    def _seq_piece(self, seq: _Seq, i: int) -> bytes:
+        """The i-th token of seq's reply (0-based)."""
+        if seq.lead:
+            return seq.lead if i == 0 else self._piece(seq.start + i - 1)
+        return self._piece(seq.start + i)
+
     def _chunk(self, seq: _Seq, piece: bytes, finish: bytes | None = None) -> bytes:
         fr = b"null" if finish is None else b'"' + finish + b'"'
         if seq.kind == "chat":
@@ -151,7 +216,7 @@ class SimEngine:
             if seq.i == 1 and finish is None:
                 delta = b'{"role":"assistant","content":"' + piece + b'"}'
             body = (
-                b'{"id":"chatcmpl-%d","object":"chat.completion.chunk","created":0,"model":"%s","choices":[{"index":0,"delta":%s,"finish_reason":%s}]}'
+                b'{"id":"chatcmpl-%d","object":"chat.completion.chunk","created":0,"model":"%s","choices":[{"index":0,"delta":%s,"finish_reason":%s}]'
                 % (
                     seq.rid,
                     self.model.encode(),
@@ -161,7 +226,7 @@ class SimEngine:
             )
         else:
             body = (
-                b'{"id":"cmpl-%d","object":"text_completion","created":0,"model":"%s","choices":[{"index":0,"text":"%s","finish_reason":%s}]}'
+                b'{"id":"cmpl-%d","object":"text_completion","created":0,"model":"%s","choices":[{"index":0,"text":"%s","finish_reason":%s}]'
                 % (
                     seq.rid,
                     self.model.encode(),
@@ -169,10 +234,12 @@ class SimEngine:
                     fr,
                 )
             )
-        return b"data: " + body + b"\n\n"
+        if seq.start or seq.lead:
+            body += b',"sim_continued_from":%d' % (seq.start - 1 if seq.lead else seq.start)
+        return b"data: " + body + b"}\n\n"
 
     def _final(self, seq: _Seq) -> bytes:
-        text = b"".join(self._piece(i) for i in range(seq.n)).decode()
+        text = b"".join(self._seq_piece(seq, i) for i in range(seq.n)).decode()
         usage = {"prompt_tokens": 1, "completion_tokens": seq.n, "total_tokens": seq.n + 1}
         if seq.kind == "chat":
             obj = {
@@ -200,7 +267,7 @@ class SimEngine:
             return True
         seq.i += 1
         if seq.stream:
-            out = self._chunk(seq, self._piece(seq.i - 1))
+            out = self._chunk(seq, self._seq_piece(seq, seq.i - 1))
             if self.cut_after is not None and seq.i > self.cut_after:
                 seq.conn.cut()  # the scheduler finishes seq (this loop is walking _active)
                 return True
@@ -261,7 +328,7 @@ class SimEngine:
                 parts = []
                 for i in range(seq.n):
                     seq.i = i + 1
-                    parts.append(self._chunk(seq, self._piece(i)))
+                    parts.append(self._chunk(seq, self._seq_piece(seq, i)))
                 parts.append(self._chunk(seq, b"", b"length") + b"data: [DONE]\n\n")
                 seq.conn.write_chunk(b"".join(parts))
             seq.i = seq.n
@@ -294,6 +361,7 @@ class SimEngine:
                 f"llamacpp:requests_deferred {self.waiting}",
             ]
         lines += ["# TYPE sim_requests_served_total counter", f"sim_requests_served_total {self.served}"]
+        lines += ["# TYPE sim_requests_continued_total counter", f"sim_requests_continued_total {self.continued}"]
         return ("\n".join(lines) + "\n").encode()
 
     # ---------------------------------------------------------------- requests
@@ -332,7 +400,11 @@ class SimEngine:
         if isinstance(mt, int) and mt > 0:
             n = min(n, mt)
         self._rid += 1
-        seq = _Seq(conn, max(1, n), bool(req.get("stream")), "chat" if b"chat" in path else "text", self._rid)
+        start, lead = continued_from(path, req)
+        self.continued += bool(start or lead)
+        seq = _Seq(
+            conn, max(1, n), bool(req.get("stream")), "chat" if b"chat" in path else "text", self._rid, start, lead
+        )
         if seq.stream:
             hdr = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n"
             conn.write(hdr + (b"" if keep else b"Connection: close\r\n") + b"\r\n")
