@@ -3,6 +3,9 @@ session map, and the policy's decisions (affinity, guard, sessions, caches that 
 
 from __future__ import annotations
 
+import io
+import json
+import logging
 import random
 import urllib.request
 
@@ -12,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from simengine import Fleet
 
+from cluster_cli.router.accesslog import AccessLog
 from cluster_cli.router.affinity import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -289,5 +293,27 @@ def test_through_the_router_a_session_header_keeps_its_replica() -> None:
                 model="sim", messages=[{"role": "user", "content": str(i)}], max_tokens=2, user="u1"
             )
         assert sorted(a - b for a, b in zip(_served(f), before, strict=True)) == [0, 0, 6]
+    finally:
+        f.close()
+
+
+def test_at_debug_level_the_access_log_shows_each_decision(caplog) -> None:
+    buf = io.StringIO()
+    f = Fleet(2, capacity=8, token_delay_s=0.001, tokens=2).start(
+        router={"policy": "prefix", "prefix": {"min_match_chars": 64}}, access_log=AccessLog(buf)
+    )
+    try:
+        c = openai.OpenAI(base_url=f.base, api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "a question long enough to be matched " * 4}]
+        c.chat.completions.create(model="sim", messages=msgs, max_tokens=2)  # not at debug: no field
+        with caplog.at_level(logging.DEBUG, logger="clusterctl.router"):
+            c.chat.completions.create(model="sim", messages=msgs, max_tokens=2)
+        f.lt.call(f.router.access.flush)
+        lines = [json.loads(x) for x in buf.getvalue().splitlines() if '"path":"/v1/chat/completions"' in x]
+        assert "affinity" not in lines[0]
+        assert (
+            lines[1]["affinity"].startswith("affinity matched: 128/") and lines[1]["endpoint"] == lines[0]["endpoint"]
+        )
+        assert any("affinity matched" in r.getMessage() for r in caplog.records)
     finally:
         f.close()

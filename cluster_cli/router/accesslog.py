@@ -69,6 +69,7 @@ class AccessLog:
         ttfb_s: float | None,
         duration_s: float,
         note: str = "",
+        affinity: str = "",
     ) -> None:
         if self.stream is None:
             return
@@ -78,6 +79,8 @@ class AccessLog:
             f'"model":{_text(model)},"endpoint":{_q(endpoint)},"status":{status},"attempts":{attempts},'
             f'"ttfb_ms":{ttfb},"duration_ms":{duration_s * 1000:.3f}'
         )
+        if affinity:
+            line += f',"affinity":{_text(affinity)}'
         self._buf.append(line + (f',"note":{_text(note)}}}' if note else "}"))
         if len(self._buf) >= self.max_buffer:
             self.flush()

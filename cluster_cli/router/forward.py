@@ -109,7 +109,7 @@ class Relay:
 class Trace:
     """How far one proxied request got: labels its metrics and log line if its client leaves."""
 
-    __slots__ = ("asked", "attempts", "endpoint", "exchange", "model", "suspects")
+    __slots__ = ("affinity", "asked", "attempts", "endpoint", "exchange", "model", "suspects")
 
     def __init__(self) -> None:
         # Endpoints that answered this request with a 5xx and were retried: (endpoint, the
@@ -120,6 +120,7 @@ class Trace:
         self.endpoint = ""  # the replica of the current attempt
         self.attempts = 0
         self.exchange: Exchange | None = None
+        self.affinity = ""  # the prefix policy's decision, logged at debug level
 
 
 def reply_error(conn: ClientConn, status: int, message: str, code: str, extra: bytes = b"") -> int:
@@ -205,7 +206,7 @@ async def forward(
             endpoint = trace.endpoint = w.view.replica
             trace.attempts = attempts
             if hint is not None and hint.outcome:
-                _affinity_decided(router, hint, endpoint)
+                _affinity_decided(router, hint, endpoint, trace)
             # Retries go to another endpoint: with one, the engine's own answer is relayed.
             may_retry = (
                 attempts < rp.max_attempts and len(entry.endpoints) > 1 and balancer.has_untried(entry, (*tried, w))
@@ -394,11 +395,12 @@ def affinity_of(router: Lifecycle, req: Request, model: str, body: dict[str, Any
     return Affinity(model, hashed, session[:256] if session else None)
 
 
-def _affinity_decided(router: Lifecycle, hint: Affinity, replica: str) -> None:
+def _affinity_decided(router: Lifecycle, hint: Affinity, replica: str, trace: Trace) -> None:
     chars = router.balancer.policy_for(hint.model).spec.block_chars  # type: ignore[attr-defined]
     router.metrics.affinity(hint.model, hint.outcome, hint.matched * chars, len(hint.blocks) * chars)
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("%s -> %s: %s", hint.model, replica, hint.note(chars))
+        trace.affinity = hint.note(chars)  # on the access-log line too
+        log.debug("%s -> %s: %s", hint.model, replica, trace.affinity)
     hint.outcome = ""  # a retry decides again
 
 

@@ -207,6 +207,7 @@ class Router(Lifecycle):
                     done.ttfb,
                     total,
                     done.note,
+                    trace.affinity,
                 )
 
     async def _route(self, conn: ClientConn, req: Request, t0: float, trace: Trace) -> Forwarded:
