@@ -317,3 +317,40 @@ def test_at_debug_level_the_access_log_shows_each_decision(caplog) -> None:
         assert any("affinity matched" in r.getMessage() for r in caplog.records)
     finally:
         f.close()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("send"), st.integers(0, 3), st.sampled_from([None, "s1", "s2"])),
+            st.tuples(st.just("done"), st.integers(0, 1000), st.none()),
+        ),
+        max_size=120,
+    )
+)
+def test_concurrent_requests_never_pass_the_guard_for_affinity(ops) -> None:
+    """Requests in flight on each replica as they come and go: a replica chosen for its cache
+    or session was within the guard of the least loaded one at that moment; the index stays
+    within its bound; every choice is one of the candidates."""
+    c = Clock()
+    eps = [endpoint(i, c) for i in range(3)]
+    spec = PrefixSpec(block_chars=B, min_match_chars=16, balance_abs=2, balance_rel=1.5, max_nodes=40)
+    p = PrefixAffinity(spec, random.Random(0))
+    prompts = ["shared system prompt " * 3 + str(k) * 20 for k in range(4)]
+    flight: list = []
+    for op, arg, session in ops:
+        if op == "done":
+            if flight:
+                flight.pop(arg % len(flight)).inflight -= 1
+            continue
+        loads = {w.url: w.load(c()) for w in eps}
+        h = hint(prompts[arg], session)
+        w = p.select(eps, c(), h)
+        assert w in eps
+        if h.outcome in ("matched", "session"):
+            least = min(loads.values())
+            assert loads[w.url] - least <= spec.balance_abs or loads[w.url] <= spec.balance_rel * least
+        w.inflight += 1
+        flight.append(w)
+        assert len(p.indexes["m"]) <= spec.max_nodes
