@@ -80,11 +80,19 @@ def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def make_tiny_gguf(path: Path, *, n_vocab: int = 300, seed: int = 0) -> Path:
+FILE_TYPES = {
+    "F32": (gguf.LlamaFileType.ALL_F32, None),
+    "F16": (gguf.LlamaFileType.MOSTLY_F16, gguf.GGMLQuantizationType.F16),
+    "Q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, gguf.GGMLQuantizationType.Q8_0),
+}
+
+
+def make_tiny_gguf(path: Path, *, n_vocab: int = 300, seed: int = 0, file_type: str = "F32") -> Path:
     """Write the tiny llama model to ``path`` (parents created) and return ``path``.
 
     ``n_vocab`` must lie in ``[MIN_VOCAB, MAX_VOCAB]``; ``seed`` fixes the random weights, so equal arguments
-    produce byte-identical files.
+    produce byte-identical files. ``file_type`` (``FILE_TYPES``) stores the 2-D weights as F32, F16 or
+    Q8_0 (norms stay F32, as llama.cpp's converter keeps them).
     """
     if not MIN_VOCAB <= n_vocab <= MAX_VOCAB:
         raise ValueError(f"n_vocab must be in [{MIN_VOCAB}, {MAX_VOCAB}], got {n_vocab}")
@@ -104,6 +112,13 @@ def make_tiny_gguf(path: Path, *, n_vocab: int = 300, seed: int = 0) -> Path:
     def ones(n: int) -> np.ndarray:
         return np.ones(n, dtype=np.float32)
 
+    def put(name: str, t: np.ndarray) -> None:
+        if qtype is None or t.ndim != 2:
+            writer.add_tensor(name, t)
+        else:
+            q = gguf.quants.quantize(t, qtype)
+            writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
     writer = gguf.GGUFWriter(path, "llama")
     try:
         writer.add_name("clusterctl-tiny-test")
@@ -117,7 +132,8 @@ def make_tiny_gguf(path: Path, *, n_vocab: int = 300, seed: int = 0) -> Path:
         writer.add_rope_dimension_count(head_dim)
         writer.add_rope_freq_base(10000.0)
         writer.add_vocab_size(n_vocab)
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        ftype, qtype = FILE_TYPES[file_type]
+        writer.add_file_type(ftype)
 
         writer.add_tokenizer_model("llama")
         writer.add_token_list(tokens)
@@ -130,24 +146,24 @@ def make_tiny_gguf(path: Path, *, n_vocab: int = 300, seed: int = 0) -> Path:
         writer.add_add_eos_token(False)
         writer.add_chat_template(CHAT_TEMPLATE)
 
-        writer.add_tensor("token_embd.weight", mat(n_vocab, N_EMBD, std=1.0))
+        put("token_embd.weight", mat(n_vocab, N_EMBD, std=1.0))
         for i in range(N_LAYER):
             p = f"blk.{i}"
             writer.add_tensor(f"{p}.attn_norm.weight", ones(N_EMBD))
-            writer.add_tensor(f"{p}.attn_q.weight", mat(N_EMBD, N_EMBD))
-            writer.add_tensor(f"{p}.attn_k.weight", mat(n_embd_kv, N_EMBD))
-            writer.add_tensor(f"{p}.attn_v.weight", mat(n_embd_kv, N_EMBD))
-            writer.add_tensor(f"{p}.attn_output.weight", mat(N_EMBD, N_EMBD))
+            put(f"{p}.attn_q.weight", mat(N_EMBD, N_EMBD))
+            put(f"{p}.attn_k.weight", mat(n_embd_kv, N_EMBD))
+            put(f"{p}.attn_v.weight", mat(n_embd_kv, N_EMBD))
+            put(f"{p}.attn_output.weight", mat(N_EMBD, N_EMBD))
             writer.add_tensor(f"{p}.ffn_norm.weight", ones(N_EMBD))
-            writer.add_tensor(f"{p}.ffn_gate.weight", mat(N_FF, N_EMBD))
-            writer.add_tensor(f"{p}.ffn_up.weight", mat(N_FF, N_EMBD))
-            writer.add_tensor(f"{p}.ffn_down.weight", mat(N_EMBD, N_FF))
+            put(f"{p}.ffn_gate.weight", mat(N_FF, N_EMBD))
+            put(f"{p}.ffn_up.weight", mat(N_FF, N_EMBD))
+            put(f"{p}.ffn_down.weight", mat(N_EMBD, N_FF))
         writer.add_tensor("output_norm.weight", ones(N_EMBD))
         # After the final RMSNorm the hidden state has norm ~sqrt(N_EMBD) = 8, so std 1.5 gives plain pieces
         # logits of std ~12 while specials and bytes stay at exactly 0: they are (practically) never sampled.
         out = mat(n_vocab, N_EMBD, std=1.5)
         out[:N_SPECIAL] = 0.0
-        writer.add_tensor("output.weight", out)
+        put("output.weight", out)
 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

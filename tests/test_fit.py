@@ -1,0 +1,176 @@
+"""The memory-fit estimate: model shapes read from GGUF headers and config.json, and the
+arithmetic of what one GPU needs, against published figures for real models."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+from gguf_tiny import FILE_TYPES, make_tiny_gguf
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cluster_cli.placement.fit import GIB, ModelSize, estimate, shortfall
+from cluster_cli.probe.parsers.gguf import GgufError, parse_gguf_header
+from cluster_cli.probe.parsers.hfmodel import HfConfigError, parse_hf_config
+
+
+# ---------------------------------------------------------------------------- GGUF
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    d = tmp_path_factory.mktemp("gguf")
+    return {t: make_tiny_gguf(d / f"{t}.gguf", file_type=t).read_bytes() for t in FILE_TYPES}
+
+
+def test_the_header_of_every_quantisation_gives_the_same_shape(ggufs) -> None:
+    shapes = {t: parse_gguf_header(data) for t, data in ggufs.items()}
+    for t, s in shapes.items():
+        assert (s.architecture, s.block_count, s.head_count, s.head_count_kv, s.embedding_length) == (
+            "llama", 2, 4, 2, 64
+        ), t  # fmt: skip
+        assert s.context_length == 2048 and s.complete
+        # 2 layers x 2 KV heads x (16 + 16) per head x 2 bytes (f16 cache)
+        assert s.kv_bytes_per_token() == 256
+    assert [shapes[t].file_type for t in ("F32", "F16", "Q8_0")] == [0, 1, 7]
+    assert len(ggufs["F32"]) > len(ggufs["F16"]) > len(ggufs["Q8_0"])
+
+
+@given(st.integers(0, 5000))
+def test_a_truncated_header_reads_as_far_as_it_goes(ggufs, cut: int) -> None:
+    data = ggufs["F16"]
+    try:
+        s = parse_gguf_header(data[:cut])
+    except GgufError:
+        assert cut < 24
+        return
+    full = parse_gguf_header(data)
+    for name in ("architecture", "block_count", "head_count", "head_count_kv", "embedding_length"):
+        assert getattr(s, name) in (None, getattr(full, name))
+
+
+@given(st.binary(max_size=200))
+def test_junk_is_refused_cleanly(data: bytes) -> None:
+    for blob in (data, b"GGUF\x03\x00\x00\x00" + data):
+        with contextlib.suppress(GgufError):
+            parse_gguf_header(blob)
+
+
+# ---------------------------------------------------------------------------- config.json
+# The numbers of each model's published config.json (Hugging Face), and its KV cache per token
+# at bf16 as published (vLLM's log and the usual calculators): 128 KiB, 320 KiB, 128 KiB, 56 KiB.
+CONFIGS = {
+    "Llama-3-8B": (
+        {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+         "max_position_embeddings": 8192, "torch_dtype": "bfloat16", "model_type": "llama"},
+        128 * 1024, 8.03e9,
+    ),
+    "Llama-3-70B": (
+        {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192,
+         "max_position_embeddings": 8192, "torch_dtype": "bfloat16", "model_type": "llama"},
+        320 * 1024, 70.55e9,
+    ),
+    "Mixtral-8x7B": (
+        {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+         "max_position_embeddings": 32768, "num_local_experts": 8, "torch_dtype": "bfloat16", "model_type": "mixtral"},
+        128 * 1024, 46.7e9,
+    ),
+    "Qwen2-7B": (
+        {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,
+         "max_position_embeddings": 32768, "torch_dtype": "bfloat16", "model_type": "qwen2"},
+        56 * 1024, 7.62e9,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_published_models_kv_cache_per_token(name: str) -> None:
+    cfg, kv, _ = CONFIGS[name]
+    assert parse_hf_config(json.dumps(cfg)).kv_bytes_per_token() == kv
+
+
+def test_a_multimodal_config_is_read_from_its_text_config() -> None:
+    cfg = {"model_type": "llava", "text_config": CONFIGS["Llama-3-8B"][0]}
+    assert parse_hf_config(json.dumps(cfg)).kv_bytes_per_token() == 128 * 1024
+
+
+@pytest.mark.parametrize(
+    "text", ["[]", "{", '{"hidden_size": 4096}', '{"num_hidden_layers": 2, "num_attention_heads": 2}']
+)
+def test_a_config_without_what_is_needed_is_refused(text: str) -> None:
+    with pytest.raises(HfConfigError):
+        parse_hf_config(text)
+
+
+def _size(name: str) -> ModelSize:
+    cfg, _kv, params = CONFIGS[name]
+    shape = parse_hf_config(json.dumps(cfg))
+    return ModelSize(round(params * 2), shape.kv_bytes_per_token(), shape.max_context, "config.json")
+
+
+def test_llama_70b_on_one_24_gib_gpu_is_refused_in_the_usual_words() -> None:
+    est = estimate(_size("Llama-3-70B"), engine="vllm", gpus_per_node=1, nodes=1, args=["--max-model-len", "8192"])
+    # 131.4 GiB of weights + 2.5 GiB of KV cache at 8192 tokens + 2 GiB of engine
+    assert round(est.weights_bytes / GIB, 1) == 131.4 and round(est.kv_bytes / GIB, 2) == 2.5
+    why = shortfall(est, 24 * GIB, GIB)
+    assert why == "weights do not fit (needs 135.9 GiB per GPU, 21.6 at gpu_memory_utilization 0.9)"
+
+
+def test_llama_70b_fits_on_4_h100s_and_on_2_nodes_of_4() -> None:
+    size = _size("Llama-3-70B")
+    tp4 = estimate(size, engine="vllm", gpus_per_node=4, nodes=1, args=["--max-model-len", "8192"])
+    assert shortfall(tp4, 80 * GIB, GIB) is None and round(tp4.need_bytes / GIB, 1) == 35.5
+    pp2 = estimate(size, engine="vllm", gpus_per_node=4, nodes=2, args=["--max-model-len=8192"])
+    assert pp2.need_bytes < tp4.need_bytes and shortfall(pp2, 40 * GIB, GIB) is None
+
+
+def test_vllm_needs_its_whole_share_free() -> None:
+    est = estimate(
+        _size("Llama-3-8B"), engine="vllm", gpus_per_node=1, nodes=1, args=["--gpu-memory-utilization", "0.9"]
+    )
+    assert shortfall(est, 80 * GIB, 0) is None
+    assert shortfall(est, 80 * GIB, 20 * GIB) == (
+        "not enough free memory (vLLM takes 72.0 GiB per GPU at start, 60.0 free)"
+    )
+
+
+def test_the_kv_cache_follows_the_engines_arguments() -> None:
+    size = _size("Llama-3-8B")
+    base = estimate(size, engine="vllm", gpus_per_node=1, nodes=1, args=["--max-model-len", "8192"])
+    fp8 = estimate(
+        size, engine="vllm", gpus_per_node=1, nodes=1, args=["--max-model-len", "8192", "--kv-cache-dtype", "fp8"]
+    )
+    assert base.kv_bytes == GIB and fp8.kv_bytes == GIB // 2
+    llama = estimate(
+        size, engine="llamacpp", gpus_per_node=1, nodes=1, args=["-c", "8192", "-ctk", "q8_0", "-ctv", "q8_0"]
+    )
+    assert llama.kv_bytes == round(GIB * 34 / 64) and llama.utilization is None
+    assert estimate(size, engine="llamacpp", gpus_per_node=1, nodes=1).context == 4096  # llama-server's default
+    assert estimate(size, engine="vllm", gpus_per_node=1, nodes=1).context == 8192  # the model's own
+
+
+def test_a_cpu_replica_is_checked_against_its_node() -> None:
+    q4 = ModelSize(round(4.92 * GIB), 131072, 8192, "llama-3-8b.Q4_K_M.gguf")  # its published file size
+    est = estimate(q4, engine="llamacpp", gpus_per_node=0, nodes=1, args=["-c", "2048"])
+    assert est.cpu and est.per == "node" and round(est.need_bytes / GIB, 2) == 5.67  # + 0.25 KV + 0.5
+    assert shortfall(est, 8 * GIB, 4 * GIB) == "weights do not fit (needs 5.7 GiB per node, 4.0 free)"
+    assert shortfall(est, 8 * GIB, GIB) is None
+
+
+@given(
+    st.integers(1, 2**40), st.integers(0, 2**20), st.integers(1, 2**17), st.integers(1, 2**17),
+    st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]), st.sampled_from(["vllm", "llamacpp"]),
+)  # fmt: skip
+def test_the_need_grows_with_context_and_weights_and_shrinks_with_gpus(w, kv, c1, c2, tp1, tp2, engine) -> None:
+    size = ModelSize(w, kv, None)
+    lo, hi = sorted((c1, c2))
+    small = estimate(size, engine=engine, gpus_per_node=1, nodes=1, args=["--max-model-len", str(lo), "-c", str(lo)])
+    big = estimate(size, engine=engine, gpus_per_node=1, nodes=1, args=["--max-model-len", str(hi), "-c", str(hi)])
+    assert small.need_bytes <= big.need_bytes
+    heavier = estimate(ModelSize(w + 1024, kv, None), engine=engine, gpus_per_node=1, nodes=1)
+    assert heavier.need_bytes >= estimate(size, engine=engine, gpus_per_node=1, nodes=1).need_bytes
+    a, b = sorted((tp1, tp2))
+    assert (
+        estimate(size, engine=engine, gpus_per_node=b, nodes=1).need_bytes
+        <= estimate(size, engine=engine, gpus_per_node=a, nodes=1).need_bytes
+    )
