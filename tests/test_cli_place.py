@@ -587,3 +587,48 @@ def test_facts_of_the_wrong_type_are_a_one_line_error(tmp_path: Path, doc: dict,
     assert r.exit_code == 2, r.output
     (line,) = r.output.strip().splitlines()
     assert "f.json: nodes.0 (n1): invalid facts: " in line and f"{field}: expected" in line
+
+
+def test_a_cordoned_gpu_takes_nothing_new_and_says_why(tmp_path: Path) -> None:
+    inv, cat, facts = write_inputs(tmp_path, [dgx("gpu-01")], catalog=GPU_ONLY.format(replicas=1))
+    r = runner.invoke(app, ["--state", str(tmp_path / "state.db"), "cordon", "gpu-01", "-i", str(inv),
+                            "--gpu", "3", "--reason", "Xid 79"])  # fmt: skip
+    assert r.exit_code == 0 and "gpu-01 GPU 3 cordoned: Xid 79" in r.output
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts))
+    assert r.exit_code == 3 and "7 of 8 H100 free (1 cordoned)" in r.output, r.output
+    small = GPU_ONLY.format(replicas=1).replace("gpus: 8", "gpus: 4")
+    cat.write_text(small)
+    r = place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts), "-o", "json")
+    assert r.exit_code == 0, r.output
+    (p,) = json.loads(r.stdout)["replicas"]
+    assert 3 not in p["shards"][0]["gpus"]  # the rest of the node stays in service
+    r = runner.invoke(app, ["--state", str(tmp_path / "state.db"), "uncordon", "gpu-01", "--gpu", "3"])
+    assert r.exit_code == 0 and "gpu-01 GPU 3 uncordoned" in r.output
+    cat.write_text(GPU_ONLY.format(replicas=1))
+    assert place(tmp_path, "--dry-run", "-i", str(inv), "-c", str(cat), "--facts", str(facts)).exit_code == 0
+
+
+def test_a_gpu_the_node_does_not_have_cannot_be_cordoned(tmp_path: Path) -> None:
+    inv, _, _ = write_inputs(tmp_path, [dgx("gpu-01")])
+    with Store(tmp_path / "state.db") as s:
+        s.save_discovery([dgx("gpu-01")], inventory=inv)
+    r = runner.invoke(app, ["--state", str(tmp_path / "state.db"), "cordon", "gpu-01", "--gpu", "9", "--reason", "x"])
+    assert r.exit_code == 2 and "gpu-01 has no GPU 9 (its GPUs: 0, 1, 2, 3, 4, 5, 6, 7)" in r.output
+
+
+def test_a_gpu_cordon_survives_a_new_discovery_and_stays_out_of_the_facts(tmp_path: Path) -> None:
+    with Store(tmp_path / "state.db") as s:
+        s.save_discovery([dgx("gpu-01")])
+        s.cordon_gpu("gpu-01", 2, "flaky NVLink")
+        (f,) = s.nodes()
+        assert f.gpus[2].problems == ("cordoned: flaky NVLink",) and f.gpus[2].healthy and not f.gpus[2].free
+        s.save_discovery([f])  # what was read back, written again: the cordon is not baked in
+        s.uncordon_gpu("gpu-01", 2)
+        (f,) = s.nodes()
+        assert f.gpus[2].free
+        s.cordon_gpu("gpu-01", 2, "again")
+        s.save_discovery([dgx("gpu-01")])  # a fresh discovery keeps it
+        (f,) = s.nodes()
+        assert f.gpus[2].problems == ("cordoned: again",)
+        kinds = [e.message for e in s.events() if e.kind in ("cordon", "uncordon")]
+    assert kinds == ["GPU 2: flaky NVLink", "GPU 2: cordon lifted", "GPU 2: again"]

@@ -767,3 +767,19 @@ def test_a_hung_probe_within_a_short_timeout_is_reported_on_a_reachable_node(tes
     assert any("did not answer within the probe timeout" in p for p in n["hung"]["problems"]), n["hung"]["problems"]
     assert n["fine"]["reachable"] is True
     assert took < 8 + 5  # the node's deadline, plus start-up
+
+
+def test_a_gpu_cordon_survives_rediscovery_and_shows(testbed, tmp_path: Path) -> None:
+    state = tmp_path / "s.db"
+    inv = str(testbed.inventory_path)
+    r = runner.invoke(app, ["--state", str(state), "cordon", "gpu-02", "-i", inv, "--gpu", "1", "--reason", "Xid 79"])
+    assert r.exit_code == 0, r.output
+    for _ in range(2):
+        code, doc, _ = discover(state, testbed.inventory_path)
+        assert code == 0
+        n = by_name(doc)["gpu-02"]
+        assert n["cordoned"] is False
+        assert n["gpus"][1]["problems"] == ["cordoned: Xid 79"] and n["gpus"][1]["free"] is False
+        assert n["gpus"][1]["healthy"] is True and n["gpus"][0]["free"] is True
+    table = runner.invoke(app, ["--state", str(state), "discover", "-i", inv], terminal_width=200).output
+    assert "gpu-02 gpu1 cordoned: Xid 79" in table and "gpu 1" in table

@@ -30,6 +30,7 @@ Examples:
 
   clusterctl cordon gpu-03 --reason "ECC storm, RMA ticket 4411"
   clusterctl cordon gpu-03 -i inventory.yaml --reason "before the first discover"
+  clusterctl cordon gpu-03 --gpu 3 --reason "Xid 79"     # one GPU; the rest stays in service
 
 Without -i the node is checked against the inventory recorded in the state
 (by the last discover, or the first cordon -i).
@@ -40,6 +41,7 @@ Examples:
 
   clusterctl uncordon gpu-03
   clusterctl uncordon gpu-03 -i inventory.yaml
+  clusterctl uncordon gpu-03 --gpu 3
 """
 
 
@@ -61,11 +63,14 @@ def cordon(
     ctx: typer.Context,
     node: str = typer.Argument(..., help="Node name, as in the inventory."),
     reason: str = typer.Option(..., "--reason", "-r", help="Why (shown by discover and place)."),
+    gpu: int | None = typer.Option(
+        None, "--gpu", min=0, help="Cordon only this GPU (its index, as nvidia-smi numbers it).", show_default=False
+    ),
     inventory: Path | None = typer.Option(
         None, "--inventory", "-i", envvar=INVENTORY_ENV, help=RECORDED_INVENTORY_HELP
     ),
 ) -> None:
-    """Cordon a node: placement puts nothing new on it. Survives re-discovery."""
+    """Cordon a node, or one GPU of it: placement puts nothing new there. Survives re-discovery."""
     try:
         reason = ops.check_reason(reason)
     except ClusterctlError as e:
@@ -78,7 +83,10 @@ def cordon(
     recorded = stored_inventory(state.state_path) if inventory is not None else None
     with open_store(state.state_path, actor="cordon", say_new=True) as store:
         try:
-            done = ops.cordon(store, node, reason, inventory=inv, recorded=recorded)
+            if gpu is None:
+                done = ops.cordon(store, node, reason, inventory=inv, recorded=recorded)
+            else:
+                done = ops.cordon_gpu(store, node, gpu, reason)
         except ClusterctlError as e:
             ui.fail(e)
     ui.info(cordon_message(done.node, done.reason, done.was))
@@ -97,16 +105,25 @@ def cordon_message(node: str, reason: str, was: dict[str, Any] | None) -> str:
 def uncordon(
     ctx: typer.Context,
     node: str = typer.Argument(..., help="Node name, as in the inventory."),
+    gpu: int | None = typer.Option(
+        None, "--gpu", min=0, help="Lift only this GPU's cordon (its index).", show_default=False
+    ),
     inventory: Path | None = typer.Option(
         None, "--inventory", "-i", envvar=INVENTORY_ENV, help=RECORDED_INVENTORY_HELP
     ),
 ) -> None:
-    """Lift a node's cordon."""
+    """Lift a node's cordon, or one GPU's."""
     state: App = ctx.obj
+    what = node if gpu is None else f"{node} GPU {gpu}"
     if not state.state_path.exists():  # nothing can be cordoned there; and nothing is created
         if inventory is not None:
             _check_node(inventory, node)
-        ui.info(f"{node} was not cordoned (no state at {state.state_path})")
+        ui.info(f"{what} was not cordoned (no state at {state.state_path})")
+        return
+    if gpu is not None:
+        with open_store(state.state_path, actor="uncordon", create=False) as store:
+            lifted = ops.uncordon_gpu(store, node, gpu)
+        ui.info(f"{what} uncordoned" if lifted else f"{what} was not cordoned")
         return
     # A cordon outlives the node's removal from the inventory, so it can always be lifted,
     # whatever the inventory says or whether it can be read; only a node with no cordon is

@@ -220,6 +220,12 @@ def nvlink_summary(f: NodeFacts) -> str:
     return " ".join("{" + _ranges(d) + "}" for d in f.nvlink_domains)
 
 
+def _gpu_cordons(f: NodeFacts) -> str:
+    """``gpu 3`` or ``gpus 1,3`` where only some GPUs of the node are cordoned, else ``-``."""
+    ids = [g.index for g in f.gpus if any(problem_key(p) == "cordoned" for p in g.problems)]
+    return f"[yellow]gpu{'s' if len(ids) > 1 else ''} {','.join(map(str, ids))}[/]" if ids else "-"
+
+
 def render(facts: list[NodeFacts]) -> None:
     from cluster_cli.control.discover import node_problems
 
@@ -232,7 +238,7 @@ def render(facts: list[NodeFacts]) -> None:
             escape(", ".join(sorted(f.fabrics)) or "-"),
             str(f.cpus) if f.cpus is not None else "?",
             f"{f.memory_mib / 1024:.0f}" if f.memory_mib else "?",
-            "[yellow]yes[/]" if f.cordoned else "-",
+            "[yellow]yes[/]" if f.cordoned else _gpu_cordons(f),
             # Not reached: UP says so, and its error follows the table.
             "?" if not f.reachable else str(len(node_problems(f))) if node_problems(f) else "-",
         ]

@@ -103,6 +103,9 @@ class EngineConfig(_Strict):
     args: list[str] = Field(default_factory=list)
     # The engine's metric names for the router (running, waiting, kv_cache_usage); unset: the adapter's.
     metrics: dict[str, str | None] | None = None
+    # What the engine holds beyond weights and KV cache, per GPU (CUDA context, activations,
+    # graphs); unset: placement.fit.ENGINE_OVERHEAD_GIB's measured default.
+    overhead_gib: float | None = Field(default=None, ge=0, allow_inf_nan=False, strict=True)
 
     @field_validator("metrics")
     @classmethod
@@ -128,6 +131,10 @@ class Profile(_Strict):
     # a command line nor shown by clusterctl.
     env: dict[str, str] = Field(default_factory=dict)
     port: int | None = Field(default=None, ge=1, le=65535, strict=True)  # fixed HTTP port; unset: from the node's range
+    # The model's size where its files are not on the nodes yet (else they are read there):
+    # weights in GiB, and the KV cache per 1,000 tokens of context at the engine's default dtype.
+    weights_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False, strict=True)
+    kv_gib_per_1k_tokens: float | None = Field(default=None, ge=0, allow_inf_nan=False, strict=True)
 
     @field_validator("env")
     @classmethod

@@ -66,3 +66,21 @@ def is_cordoned(state_path: Path, node: str) -> bool:
         return False
     with Store(state_path, readonly=True) as store:
         return node in store.cordons()
+
+
+def cordon_gpu(store: Store, node: str, gpu: int, reason: str) -> Cordoned:
+    """Cordon GPU ``gpu`` of ``node`` (whose node the caller checked against the inventory).
+    A node discover has seen must have that GPU; one not seen yet may be cordoned ahead."""
+    facts = store.nodes([node])
+    if facts and facts[0].gpus and all(g.index != gpu for g in facts[0].gpus):
+        have = ", ".join(str(g.index) for g in facts[0].gpus)
+        raise ConfigError(f"{node} has no GPU {gpu} (its GPUs: {have})")
+    if facts and not facts[0].gpus and facts[0].reachable and facts[0].probed_at is not None:
+        raise ConfigError(f"{node} has no GPUs (discover saw none)")
+    was = store.cordon_gpu(node, gpu, reason)
+    return Cordoned(f"{node} GPU {gpu}", reason, was)
+
+
+def uncordon_gpu(store: Store, node: str, gpu: int) -> bool:
+    """Lift the cordon of GPU ``gpu`` of ``node``; whether it had one."""
+    return store.uncordon_gpu(node, gpu)

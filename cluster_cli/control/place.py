@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from cluster_cli.config.inventory import Inventory, load_inventory
 from cluster_cli.errors import ClusterctlError, ConfigError
 from cluster_cli.facts import NodeFacts, Replica
+from cluster_cli.state.gpucordons import apply_gpu_cordons
 from cluster_cli.state.store import Store
 from cluster_cli.state.view import for_inventory, with_fenced
 
@@ -233,7 +234,13 @@ def _read(
         raw = read_facts(facts_path)
         if store is not None:
             # Cordons live in the state store: a file's stale "cordoned" never outlives an uncordon.
-            raw = [replace(f, cordoned=f.name in cordons, cordon_reason=cordons.get(f.name)) for f in raw]
+            gpu_cordons = store.gpu_cordons()
+            raw = [
+                apply_gpu_cordons(
+                    replace(f, cordoned=f.name in cordons, cordon_reason=cordons.get(f.name)), gpu_cordons
+                )
+                for f in raw
+            ]
         source = str(facts_path)
     else:
         assert store is not None

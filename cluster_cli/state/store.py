@@ -35,6 +35,8 @@ from cluster_cli.state.backend import Backend, Tx
 from cluster_cli.state.desired import Desired
 from cluster_cli.state.eventlog import EventLog
 from cluster_cli.state.fences import FenceTable
+from cluster_cli.state.gpucordons import PROBLEM as GPU_CORDON
+from cluster_cli.state.gpucordons import GpuCordons, apply_gpu_cordons, gpu_cordons_of
 from cluster_cli.state.launches import LaunchTable
 from cluster_cli.state.leases import Lease, Leases
 from cluster_cli.state.records import DOWN
@@ -80,7 +82,7 @@ class NodeStatus:
         }
 
 
-class Store(LaunchTable, FenceTable, EventLog, Leases, Desired, Requests):
+class Store(LaunchTable, FenceTable, EventLog, Leases, Desired, Requests, GpuCordons):
     """A handle on the state. Cheap to open; use as a context manager. ``actor`` names who
     writes (``up``, ``cordon``, ``supervise``...) in the events it records."""
 
@@ -282,6 +284,11 @@ class Store(LaunchTable, FenceTable, EventLog, Leases, Desired, Requests):
                 doc = f.to_dict()
                 doc.pop("cordoned", None)
                 doc.pop("cordon_reason", None)
+                for g in doc.get("gpus") or ():  # GPU cordons live apart, as node cordons do
+                    kept = [x for x in g.get("problems", ()) if not x.startswith(GPU_CORDON + ":")]
+                    if len(kept) != len(g.get("problems", ())):
+                        g["problems"] = kept
+                        g["free"] = g["free"] or (f.reachable and not kept)
                 if old is None or row is None or _placement_view(old) != _placement_view(f):
                     moved = True
                 tx.execute(
@@ -305,6 +312,7 @@ class Store(LaunchTable, FenceTable, EventLog, Leases, Desired, Requests):
         node's name goes there and the row is left out (a discover replaces it)."""
         with self._read() as tx:  # the cordons and the facts of one state version
             cordons = _cordons(tx)
+            gpu_cordons = gpu_cordons_of(tx)
             rows = tx.execute("SELECT name, facts FROM nodes ORDER BY name").fetchall()
         wanted = None if names is None else set(names)
         out = []
@@ -319,6 +327,7 @@ class Store(LaunchTable, FenceTable, EventLog, Leases, Desired, Requests):
                 unreadable.append(name)
                 continue
             c = cordons.get(name)
+            f = apply_gpu_cordons(f, gpu_cordons)
             out.append(replace(f, cordoned=c is not None, cordon_reason=c["reason"] if c else None))
         return out
 

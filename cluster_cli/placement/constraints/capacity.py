@@ -14,12 +14,13 @@ from cluster_cli.placement.constraints.base import NodeState, Request
 from cluster_cli.placement.verdict import Kind, Verdict
 
 # Why a GPU is not free, in the order a GPU with several problems is attributed.
-_ORDER = ("lost", "ecc", "retired-pages", "remap", "allocated", "fenced", "mig", "foreign-process")
+_ORDER = ("lost", "ecc", "retired-pages", "remap", "cordoned", "allocated", "fenced", "mig", "foreign-process")
 _LABEL = {
     "lost": "lost",
     "ecc": "ECC",
     "retired-pages": "retired pages pending",
     "remap": "row remap pending",
+    "cordoned": "cordoned",
     "allocated": "allocated",
     "fenced": "held by a replica being stopped",
     "mig": "MIG",
