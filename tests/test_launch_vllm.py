@@ -243,3 +243,18 @@ def test_a_replica_placed_anew_never_starts_on_gpus_its_old_engine_may_still_hol
         (new,) = s.records()
         assert new.generation == 2 and not old_gpus & {g for sh in new.replica.shards for g in sh.gpus}
         assert s.fenced_gpus() == {node: dict.fromkeys(sorted(old_gpus), "tp/0 generation 1")}
+
+
+def test_up_places_nothing_on_a_cordoned_gpu(gpu_fleet, tmp_path: Path) -> None:
+    cluster, _, state = gpu_fleet
+    inv = str(cluster.inventory_path)
+    assert ctl(state, "cordon", "gpu-02", "-i", inv, "--reason", "maintenance").returncode == 0
+    for gpu in ("0", "1"):
+        r = ctl(state, "cordon", "gpu-01", "-i", inv, "--gpu", gpu, "--reason", "Xid 79")
+        assert r.returncode == 0, r.stderr
+    (rep,) = json_out(ctl(state, "up", "-i", inv, "-c", str(_tp_catalog(tmp_path / "tp2.yaml", 2)), "-o", "json",
+                          "--timeout", "90"))["replicas"]  # fmt: skip
+    assert rep["state"] == "ready" and rep["nodes"] == ["gpu-01"], rep
+    with Store(state, readonly=True) as s:
+        (rec,) = s.records()
+    assert not {0, 1} & set(rec.replica.shards[0].gpus)  # the node's other GPUs serve
