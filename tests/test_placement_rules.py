@@ -639,10 +639,10 @@ def test_a_duplicated_gpu_index_is_never_handed_out_twice() -> None:
 
 def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     """Count the calls of the planner's ``name`` (a method of ``_Planner`` or a function it imported)."""
-    from cluster_cli.placement import placer
+    from cluster_cli.placement import planner
 
     calls = [0]
-    owner = placer._Planner if hasattr(placer._Planner, name) else placer
+    owner = planner._Planner if hasattr(planner._Planner, name) else planner
     real = getattr(owner, name)
 
     def counted(*a: object, **kw: object) -> object:
@@ -687,10 +687,10 @@ def test_cpu_replicas_on_a_mixed_fleet_take_every_node_then_the_gpu_less_ones_ag
 
 def test_nodes_too_small_are_looked_at_once_per_request_not_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many CPU models asking for the same: a node that cannot take it is dropped once for all."""
-    from cluster_cli.placement import placer
+    from cluster_cli.placement import planner
 
     checks = [0]
-    real = placer.CAPACITY
+    real = planner.CAPACITY
 
     class Counting:
         name = real.name
@@ -699,7 +699,7 @@ def test_nodes_too_small_are_looked_at_once_per_request_not_per_model(monkeypatc
             checks[0] += 1
             return real.check(node, req)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(placer, "CAPACITY", Counting())
+    monkeypatch.setattr(planner, "CAPACITY", Counting())
     nodes = [cpu_node(f"c{i:04d}", cpus=1024 if i % 100 == 0 else 8) for i in range(1000)]
     p = plan(nodes, catalog(*[(f"m{j}", 2, [profile("cpu", engine="llamacpp", cpus=16)]) for j in range(20)]))
     assert len(p.starts) == 40 and not p.unplaced

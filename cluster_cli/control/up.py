@@ -327,7 +327,7 @@ def _held(records: list[ReplicaRecord], theirs: Callable[[ReplicaRecord], bool])
 
 def _unplaced_why(u: Any) -> str:
     """Why no profile placed it, profile by profile, in ``place``'s words."""
-    from cluster_cli.placement.explain import fit_message
+    from cluster_cli.placement.verdict import fit_message
 
     why = [f"{a.profile}: {fit_message(a.metrics)}" for a in u.attempts if not a.placed]
     return "; ".join(why) or "no profile fits"

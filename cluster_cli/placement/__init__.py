@@ -14,16 +14,10 @@ Public API::
 from __future__ import annotations
 
 from cluster_cli.placement.constraints import CHAIN, Constraint, NodeState, Request
-from cluster_cli.placement.explain import (
-    explain_request,
-    filter_lines,
-    fit_message,
-    node_verdicts,
-    render_plan,
-    render_trace,
-)
-from cluster_cli.placement.placer import Attempt, Considered, Placement, Plan, Unplaced, plan
-from cluster_cli.placement.verdict import Kind, PlacementMetrics, Reason, Verdict
+from cluster_cli.placement.explain import explain_request, filter_lines, node_verdicts, render_plan, render_trace
+from cluster_cli.placement.planner import plan
+from cluster_cli.placement.results import Attempt, Considered, Placement, Plan, Unplaced
+from cluster_cli.placement.verdict import Kind, PlacementMetrics, Reason, Verdict, fit_message
 
 __all__ = [
     "CHAIN",

@@ -3,7 +3,6 @@
 * ``explain_request`` runs the full constraint chain over every node for one profile
   and returns the counts plus one exact reason per node. The placer calls it only
   for profiles that failed, once each, against the allocations at the moment it failed.
-* ``fit_message`` is the one-line summary ("0/12 nodes are available: ...").
 * ``filter_lines`` is the Nomad-style breakdown ("3 nodes filtered: cordoned 1, gpu-class 2").
 * ``render_plan`` prints a plan like ``nomad job plan``: a diff, then a dry-run block.
 """
@@ -12,14 +11,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from cluster_cli.placement.constraints import CHAIN, first_failure
 from cluster_cli.placement.constraints.base import NodeState, Request
-from cluster_cli.placement.verdict import Kind, PlacementMetrics, Reason, Verdict
-
-if TYPE_CHECKING:
-    from cluster_cli.placement.placer import Considered, Placement, Plan, Unplaced
+from cluster_cli.placement.results import Considered, Placement, Plan, Unplaced
+from cluster_cli.placement.verdict import Kind, PlacementMetrics, Reason, Verdict, fit_message
 
 # --------------------------------------------------------------------------- explain
 
@@ -85,13 +81,6 @@ def node_verdicts(states: Sequence[NodeState], req: Request) -> list[tuple[str, 
 
 
 # --------------------------------------------------------------------------- summaries
-
-
-def fit_message(m: PlacementMetrics) -> str:
-    """``0/12 nodes are available: 1 cordoned, 2 no H100 gpu, 9 insufficient gpus.``"""
-    parts = sorted(f"{n} {reason}" for reason, n in m.reasons.items())
-    tail = f": {', '.join(parts)}" if parts else ""
-    return f"{m.feasible}/{m.evaluated} nodes are available{tail}."
 
 
 def _counts(c: dict[str, int]) -> str:

@@ -1,7 +1,7 @@
 """How the placer ranks feasible choices; each scorer is itemised, then averaged.
 
 The placer does not score every node: it keeps nodes indexed so that the best
-candidate under each rule is found directly (see ``placer``). These functions are
+candidate under each rule is found directly (see ``indexes``). These functions are
 the rules, written once, plus the scores recorded for the node that was chosen:
 
 * ``binpack``  single-node GPU replicas: fewest free GPUs of the class left on the

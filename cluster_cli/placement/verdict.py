@@ -6,7 +6,8 @@ sentence for this node ("2 of 8 H100 free (3 ECC, 2 allocated), profile needs 8"
 
 ``PlacementMetrics`` follows Nomad's AllocMetric: nodes that fail a constraint are
 *filtered* (a retry will not help), nodes that pass every constraint but lack room
-right now are *exhausted* (by dimension: gpus, cpus, memory, fabric).
+right now are *exhausted* (by dimension: gpus, cpus, memory, fabric). ``fit_message`` says
+an attempt's counts in one line ("0/12 nodes are available: ...").
 """
 
 from __future__ import annotations
@@ -133,6 +134,13 @@ class PlacementMetrics:
         if self.partial:
             d["partial"] = True
         return d
+
+
+def fit_message(m: PlacementMetrics) -> str:
+    """``0/12 nodes are available: 1 cordoned, 2 no H100 gpu, 9 insufficient gpus.``"""
+    parts = sorted(f"{n} {reason}" for reason, n in m.reasons.items())
+    tail = f": {', '.join(parts)}" if parts else ""
+    return f"{m.feasible}/{m.evaluated} nodes are available{tail}."
 
 
 @dataclass(frozen=True, slots=True)

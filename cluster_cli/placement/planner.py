@@ -1,4 +1,4 @@
-"""The placer: ``plan(nodes, catalog, current) -> Plan``. Pure; no I/O.
+"""The planner: ``plan(nodes, catalog, current) -> Plan``. Pure; no I/O.
 
 Order of work
 =============
@@ -20,7 +20,7 @@ Order of work
 2. **Index.** Nodes that pass the static constraints (not cordoned, reachable) are
    grouped per GPU class, and per (class, fabric) for the nodes with an Active
    InfiniBand port on that fabric, into buckets by their number of free GPUs of the
-   class. A GPU is free when ``Gpu.free`` (healthy, no foreign process, no MIG) and
+   class (``indexes.Buckets``). A GPU is free when ``Gpu.free`` (healthy, no foreign process, no MIG) and
    no kept or planned replica holds it. Nodes of the wrong class or fabric are never
    in the group a request reads, so no code path can mix classes or fabrics.
 3. **Place.** Models in catalog order, missing replicas in number order, each with
@@ -49,7 +49,6 @@ import heapq
 import json
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.facts import NodeFacts, Replica, Shard, problem_key
@@ -58,260 +57,15 @@ from cluster_cli.placement import scoring
 from cluster_cli.placement.constraints import CAPACITY, NODE_LEVEL, choose_gpus, gpus_known, mark_duplicate_gpus
 from cluster_cli.placement.constraints.base import NodeState, Request
 from cluster_cli.placement.constraints.nvlink import domain_room, fits_one_domain
-from cluster_cli.placement.explain import explain_request, fit_message, node_verdicts
-from cluster_cli.placement.verdict import PlacementMetrics, Reason, Verdict
+from cluster_cli.placement.explain import explain_request, node_verdicts
+from cluster_cli.placement.indexes import Buckets, CpuHeap, DomainIndex
+from cluster_cli.placement.results import ACTIONS, Attempt, Considered, Placement, Plan, Unplaced
+from cluster_cli.placement.verdict import PlacementMetrics, Reason
 
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog, Model, Profile
 
-ACTIONS = ("stop", "keep", "start")
 _ANY = "\x00any"  # group key of nodes attached to some fabric (any)
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """One profile tried for one replica, with its counts."""
-
-    profile: str
-    describe: str
-    placed: bool
-    metrics: PlacementMetrics
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"profile": self.profile, "placed": self.placed, "metrics": self.metrics.to_dict()}
-        if not self.placed:  # why it did not fit, as the table says it (place -v: every node)
-            d["summary"] = fit_message(self.metrics)
-        return d
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A replica in the plan: ``start`` (new), ``keep`` (already there) or ``stop``."""
-
-    replica: Replica
-    action: str
-    note: str = ""
-    attempts: tuple[Attempt, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        r = self.replica
-        d: dict[str, Any] = {
-            "model": r.model,
-            "replica": r.replica,
-            "profile": r.profile,
-            "engine": r.engine,
-            "action": self.action,
-            "fabric": r.fabric,
-            "gpu_class": r.gpu_class,
-            "cpus": r.cpus,
-            "memory_mib": r.memory_mib,
-            "shards": [s.to_dict() for s in r.shards],
-        }
-        if self.note:
-            d["note"] = self.note
-        if self.attempts:
-            d["attempts"] = [a.to_dict() for a in self.attempts]
-        return d
-
-
-@dataclass(frozen=True)
-class Unplaced:
-    """A replica no profile could place, with at least one reason per profile."""
-
-    model: str
-    replica: int
-    attempts: tuple[Attempt, ...]
-    reasons: tuple[Reason, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "replica": self.replica,
-            "reasons": [r.to_dict() for r in self.reasons],
-            # The same shape as a placed replica's attempts (placed: false, with the summary).
-            "attempts": [a.to_dict() for a in self.attempts],
-        }
-
-
-@dataclass(frozen=True)
-class Considered:
-    """One profile tried for one replica (``plan(..., trace=True)``): the verdict on every
-    node just before the placer chose, and the nodes it chose. ``skipped`` says why a profile
-    was not tried at all. For ``place -v``; never part of the plan's JSON."""
-
-    model: str
-    replica: int
-    profile: str
-    describe: str
-    placed: bool = False
-    chosen: tuple[str, ...] = ()
-    verdicts: tuple[tuple[str, Verdict], ...] = ()  # node -> first failing verdict, or capacity's pass
-    scores: dict[str, dict[str, float]] = field(default_factory=dict)
-    strategy: str = ""
-    skipped: str = ""
-
-
-@dataclass(frozen=True)
-class Plan:
-    placements: tuple[Placement, ...]
-    unplaced: tuple[Unplaced, ...]
-    nodes: int = 0
-    trace: tuple[Considered, ...] = ()  # only with plan(..., trace=True)
-
-    @property
-    def complete(self) -> bool:
-        return not self.unplaced
-
-    def of(self, action: str) -> list[Placement]:
-        return [p for p in self.placements if p.action == action]
-
-    @property
-    def starts(self) -> list[Placement]:
-        return self.of("start")
-
-    @property
-    def keeps(self) -> list[Placement]:
-        return self.of("keep")
-
-    @property
-    def stops(self) -> list[Placement]:
-        return self.of("stop")
-
-    def allocations(self) -> list[Replica]:
-        """What is allocated once the plan is applied: kept and started replicas."""
-        return [p.replica for p in self.placements if p.action != "stop"]
-
-    def summary(self) -> dict[str, int]:
-        return {
-            "start": len(self.starts),
-            "keep": len(self.keeps),
-            "stop": len(self.stops),
-            "unplaced": len(self.unplaced),
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "complete": self.complete,
-            "nodes": self.nodes,
-            "summary": self.summary(),
-            "replicas": [p.to_dict() for p in self.placements],
-            "unplaced": [u.to_dict() for u in self.unplaced],
-        }
-
-
-# --------------------------------------------------------------------------- index
-
-
-class _Buckets:
-    """Nodes of one group (a GPU class, maybe one fabric) by their count of free GPUs.
-
-    ``heaps[k]`` holds node order numbers (name order) with lazy deletion: during a
-    plan a node's count only goes down, so an entry is current iff ``count[i] == k``.
-    """
-
-    __slots__ = ("count", "heaps", "size")
-
-    def __init__(self, maxk: int) -> None:
-        self.heaps: list[list[int]] = [[] for _ in range(maxk + 1)]
-        self.size = [0] * (maxk + 1)
-        self.count: dict[int, int] = {}
-
-    def add(self, i: int, k: int) -> None:
-        self.count[i] = k
-        self.size[k] += 1
-        if k:
-            heapq.heappush(self.heaps[k], i)
-
-    def move(self, i: int, k: int) -> None:
-        old = self.count[i]
-        self.size[old] -= 1
-        self.add(i, k)
-
-    def at_least(self, k: int) -> int:
-        return sum(self.size[k:]) if k < len(self.size) else 0
-
-    def below(self, k: int) -> int:
-        return sum(self.size[: min(k, len(self.size))])
-
-    def _top(self, k: int) -> int | None:
-        h = self.heaps[k]
-        while h and self.count[h[0]] != k:
-            heapq.heappop(h)
-        return h[0] if h else None
-
-    def best_fit(self, k: int) -> int | None:
-        """First node (name order) of the smallest bucket with at least ``k`` free."""
-        for j in range(max(k, 1), len(self.heaps)):
-            top = self._top(j)
-            if top is not None:
-                return top
-        return None
-
-    def emptiest(self, k: int, m: int) -> list[int]:
-        """Up to ``m`` nodes with at least ``k`` free, most free first, then name order."""
-        out: list[int] = []
-        for j in range(len(self.heaps) - 1, max(k, 1) - 1, -1):
-            h = self.heaps[j]
-            taken: list[int] = []
-            while h and len(out) < m:
-                i = heapq.heappop(h)
-                if self.count[i] == j:
-                    taken.append(i)
-                    out.append(i)
-            for i in taken:
-                heapq.heappush(h, i)
-            if len(out) >= m:
-                break
-        return out
-
-
-class _DomainIndex:
-    """The nodes of one GPU class with a known NVLink topology, by (free GPUs in their
-    roomiest domain, free GPUs of the class), for a tensor-parallel group that the best-fit
-    node would split: the best-fitting node that keeps it in one domain, over the whole
-    group, in O(G² + log N). Lazy deletion as in ``_Buckets``: ``at[i]`` is current."""
-
-    __slots__ = ("at", "heaps", "maxk")
-
-    def __init__(self, maxk: int) -> None:
-        self.maxk = maxk
-        self.heaps: dict[tuple[int, int], list[int]] = {}
-        self.at: dict[int, tuple[int, int]] = {}
-
-    def put(self, i: int, room: int, free: int) -> None:
-        self.at[i] = (room, free)
-        if room >= 2:
-            heapq.heappush(self.heaps.setdefault((room, free), []), i)
-
-    def best(self, k: int) -> int | None:
-        """First node (name order) of the smallest free count whose roomiest domain holds ``k``."""
-        for j in range(k, self.maxk + 1):
-            found: int | None = None
-            for d in range(k, j + 1):
-                h = self.heaps.get((d, j))
-                while h and self.at.get(h[0]) != (d, j):
-                    heapq.heappop(h)
-                if h and (found is None or h[0] < found):
-                    found = h[0]
-            if found is not None:
-                return found
-        return None
-
-
-@dataclass
-class _CpuHeap:
-    """The nodes a CPU request may still use, in spread order (lazy: a key that went stale is
-    re-filed when it surfaces), shared by every model that asks for it; the nodes dropped as
-    not fitting (resources only shrink), counted as the capacity check counts them; and, for
-    a model with a replica on every node that fits, a heap of its own led by its replicas there."""
-
-    heap: list[tuple[tuple[int, int, int], int]] = field(default_factory=list)
-    rejected: PlacementMetrics = field(default_factory=PlacementMetrics)
-    dropped: set[int] = field(default_factory=set)
-    by_model: dict[str, list[tuple[tuple[int, int, int, int], int]]] = field(default_factory=dict)
 
 
 # One profile tried for one replica: the profile, its request, its counts (None: skipped,
@@ -360,7 +114,7 @@ class _Planner:
         self.by_name = {s.name: s for s in self.states}
         self.placements: list[Placement] = []
         self.kept: set[tuple[str, int]] = set()
-        self.domain_index: dict[str, _DomainIndex] = {}  # GPU class -> its nodes by NVLink room
+        self.domain_index: dict[str, DomainIndex] = {}  # GPU class -> its nodes by NVLink room
         # Bumped by every allocation this plan makes, per GPU class ("": CPU reservations): an
         # explanation records the one its request depends on, and is retaken only when it moved.
         self.versions: defaultdict[str, int] = defaultdict(int)
@@ -497,18 +251,18 @@ class _Planner:
                     members.setdefault((cls, _ANY), []).append(s)
                 for fab in s.attachments:
                     members.setdefault((cls, fab), []).append(s)
-        self.groups: dict[tuple[str, str | None], _Buckets] = {}
-        self.node_groups: dict[tuple[int, str], list[_Buckets]] = {}
+        self.groups: dict[tuple[str, str | None], Buckets] = {}
+        self.node_groups: dict[tuple[int, str], list[Buckets]] = {}
         for key, nodes in members.items():
             cls = key[0]
-            b = _Buckets(max(s.class_total[cls] for s in nodes))
+            b = Buckets(max(s.class_total[cls] for s in nodes))
             for s in nodes:
                 b.add(s.order, len(s.free.get(cls, ())))
                 self.node_groups.setdefault((s.order, cls), []).append(b)
             self.groups[key] = b
         self.fabrics = sorted({f for (_, f) in self.groups if f is not None and f != _ANY})
         self.n_ok = sum(self.ok)
-        self.cpu_heaps: dict[tuple[Any, ...], _CpuHeap] = {}
+        self.cpu_heaps: dict[tuple[Any, ...], CpuHeap] = {}
         self.static_metrics: dict[tuple[Any, ...], PlacementMetrics] = {}
 
     # ---- 3. place -------------------------------------------------------------
@@ -673,7 +427,7 @@ class _Planner:
             key = (model, r)
             self.notes[key] = f"{self.notes[key]}; {note}" if key in self.notes else note
 
-    def _keep_in_one_domain(self, b: _Buckets, cls: str, k: int, best: int) -> int:
+    def _keep_in_one_domain(self, b: Buckets, cls: str, k: int, best: int) -> int:
         """The best-fit node, unless it would split the TP group across NVLink domains while
         another node of the class has a whole domain free: then the best-fitting such node.
         Packing yields to NVLink locality, never to unknowns."""
@@ -682,7 +436,7 @@ class _Planner:
             return best
         dix = self.domain_index.get(cls)
         if dix is None:  # built on first need: most fleets never split a group
-            dix = self.domain_index[cls] = _DomainIndex(len(b.heaps) - 1)
+            dix = self.domain_index[cls] = DomainIndex(len(b.heaps) - 1)
             for i in b.count:
                 s = self.states[i]
                 if s.facts.nvlink_domains is not None:
@@ -731,7 +485,7 @@ class _Planner:
         sig = _sig(req)
         h = self.cpu_heaps.get(sig)
         if h is None:
-            h = self.cpu_heaps[sig] = _CpuHeap(
+            h = self.cpu_heaps[sig] = CpuHeap(
                 [(scoring.spread_key(s), s.order) for s in self.states if self.ok[s.order]]
             )
             heapq.heapify(h.heap)
@@ -751,11 +505,11 @@ class _Planner:
         m.scores[node.name] = scoring.normalise({"spread": scoring.spread(before)})
         return Replica(model.name, r, p.name, p.engine, (Shard(node.name, (), ()),), None, None, p.cpus, p.memory_mib)
 
-    def _cpu_drop(self, h: _CpuHeap, i: int, req: Request) -> None:
+    def _cpu_drop(self, h: CpuHeap, i: int, req: Request) -> None:
         h.dropped.add(i)
         h.rejected.record(CAPACITY.check(self.states[i], req))  # counted as the explanation counts it
 
-    def _cpu_shared(self, h: _CpuHeap, model: str, req: Request) -> int | None:
+    def _cpu_shared(self, h: CpuHeap, model: str, req: Request) -> int | None:
         """The first node in spread order that fits and has no replica of ``model``. Nodes that
         have one are set aside while looking; once more than ``_HELD_MAX`` are (every GPU-less
         node has one, say, and GPU hosts come after them in spread order), or every node that
@@ -782,13 +536,13 @@ class _Planner:
         return chosen
 
     def _cpu_own(
-        self, h: _CpuHeap, own: list[tuple[tuple[int, int, int, int], int]], model: str, req: Request
+        self, h: CpuHeap, own: list[tuple[tuple[int, int, int, int], int]], model: str, req: Request
     ) -> int | None:
         """The node with the fewest replicas of ``model`` (then spread order) that fits."""
         return self._cpu_top(h, own, lambda node: _spread(node, model), req)
 
     def _cpu_top(
-        self, h: _CpuHeap, heap: list[tuple[Any, int]], key: Callable[[NodeState], Any], req: Request
+        self, h: CpuHeap, heap: list[tuple[Any, int]], key: Callable[[NodeState], Any], req: Request
     ) -> int | None:
         """The node at the top of ``heap`` once it is current: entries of nodes dropped (here or
         through another heap of the request) are popped, a key gone stale is re-filed, a node
