@@ -11,7 +11,9 @@ replicas, plus one model whose GPU class does not exist, so the explanation path
     python bench/placement.py --sizes 100 1000 10000 100000 --repeat 3
 
 Prints the plan time of each size (best of --repeat, fleet generation excluded),
-the ratio between consecutive sizes, and what n log n growth would allow.
+the ratio between consecutive sizes, and what n log n growth would allow; then the same
+catalog with each profile's model size given (``weights_gib``, ``kv_gib_per_1k_tokens``), so
+that the memory-fit check runs on every node, and its time against the first.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from cluster_cli.facts import Gpu, HcaPort, NodeFacts
 from cluster_cli.placement import plan
 
 CLASSES = [("H100", 0.4), ("H200", 0.2), ("A100", 0.3), ("L40S", 0.1)]
+MEMORY_GIB = {"H100": 80, "H200": 141, "A100": 80, "L40S": 48}
+# Weights (bf16) and KV cache per 1,000 tokens of the models the catalog names, in GiB.
+SIZES = {"llama-70b": (131.4, 0.3125), "llama-405b": (756.0, 0.4883), "mixtral": (87.0, 0.1221),
+         "qwen-14b": (27.5, 0.1875), "qwen-7b": (14.2, 0.0547), "next-gen": (40.0, 0.1)}  # fmt: skip
 FABRICS = ["ib-0", "ib-1", "ib-2", "ib-3"]
 
 
@@ -49,7 +55,9 @@ def fleet(n: int, seed: int = 7) -> list[NodeFacts]:
                 problems = (f"foreign-process: pid {4000 + g} (python)",)
             elif roll < 0.025:
                 problems = ("lost: GPU has fallen off the bus",)
-            gpus.append(Gpu(g, f"GPU-{i}-{g}", f"NVIDIA {cls}", cls, lost=problems[:1] == ("lost",), problems=problems))
+            used = rnd.randint(300, 4000) if roll < 0.1 else rnd.randint(0, 600)  # MiB: some are partly in use
+            gpus.append(Gpu(g, f"GPU-{i}-{g}", f"NVIDIA {cls}", cls, memory_total_mib=MEMORY_GIB[cls] * 1024,
+                            memory_used_mib=used, lost=problems[:1] == ("lost",), problems=problems))  # fmt: skip
         domains = ((0, 1), (2, 3), (4, 5), (6, 7)) if cls == "A100" else (() if cls == "L40S" else (tuple(range(8)),))
         hcas = tuple(
             HcaPort(
@@ -82,7 +90,7 @@ def fleet(n: int, seed: int = 7) -> list[NodeFacts]:
     return nodes
 
 
-def catalog(n: int) -> Catalog:
+def catalog(n: int, fit: bool = False) -> Catalog:
     def r(frac: float) -> int:
         return max(1, round(n * frac))
 
@@ -108,6 +116,8 @@ def catalog(n: int) -> Catalog:
                         "nodes": k,
                         "priority": pr,
                         "model": f"/models/{name}",
+                        "args": ["--max-model-len", "8192"],
+                        **({"weights_gib": SIZES[name][0], "kv_gib_per_1k_tokens": SIZES[name][1]} if fit else {}),
                     }
                     for c, g, k, pr in profiles
                 ],
@@ -137,17 +147,23 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     rows = []
-    print(f"{'nodes':>8} {'gpus':>8} {'asked':>7} {'placed':>7} {'unplaced':>8} {'time':>9}  growth (n log n allows)")
+    print(f"{'nodes':>8} {'gpus':>8} {'asked':>7} {'placed':>7} {'unplaced':>8} {'time':>9}  growth (n log n allows)"
+          f"  {'fit check':>9} {'placed':>7} {'unplaced':>8} {'ratio':>6}")  # fmt: skip
     for n in args.sizes:
-        nodes, cat = fleet(n), catalog(n)
-        best = math.inf
-        result = None
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            result = plan(nodes, cat, [])
-            best = min(best, time.perf_counter() - t0)
-        assert result is not None
-        placed_gpus = sum(len(s.gpus) for p in result.starts for s in p.replica.shards)
+        nodes = fleet(n)
+        timed = []
+        for fit in (False, True):
+            cat = catalog(n, fit)
+            best = math.inf
+            result = None
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                result = plan(nodes, cat, [])
+                best = min(best, time.perf_counter() - t0)
+            assert result is not None
+            placed_gpus = sum(len(s.gpus) for p in result.starts for s in p.replica.shards)
+            timed.append((best, placed_gpus, len(result.unplaced)))
+        (best, placed_gpus, unplaced), (fbest, fplaced, funplaced) = timed
         growth = ""
         if rows:
             pn, pt = rows[-1]
@@ -155,7 +171,8 @@ def main() -> None:
             growth = f"x{best / pt:.1f} (x{allow:.1f})"
         rows.append((n, best))
         print(
-            f"{n:>8} {n * 8:>8} {asked(cat):>7} {placed_gpus:>7} {len(result.unplaced):>8} {best * 1000:>7.0f}ms  {growth}"
+            f"{n:>8} {n * 8:>8} {asked(catalog(n)):>7} {placed_gpus:>7} {unplaced:>8} {best * 1000:>7.0f}ms  {growth:<22}"
+            f"{fbest * 1000:>7.0f}ms {fplaced:>7} {funplaced:>8} {fbest / best:>5.2f}x"
         )
 
 

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import replace as dc_replace
+from typing import Any
 
 import pytest
 from gguf_tiny import FILE_TYPES, make_tiny_gguf
-from hypothesis import given
+from helpers import cpu_node, l40s
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster_cli.placement.fit import GIB, ModelSize, estimate, shortfall
+from cluster_cli.config.catalog import Catalog
+from cluster_cli.facts import NodeFacts
+from cluster_cli.placement import plan
+from cluster_cli.placement.explain import render_plan
+from cluster_cli.placement.fit import GIB, MIB, ModelSize, estimate, shortfall
 from cluster_cli.probe.parsers.gguf import GgufError, parse_gguf_header
 from cluster_cli.probe.parsers.hfmodel import HfConfigError, parse_hf_config
 
@@ -174,3 +181,84 @@ def test_the_need_grows_with_context_and_weights_and_shrinks_with_gpus(w, kv, c1
         estimate(size, engine=engine, gpus_per_node=b, nodes=1).need_bytes
         <= estimate(size, engine=engine, gpus_per_node=a, nodes=1).need_bytes
     )
+
+
+# ---------------------------------------------------------------------------- placement
+def _with_memory(f: NodeFacts, total_gib: float, used_gib: float) -> NodeFacts:
+    gpus = tuple(
+        dc_replace(g, memory_total_mib=round(total_gib * 1024), memory_used_mib=round(used_gib * 1024)) for g in f.gpus
+    )
+    return dc_replace(f, gpus=gpus)
+
+
+def _catalog(engine: str = "llamacpp", **prof: Any) -> Catalog:
+    p = {"name": "p", "engine": engine, "gpu_class": "L40S", "gpus": 1, "model": "/models/m", **prof}
+    return Catalog.model_validate({"models": [{"name": "m", "replicas": 1, "profiles": [p]}]})
+
+
+def test_a_profile_whose_weights_fit_nowhere_is_explained_like_any_rejection() -> None:
+    fleet = [_with_memory(l40s(f"n{i:02}"), 24, 1.5) for i in range(8)]
+    fleet += [l40s(f"b{i}", cordoned=True) for i in range(4)]
+    plan_ = plan(fleet, _catalog(weights_gib=37.7))  # + 0.5 GiB of llama.cpp's own: 38.2
+    (un,) = plan_.unplaced
+    summary = un.attempts[0].to_dict()["summary"]
+    assert summary == "0/12 nodes are available: 4 cordoned, 8 weights do not fit (needs 38.2 GiB per GPU, 22.5 free)."
+    assert {r.constraint for r in un.reasons} >= {"fit"}
+
+
+def test_a_profile_that_fits_is_placed_with_its_estimate() -> None:
+    fleet = [_with_memory(l40s("n1"), 48, 0.5)]
+    got = plan(fleet, _catalog(engine="vllm", weights_gib=14.96, kv_gib_per_1k_tokens=0.1220703125,
+                                args=["--max-model-len", "8192"]))  # fmt: skip
+    (p,) = got.placements
+    assert p.action == "start" and p.need is not None
+    assert p.to_dict()["memory"] == {
+        "need_gib": 17.96, "weights_gib": 14.96, "kv_gib": 1.0, "overhead_gib": 2.0, "context": 8192, "shards": 1,
+        "gpu_memory_utilization": 0.9, "source": "catalog", "per": "GPU",
+    }  # fmt: skip
+    assert any("memory: 18.0 GiB per GPU (weights 15.0 + KV 1.0 at 8192 tokens + overhead 2.0)" in x
+               for x in render_plan(got))  # fmt: skip
+
+
+def test_a_node_with_room_is_chosen_over_one_without() -> None:
+    fleet = [_with_memory(l40s("a-small"), 24, 0), _with_memory(l40s("b-big"), 48, 0)]
+    got = plan(fleet, _catalog(weights_gib=30))
+    (p,) = got.placements
+    assert p.replica.shards[0].node == "b-big"
+
+
+def test_tensor_parallel_divides_the_weights_until_they_fit() -> None:
+    fleet = [_with_memory(l40s("n1"), 24, 0)]  # vLLM may take 21.6 GiB of each
+    assert plan(fleet, _catalog(engine="vllm", weights_gib=40)).unplaced
+    assert plan(fleet, _catalog(engine="vllm", weights_gib=40, gpus=2)).unplaced  # 20 + 2
+    assert not plan(fleet, _catalog(engine="vllm", weights_gib=40, gpus=4)).unplaced  # 10 + 2
+
+
+def test_a_cpu_replica_is_checked_against_its_nodes_memory() -> None:
+    cat = Catalog.model_validate({"models": [{"name": "m", "profiles": [
+        {"name": "cpu", "engine": "llamacpp", "cpus": 4, "model": "/m.gguf", "weights_gib": 100}]}]})  # fmt: skip
+    (un,) = plan([cpu_node("c1", memory_gib=64)], cat).unplaced
+    assert "weights do not fit (needs 100.5 GiB per node, 64.0 free)" in un.attempts[0].to_dict()["summary"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from([16, 24, 48, 80]), st.floats(0, 8)), min_size=1, max_size=6),
+    st.floats(1, 90),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from(["vllm", "llamacpp"]),
+)
+def test_no_placement_needs_more_than_its_gpus_have(mems, weights, gpus, engine) -> None:
+    if engine == "llamacpp":
+        gpus = 1  # llama.cpp replicas take one GPU
+    fleet = [_with_memory(l40s(f"n{i}"), total, used) for i, (total, used) in enumerate(mems)]
+    cat = Catalog.model_validate({"models": [{"name": "m", "replicas": 3, "profiles": [
+        {"name": "p", "engine": engine, "gpu_class": "L40S", "gpus": gpus, "model": "/m", "weights_gib": weights}]}]})  # fmt: skip
+    got = plan(fleet, cat)
+    facts = {f.name: f for f in fleet}
+    for p in got.placements:
+        assert p.need is not None
+        for sh in p.replica.shards:
+            for i in sh.gpus:
+                g = facts[sh.node].gpus[i]
+                assert shortfall(p.need, g.memory_total_mib * MIB, g.memory_used_mib * MIB) is None

@@ -185,6 +185,8 @@ def render_plan(plan: Plan, *, header: str = "", max_nodes: int = 10) -> list[st
             r = p.replica
             note = f"  ({p.note})" if p.note else ""
             lines.append(f"  {SIGN[p.action]} replica {r.replica}: {r.profile} ({r.engine}) {where(p)}{note}")
+            if p.need is not None and p.action != "stop":
+                lines.append(f"      memory: {p.need.describe()}")
         for u in unplaced_by_model.get(model, []):
             lines.append(f"  ! replica {u.replica}: unplaced")
         lines.append("")

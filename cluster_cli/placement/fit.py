@@ -19,6 +19,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster_cli.config.catalog import Profile
 
 GIB = 1024**3
 MIB = 1024**2
@@ -194,3 +198,20 @@ def shortfall(est: Estimate, total_bytes: int | None, used_bytes: int | None) ->
     if est.need_bytes > free:
         return f"weights do not fit (needs {est.need_bytes / GIB:.1f} GiB per {est.per}, {free / GIB:.1f} free)"
     return None
+
+
+def catalog_size(p: Profile) -> ModelSize | None:
+    """The size a profile gives itself (``weights_gib``, ``kv_gib_per_1k_tokens``), if any."""
+    if p.weights_gib is None:
+        return None
+    kv = None if p.kv_gib_per_1k_tokens is None else p.kv_gib_per_1k_tokens * GIB / 1000
+    return ModelSize(round(p.weights_gib * GIB), kv, None, "catalog")
+
+
+def need_of(p: Profile, size: ModelSize | None, overhead_gib: float | None = None) -> Estimate | None:
+    """What one GPU (or the node) of a replica of ``p`` needs, for a model of ``size``."""
+    if size is None:
+        return None
+    return estimate(
+        size, engine=p.engine, gpus_per_node=p.gpus_per_node, nodes=p.nodes, args=p.args, overhead_gib=overhead_gib
+    )

@@ -47,20 +47,30 @@ from __future__ import annotations
 import gc
 import heapq
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.facts import NodeFacts, Replica, Shard, problem_key
 from cluster_cli.machines import is_gpu_uuid
 from cluster_cli.placement import scoring
-from cluster_cli.placement.constraints import CAPACITY, NODE_LEVEL, choose_gpus, gpus_known, mark_duplicate_gpus
+from cluster_cli.placement.constraints import (
+    CAPACITY,
+    FIT,
+    NODE_LEVEL,
+    choose_gpus,
+    gpus_known,
+    mark_duplicate_gpus,
+)
 from cluster_cli.placement.constraints.base import NodeState, Request
+from cluster_cli.placement.constraints.fit import gpus_shortfall, node_shortfall
+from cluster_cli.placement.constraints.fit import verdict as fit_verdict
 from cluster_cli.placement.constraints.nvlink import domain_room, fits_one_domain
 from cluster_cli.placement.explain import explain_request, node_verdicts
+from cluster_cli.placement.fit import Estimate, catalog_size, need_of
 from cluster_cli.placement.indexes import Buckets, CpuHeap, DomainIndex
 from cluster_cli.placement.results import ACTIONS, Attempt, Considered, Placement, Plan, Unplaced
-from cluster_cli.placement.verdict import PlacementMetrics, Reason
+from cluster_cli.placement.verdict import Kind, PlacementMetrics, Reason
 
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Catalog, Model, Profile
@@ -94,7 +104,12 @@ def _in_order(current: Sequence[Replica]) -> list[Replica]:
 
 def _sig(req: Request) -> tuple[Any, ...]:
     """Requests with the same signature fit (or not) on exactly the same nodes."""
-    return (req.gpu_class, req.gpus, req.nodes, req.cpus, req.memory_mib)
+    return (req.gpu_class, req.gpus, req.nodes, req.cpus, req.memory_mib, _need_key(req))
+
+
+def _need_key(req: Request) -> tuple[Any, ...] | None:
+    n = req.need
+    return None if n is None else (n.need_bytes, n.utilization)
 
 
 # --------------------------------------------------------------------------- the planner
@@ -152,7 +167,9 @@ class _Planner:
                     node.cpu_replicas += 1
             cordoned = [s.node for s in rep.shards if self.by_name[s.node].facts.cordoned]
             note = f"on cordoned {', '.join(cordoned)}: kept until drained" if cordoned else ""
-            self.placements.append(Placement(rep, "keep", note))
+            model = self.catalog.model(rep.model)
+            prof = model.profile(rep.profile) if model is not None else None
+            self.placements.append(Placement(rep, "keep", note, need=self._need(prof) if prof is not None else None))
             self.kept.add(rep.key)
         if held:
             for st in self.states:
@@ -264,6 +281,52 @@ class _Planner:
         self.n_ok = sum(self.ok)
         self.cpu_heaps: dict[tuple[Any, ...], CpuHeap] = {}
         self.static_metrics: dict[tuple[Any, ...], PlacementMetrics] = {}
+        # A group's nodes whose GPUs hold a request's estimate, per (group, need): built on
+        # first use, kept current by ``_take`` like the group itself; and why the others do not.
+        self.fit_groups: dict[tuple[Any, ...], Buckets | None] = {}
+        self.fit_rejected: dict[tuple[Any, ...], Counter[tuple[str, str, str]]] = {}
+        self.fit_memo: dict[tuple[Any, ...], Any] = {}
+
+    def _need(self, p: Profile) -> Estimate | None:
+        cfg = self.catalog.engines.get(p.engine)
+        return need_of(p, catalog_size(p), cfg.overhead_gib if cfg is not None else None)
+
+    def _group(self, key: tuple[str, str | None], req: Request) -> Buckets | None:
+        """The nodes of group ``key`` that ``req`` may use: all of them, or those whose GPUs
+        can hold its estimate (memory does not change during a plan: decided once)."""
+        base = self.groups.get(key)
+        if req.need is None or base is None:
+            return base
+        fkey = (key, _need_key(req))
+        if fkey in self.fit_groups:
+            return self.fit_groups[fkey]
+        cls = key[0]
+        rejected: Counter[tuple[str, str, str]] = Counter()
+        fits: list[int] = []
+        memo = self.fit_memo
+        for i in base.count:
+            mkey = (i, cls, req.gpus, fkey[1])
+            why = memo.get(mkey, memo)
+            if why is memo:  # the nodes of a class are in several groups: each judged once
+                node = self.states[i]
+                why = memo[mkey] = gpus_shortfall(
+                    [g for g in node.facts.gpus if g.gpu_class == cls and g.free], req.gpus, req.need
+                )
+            if why is None:
+                fits.append(i)
+            else:
+                v = fit_verdict(why)
+                kind = "exhausted" if v.kind is Kind.EXHAUSTED else "filtered"
+                rejected[(kind, v.dimension or v.constraint, v.reason)] += 1
+        b = base
+        if rejected:  # else every node of the group fits: the group itself serves
+            b = Buckets(len(base.heaps) - 1)
+            for i in fits:
+                b.add(i, len(self.states[i].free.get(cls, ())))
+                self.node_groups.setdefault((i, cls), []).append(b)
+        self.fit_groups[fkey] = b
+        self.fit_rejected[fkey] = rejected
+        return b
 
     # ---- 3. place -------------------------------------------------------------
     def place_all(self) -> tuple[list[Replica], list[tuple[Model, int]]]:
@@ -273,7 +336,7 @@ class _Planner:
         failed: list[tuple[Model, int]] = []
         for model in self.catalog.models:
             profiles = model.ordered_profiles()
-            reqs = [Request.of(p) for p in profiles]
+            reqs = [Request.of(p, self._need(p)) for p in profiles]
             for r in range(model.replicas):
                 if (model.name, r) in self.kept:
                     continue
@@ -334,11 +397,15 @@ class _Planner:
         m = base.copy()
         if req.gpu_class:
             cls = req.gpu_class
-            b = self.groups.get((cls, _ANY) if req.multi_node else (cls, None))
+            key = (cls, _ANY) if req.multi_node else (cls, None)
+            b = self._group(key, req)
+            if req.need is not None:
+                for (kind, dim, reason), n in self.fit_rejected.get((key, _need_key(req)), {}).items():
+                    m.add(kind, dim, reason, n)
             m.add("exhausted", "gpus", "insufficient gpus", b.below(req.gpus) if b else 0)
             if req.multi_node:
                 for fab in self.fabrics:
-                    fb = self.groups.get((cls, fab))
+                    fb = self._group((cls, fab), req)
                     if fb is not None:
                         m.fabrics[fab] = fb.at_least(req.gpus)
         return m
@@ -387,7 +454,7 @@ class _Planner:
 
     def _single(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:
         cls = req.gpu_class or ""
-        b = self.groups.get((cls, None))
+        b = self._group((cls, None), req)
         i = b.best_fit(req.gpus) if b else None
         if i is None:
             return None
@@ -448,7 +515,7 @@ class _Planner:
         cls = req.gpu_class or ""
         best: tuple[tuple[int, str], str, list[int]] | None = None
         for fab in self.fabrics:
-            b = self.groups.get((cls, fab))
+            b = self._group((cls, fab), req)
             if b is None or b.at_least(req.gpus) < req.nodes:
                 continue
             top = b.emptiest(req.gpus, req.nodes)
@@ -471,6 +538,8 @@ class _Planner:
         return Replica(model.name, r, p.name, p.engine, tuple(shards), fab, cls, p.cpus, p.memory_mib)
 
     def _cpu_fits(self, node: NodeState, req: Request) -> bool:
+        if req.need is not None and node_shortfall(node, req.need) is not None:
+            return False
         if req.cpus:
             cpus = node.unreserved_cpus()
             if cpus is None or cpus < req.cpus:
@@ -507,7 +576,9 @@ class _Planner:
 
     def _cpu_drop(self, h: CpuHeap, i: int, req: Request) -> None:
         h.dropped.add(i)
-        h.rejected.record(CAPACITY.check(self.states[i], req))  # counted as the explanation counts it
+        node = self.states[i]
+        v = FIT.check(node, req)  # counted as the explanation counts it
+        h.rejected.record(v if not v.ok else CAPACITY.check(node, req))
 
     def _cpu_shared(self, h: CpuHeap, model: str, req: Request) -> int | None:
         """The first node in spread order that fits and has no replica of ``model``. Nodes that
@@ -601,7 +672,12 @@ class _Planner:
                     out.append(Attempt(p.name, p.describe(), False, relabel(req, expl)[0]))
             return tuple(out)
 
-        started = [Placement(rep, "start", self.notes.get(rep.key, ""), attempts(rep.key)) for rep in starts]
+        def need(key: tuple[str, int]) -> Estimate | None:
+            return next((req.need for _p, req, _m, expl in self.tried[key] if expl is None), None)
+
+        started = [
+            Placement(rep, "start", self.notes.get(rep.key, ""), attempts(rep.key), need(rep.key)) for rep in starts
+        ]
         unplaced: list[Unplaced] = []
         for model, r in failed:
             reasons: list[Reason] = []

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster_cli.facts import Replica
+from cluster_cli.placement.fit import Estimate
 from cluster_cli.placement.verdict import PlacementMetrics, Reason, Verdict, fit_message
 
 # A placement's action; a plan lists one replica's placements in this order.
@@ -41,6 +42,7 @@ class Placement:
     action: str
     note: str = ""
     attempts: tuple[Attempt, ...] = ()
+    need: Estimate | None = None  # the memory estimate its profile was checked against
 
     def to_dict(self) -> dict[str, Any]:
         r = self.replica
@@ -58,6 +60,8 @@ class Placement:
         }
         if self.note:
             d["note"] = self.note
+        if self.need is not None:
+            d["memory"] = self.need.to_dict()
         if self.attempts:
             d["attempts"] = [a.to_dict() for a in self.attempts]
         return d

@@ -1,7 +1,8 @@
 """Placement constraints, one small class each, run cheapest first.
 
 ``STATIC`` never changes while a plan is computed (the placer groups nodes by them
-once); ``Capacity`` runs last and depends on what is already allocated. ``nvlink`` is
+once); ``Fit`` (memory for the weights and KV cache) depends on the request's estimate;
+``Capacity`` runs last and depends on what is already allocated. ``nvlink`` is
 a preference (it picks GPUs) and never rejects.
 """
 
@@ -15,14 +16,16 @@ from cluster_cli.placement.constraints.capacity import Capacity, gpu_breakdown
 from cluster_cli.placement.constraints.cordon import Cordon
 from cluster_cli.placement.constraints.duplicate import DistinctGpus, mark_duplicate_gpus
 from cluster_cli.placement.constraints.fabric import Fabric
+from cluster_cli.placement.constraints.fit import Fit
 from cluster_cli.placement.constraints.gpu_class import GpuClass
 from cluster_cli.placement.constraints.nvlink import NvlinkDomain, choose_gpus, fits_one_domain
 from cluster_cli.placement.constraints.reachable import Reachable
 from cluster_cli.placement.verdict import Verdict
 
 STATIC: tuple[Constraint, ...] = (Cordon(), Reachable(), DistinctGpus(), GpuClass(), Fabric())
+FIT = Fit()
 CAPACITY = Capacity()
-CHAIN: tuple[Constraint, ...] = (*STATIC, CAPACITY)
+CHAIN: tuple[Constraint, ...] = (*STATIC, FIT, CAPACITY)
 # The constraints that judge the node itself, the same for every request (the placer indexes by them).
 NODE_LEVEL: tuple[Constraint, ...] = STATIC[:3]
 _NODE_LEVEL_NAMES = frozenset(c.name for c in NODE_LEVEL)
@@ -72,6 +75,7 @@ def first_failure(node: NodeState, req: Request, chain: tuple[Constraint, ...] =
 __all__ = [
     "CAPACITY",
     "CHAIN",
+    "FIT",
     "NODE_LEVEL",
     "STATIC",
     "Capacity",
@@ -79,6 +83,7 @@ __all__ = [
     "Cordon",
     "DistinctGpus",
     "Fabric",
+    "Fit",
     "GpuClass",
     "NodeState",
     "NvlinkDomain",

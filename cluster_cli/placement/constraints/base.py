@@ -10,6 +10,7 @@ from cluster_cli.placement.verdict import Verdict
 
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Profile
+    from cluster_cli.placement.fit import Estimate
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,10 +24,11 @@ class Request:
     cpus: int | None = None
     memory_mib: int | None = None
     fabric: str | None = None  # a multi-node replica's chosen fabric, once chosen
+    need: Estimate | None = None  # memory per GPU (per node on the CPU); None: not checked
 
     @classmethod
-    def of(cls, p: Profile) -> Request:
-        return cls(p.name, p.gpu_class, p.gpus_per_node, p.nodes, p.cpus, p.memory_mib)
+    def of(cls, p: Profile, need: Estimate | None = None) -> Request:
+        return cls(p.name, p.gpu_class, p.gpus_per_node, p.nodes, p.cpus, p.memory_mib, None, need)
 
     @property
     def multi_node(self) -> bool:
