@@ -283,6 +283,24 @@ class HcaPort:
 
 
 @dataclass(frozen=True)
+class ModelSize:
+    """A model's weights and KV cache, as read from its files on a node or given in the catalog."""
+
+    weights_bytes: int
+    kv_bytes_per_token: float | None = None  # at 2 bytes an element (f16/bf16)
+    max_context: int | None = None
+    source: str = "catalog"  # "catalog", or where its files were read
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weights_bytes": self.weights_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "max_context": self.max_context, "source": self.source}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSize:
+        return cls(int(d["weights_bytes"]), d.get("kv_bytes_per_token"), d.get("max_context"), str(d.get("source", "")))
+
+
+@dataclass(frozen=True)
 class NodeFacts:
     """Everything known about one node at one moment.
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
 from dataclasses import replace as dc_replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,10 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster_cli.config.catalog import Catalog
-from cluster_cli.facts import NodeFacts
+from cluster_cli.facts import ModelSize, NodeFacts
 from cluster_cli.placement import plan
 from cluster_cli.placement.explain import render_plan
-from cluster_cli.placement.fit import GIB, MIB, ModelSize, estimate, shortfall
+from cluster_cli.placement.fit import GIB, MIB, estimate, shortfall
+from cluster_cli.probe.modelfiles import ModelFileError, parse_stat, read_command, size_of, stat_command
 from cluster_cli.probe.parsers.gguf import GgufError, parse_gguf_header
 from cluster_cli.probe.parsers.hfmodel import HfConfigError, parse_hf_config
 
@@ -262,3 +266,45 @@ def test_no_placement_needs_more_than_its_gpus_have(mems, weights, gpus, engine)
             for i in sh.gpus:
                 g = facts[sh.node].gpus[i]
                 assert shortfall(p.need, g.memory_total_mib * MIB, g.memory_used_mib * MIB) is None
+
+
+# ---------------------------------------------------------------------------- read on the node
+def _sh(cmd: str, home: Path) -> bytes:
+    return subprocess.run(["sh", "-c", cmd], capture_output=True, env={**os.environ, "HOME": str(home)}).stdout
+
+
+def _read(model: str, home: Path) -> ModelSize:
+    listing = parse_stat(_sh(stat_command(model), home).decode(), model)
+    return size_of(listing, _sh(read_command(listing), home), model)
+
+
+def test_a_models_files_are_read_where_they_are(tmp_path: Path, ggufs) -> None:
+    gguf = tmp_path / "m d" / "tiny Q8.gguf"  # blanks in names: every path is quoted
+    gguf.parent.mkdir()
+    gguf.write_bytes(ggufs["Q8_0"])
+    got = _read(str(gguf), tmp_path)
+    assert got == ModelSize(len(ggufs["Q8_0"]), 256, 2048, str(gguf))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CONFIGS["Qwen2-7B"][0]))
+    for i, n in enumerate((700, 300)):
+        (folder / f"model-0000{i + 1}.safetensors").write_bytes(b"\0" * n)
+    assert _read(str(folder), tmp_path) == ModelSize(1000, 56 * 1024, 32768, str(folder))
+    snap = tmp_path / ".cache" / "huggingface" / "hub" / "models--acme--qwen" / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    for f in folder.iterdir():
+        (snap / f.name).symlink_to(f)  # as the hub cache keeps them: links to blobs
+    assert _read("acme/qwen", tmp_path).weights_bytes == 1000
+    with pytest.raises(ModelFileError, match="not found on the node"):
+        _read(str(tmp_path / "nope"), tmp_path)
+    with pytest.raises(ModelFileError, match="not found on the node"):
+        _read("acme/other", tmp_path)
+
+
+def test_the_listing_key_changes_with_the_files(tmp_path: Path) -> None:
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"GGUF" + b"\0" * 100)
+    a = parse_stat(_sh(stat_command(str(f)), tmp_path).decode(), "x")
+    f.write_bytes(b"GGUF" + b"\0" * 200)
+    b = parse_stat(_sh(stat_command(str(f)), tmp_path).decode(), "x")
+    assert a.key() != b.key() and b.weights_bytes == 204

@@ -258,3 +258,41 @@ def test_up_places_nothing_on_a_cordoned_gpu(gpu_fleet, tmp_path: Path) -> None:
     with Store(state, readonly=True) as s:
         (rec,) = s.records()
     assert not {0, 1} & set(rec.replica.shards[0].gpus)  # the node's other GPUs serve
+
+
+def _model_folder(path: Path, weights_gib: float) -> Path:
+    """A Hugging Face folder: Llama-3-8B's config.json, and sparse weights of the size asked."""
+    path.mkdir(parents=True)
+    cfg = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+           "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(cfg))
+    with open(path / "model.safetensors", "wb") as f:
+        f.truncate(int(weights_gib * 1024**3))  # the size the node reports; no disk used
+    return path
+
+
+def test_up_reads_the_models_size_on_the_node_and_refuses_what_cannot_fit(gpu_fleet, tmp_path: Path) -> None:
+    cluster, _, state = gpu_fleet
+    inv = str(cluster.inventory_path)
+    big = _model_folder(tmp_path / "models" / "big", 400)  # on one H200 (141 GiB): no
+    cat = tmp_path / "big.yaml"
+    prof = {"name": "one", "engine": "vllm", "gpu_class": "H200", "gpus": 1, "model": str(big),
+            "args": ["--max-model-len", "8192"]}  # fmt: skip
+    cat.write_text(yaml.safe_dump({"models": [{"name": "big", "profiles": [prof]}]}))
+    r = ctl(state, "up", "-i", inv, "-c", str(cat), "-o", "json", "--timeout", "60")
+    assert r.returncode == 3, r.stdout + r.stderr
+    (un,) = json_out(r)["replicas"]
+    assert un["state"] == "unplaced" and "weights do not fit (needs 403.0 GiB per GPU" in json.dumps(un), un
+    with Store(state, readonly=True) as s:
+        ((_listing, size),) = s.model_sizes().values()
+    assert size.weights_bytes == 400 * 1024**3 and size.kv_bytes_per_token == 128 * 1024
+    # place reads no node: the size the up read stands.
+    r = ctl(state, "place", "--dry-run", "-i", inv, "-c", str(cat))
+    assert r.returncode == 3 and "weights do not fit" in r.stdout
+
+    tp8 = {**prof, "name": "tp8", "gpus": 8}  # 50 GiB + 0.125 of KV + 2 a GPU: fits
+    cat.write_text(yaml.safe_dump({"models": [{"name": "big", "profiles": [tp8]}]}))
+    r = ctl(state, "place", "--dry-run", "-i", inv, "-c", str(cat), "-o", "json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (rep,) = json_out(r)["replicas"]
+    assert rep["memory"]["need_gib"] == 52.12 and rep["memory"]["source"] == str(big)

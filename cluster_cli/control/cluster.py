@@ -155,6 +155,14 @@ class Cluster:
 
         early = await rolled() if expect_version is None else []
 
+        async def sizes(c: Catalog, facts: list[Any]) -> dict[str, Any]:
+            from cluster_cli.control.modelsize import read_sizes
+
+            got, notes = await read_sizes(c, facts, self.sessions, self.store)
+            for note in notes:
+                report(note.split(":", 1)[0], "size", f"not checked for memory: {note}")
+            return got
+
         records = await self.store.records()
         health = HealthChecks(records, self.on)
         observed = None
@@ -187,6 +195,7 @@ class Cluster:
             catalog_doc=cat.to_doc(),
             catalog_source=catalog_source,
             drain_s=self.drain_s,
+            sizes=None if expect_version is not None else sizes,
         )
         late = await rolled() if expect_version is not None else []
         replaced = {o.name for o in early + late}

@@ -78,7 +78,16 @@ def place(
     prefixes = inv.declared_prefixes()
     warns += [f"fabric conflict: {line}" for line in fabric_warnings(nodes, prefixes)]
     nodes = distrust_conflicting_ports(nodes, prefixes)
-    return PlaceResult(plan(nodes, cat, current, trace=trace), version, source, len(nodes), warns)
+    sizes = _cached_sizes(state_path)
+    return PlaceResult(plan(nodes, cat, current, trace=trace, sizes=sizes), version, source, len(nodes), warns)
+
+
+def _cached_sizes(state_path: Path) -> dict[str, Any]:
+    """The models' sizes the last ``up`` read on the nodes (none without a state)."""
+    if not state_path.exists():
+        return {}
+    with Store(state_path, readonly=True) as store:
+        return {m: size for m, (_, size) in store.model_sizes().items()}
 
 
 def _warn_other_inventory(warns: list[str], inventory: Path, state_path: Path, facts: Path | None) -> None:

@@ -87,6 +87,7 @@ async def up(
     hold_new: Callable[[str], str | None] | None = None,
     max_new: int | None = None,
     keep_down: bool = False,
+    sizes: Callable[[Catalog, list[Any]], Awaitable[dict[str, Any]]] | None = None,
 ) -> UpResult:
     """Apply the catalog to the cluster. ``fleet`` reads the nodes, replicas and state version
     from one snapshot of the state (a cordon is in all three or in none); ``observed``: what
@@ -101,7 +102,9 @@ async def up(
     left out of the router and restarted by a later pass; ``hold_new`` the same for a
     replica to be placed anew (by name). ``keep_down``: a replica a ``down`` took down
     is not placed again (``supervise``; an operator's ``up`` brings it back). ``max_new``: at most this many new
-    replicas are reserved and started by this pass; the others wait for the next."""
+    replicas are reserved and started by this pass; the others wait for the next. ``sizes``:
+    reads the catalog's models' sizes on the nodes for the memory-fit check (else the sizes
+    the state cached are used)."""
     from cluster_cli.placement import plan
 
     # What earlier stops could not confirm, and stops an interrupted down left: tried again
@@ -127,15 +130,18 @@ async def up(
     dead = await find_dead(current, nodes, seen, busy, theirs, checks)
     planned: list[Any] | None = None  # with --check-version: the starts of the plan made at that version
 
+    from cluster_cli.control.modelsize import cached_sizes
+
+    model_sizes = await sizes(cat, view.nodes) if sizes is not None else await cached_sizes(store)
     for attempt in range(4):
-        result: Plan = plan(view.nodes, cat, _held(current, theirs))
+        result: Plan = plan(view.nodes, cat, _held(current, theirs), sizes=model_sizes)
         away = _away(result)
         if reprobe is not None and any(p.replica.key not in away for p in result.starts):
             # Something new is placed after all: on facts of every kind, read now.
             view, seen = await reprobe()
             reprobe = None
             current = await _also_check(view, current, dead, nodes, seen, busy, theirs, checks)
-            result = plan(view.nodes, cat, _held(current, theirs))
+            result = plan(view.nodes, cat, _held(current, theirs), sizes=model_sizes)
             away = _away(result)
         if planned is None and expect_version is not None:
             planned = [p.replica for p in result.starts]

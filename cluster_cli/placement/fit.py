@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cluster_cli.facts import ModelSize
+
 if TYPE_CHECKING:
     from cluster_cli.config.catalog import Profile
 
@@ -51,16 +53,6 @@ KV_DTYPE_BYTES = {
     "q4_0": 18 / 32,
     "iq4_nl": 18 / 32,
 }
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    """A model's weights and KV cache, as read from its files or given in the catalog."""
-
-    weights_bytes: int
-    kv_bytes_per_token: float | None = None  # at the model's own dtype (f16/bf16)
-    max_context: int | None = None
-    source: str = "catalog"  # "catalog", or the file it was read from
 
 
 @dataclass(frozen=True)

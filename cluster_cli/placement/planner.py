@@ -48,10 +48,10 @@ import gc
 import heapq
 import json
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cluster_cli.facts import NodeFacts, Replica, Shard, problem_key
+from cluster_cli.facts import ModelSize, NodeFacts, Replica, Shard, problem_key
 from cluster_cli.machines import is_gpu_uuid
 from cluster_cli.placement import scoring
 from cluster_cli.placement.constraints import (
@@ -116,8 +116,9 @@ def _need_key(req: Request) -> tuple[Any, ...] | None:
 
 
 class _Planner:
-    def __init__(self, nodes: Sequence[NodeFacts], catalog: Catalog) -> None:
+    def __init__(self, nodes: Sequence[NodeFacts], catalog: Catalog, sizes: Mapping[str, ModelSize] | None) -> None:
         self.catalog = catalog
+        self.sizes = sizes or {}
         uniq: dict[str, NodeFacts] = {}
         for f in nodes:
             other = uniq.setdefault(f.name, f)
@@ -289,7 +290,8 @@ class _Planner:
 
     def _need(self, p: Profile) -> Estimate | None:
         cfg = self.catalog.engines.get(p.engine)
-        return need_of(p, catalog_size(p), cfg.overhead_gib if cfg is not None else None)
+        size = catalog_size(p) or (self.sizes.get(p.model) if p.model else None)
+        return need_of(p, size, cfg.overhead_gib if cfg is not None else None)
 
     def _group(self, key: tuple[str, str | None], req: Request) -> Buckets | None:
         """The nodes of group ``key`` that ``req`` may use: all of them, or those whose GPUs
@@ -715,8 +717,17 @@ def _strategy(req: Request) -> str:
     return "single-node replicas take the best fit: the node left with the fewest free GPUs, then name"
 
 
-def plan(nodes: Sequence[NodeFacts], catalog: Catalog, current: Sequence[Replica] = (), *, trace: bool = False) -> Plan:
+def plan(
+    nodes: Sequence[NodeFacts],
+    catalog: Catalog,
+    current: Sequence[Replica] = (),
+    *,
+    trace: bool = False,
+    sizes: Mapping[str, ModelSize] | None = None,
+) -> Plan:
     """Where every replica of every model goes, given the nodes' facts and what runs now.
+    ``sizes``: models' sizes read on the nodes (by the profile's ``model``), for the memory-fit
+    check of profiles that give none themselves.
 
     Pure and deterministic: the same inputs (in any order) give the same plan. ``trace``
     also records, per profile tried, the verdict on every node (``Plan.trace``; O(N) per
@@ -727,7 +738,7 @@ def plan(nodes: Sequence[NodeFacts], catalog: Catalog, current: Sequence[Replica
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _Planner(nodes, catalog).run(current, trace=trace)
+        return _Planner(nodes, catalog, sizes).run(current, trace=trace)
     finally:
         if was_enabled:
             gc.enable()

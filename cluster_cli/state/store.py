@@ -39,6 +39,7 @@ from cluster_cli.state.gpucordons import PROBLEM as GPU_CORDON
 from cluster_cli.state.gpucordons import GpuCordons, apply_gpu_cordons, gpu_cordons_of
 from cluster_cli.state.launches import LaunchTable
 from cluster_cli.state.leases import Lease, Leases
+from cluster_cli.state.modelsizes import ModelSizes
 from cluster_cli.state.records import DOWN
 from cluster_cli.state.requests import Requests
 from cluster_cli.state.schema import NODE_STATES, SCHEMA_VERSION
@@ -82,7 +83,7 @@ class NodeStatus:
         }
 
 
-class Store(LaunchTable, FenceTable, EventLog, Leases, Desired, Requests, GpuCordons):
+class Store(LaunchTable, FenceTable, EventLog, Leases, Desired, Requests, GpuCordons, ModelSizes):
     """A handle on the state. Cheap to open; use as a context manager. ``actor`` names who
     writes (``up``, ``cordon``, ``supervise``...) in the events it records."""
 

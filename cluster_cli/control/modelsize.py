@@ -1,0 +1,75 @@
+"""Read the size of the catalog's models on the nodes, for the memory-fit check.
+
+For each model a profile names without giving its size (``weights_gib``), one node that has
+it answers (``probe.modelfiles``): its files are listed, and read only when the listing
+differs from the one the state cached. A model found on no node, or unreadable, has no size:
+it is not checked (and said so). Without a session pool (a test fleet), the cache alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from cluster_cli.config.catalog import Catalog
+from cluster_cli.facts import ModelSize, NodeFacts
+from cluster_cli.probe.modelfiles import ModelFileError, parse_stat, read_command, size_of, stat_command
+
+TRIES = 3  # nodes asked per model before it is taken as absent
+TIMEOUT_S = 20.0
+
+
+def unsized(cat: Catalog) -> list[str]:
+    """The models profiles name without giving their size, once each, in catalog order."""
+    out: dict[str, None] = {}
+    for m in cat.models:
+        for p in m.profiles:
+            if p.weights_gib is None and p.model:
+                out.setdefault(p.model, None)
+    return list(out)
+
+
+async def read_sizes(
+    cat: Catalog, nodes: Sequence[NodeFacts], sessions: Any, store: Any
+) -> tuple[dict[str, ModelSize], list[str]]:
+    """Sizes of ``cat``'s unsized models (read on ``nodes``, reachable ones first, through
+    ``sessions``; cached in ``store``), and a line for each model that could not be read."""
+    cached = await store.model_sizes()
+    names = [n.name for n in nodes if n.reachable][:TRIES]
+    sizes: dict[str, ModelSize] = {}
+    notes: list[str] = []
+
+    async def one(model: str) -> None:
+        last = f"{model}: no reachable node to read it on"
+        for node in names:
+            try:
+                session = await sessions.get(node)
+                res = await session.run(stat_command(model), timeout=TIMEOUT_S)
+                listing = parse_stat(res.stdout, model)
+                hit = cached.get(model)
+                if hit is not None and hit[0] == listing.key():
+                    sizes[model] = hit[1]
+                    return
+                rc, out, err = await session.run_raw(read_command(listing), timeout=TIMEOUT_S)
+                if rc != 0 and not out:
+                    raise ModelFileError(f"{model}: {err.decode('utf-8', 'replace').strip()[:200] or f'rc {rc}'}")
+                size = size_of(listing, out, model)
+            except ModelFileError as e:
+                last = f"{e} ({node})"
+                continue
+            except Exception as e:  # a node that fails says so, and the next is asked
+                last = f"{model}: {node}: {type(e).__name__}: {e}"[:300]
+                continue
+            sizes[model] = size
+            await store.save_model_size(model, listing.key(), size)
+            return
+        notes.append(last)
+
+    await asyncio.gather(*(one(m) for m in unsized(cat)))
+    return sizes, notes
+
+
+async def cached_sizes(store: Any) -> dict[str, ModelSize]:
+    """The sizes the state cached (what ``place --dry-run`` uses: it reads no node)."""
+    return {m: size for m, (_, size) in (await store.model_sizes()).items()}
