@@ -156,6 +156,10 @@ class FakeNode:
                 del self.folders[d]
         return out
 
+    async def log_tail(self, run_dir: str, lines: int) -> str:
+        await self._enter("log", run_dir)
+        return ""
+
     async def list_runs(self, run_dir: str) -> NodeRuns:
         await self._enter("list_runs")
         return self._listing()

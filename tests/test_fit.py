@@ -18,10 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster_cli.config.catalog import Catalog
+from cluster_cli.engines.memreport import EngineMemory, parse_memory_report
 from cluster_cli.facts import ModelSize, NodeFacts
 from cluster_cli.placement import plan
 from cluster_cli.placement.explain import render_plan
-from cluster_cli.placement.fit import GIB, MIB, estimate, shortfall
+from cluster_cli.placement.fit import GIB, MIB, estimate, misses, shortfall
 from cluster_cli.probe.modelfiles import ModelFileError, parse_stat, read_command, size_of, stat_command
 from cluster_cli.probe.parsers.gguf import GgufError, parse_gguf_header
 from cluster_cli.probe.parsers.hfmodel import HfConfigError, parse_hf_config
@@ -308,3 +309,28 @@ def test_the_listing_key_changes_with_the_files(tmp_path: Path) -> None:
     f.write_bytes(b"GGUF" + b"\0" * 200)
     b = parse_stat(_sh(stat_command(str(f)), tmp_path).decode(), "x")
     assert a.key() != b.key() and b.weights_bytes == 204
+
+
+# ---------------------------------------------------------------------------- the engine's own figures
+VLLM_LOG = """(EngineCore pid=1265223) INFO 06-02 00:51:40 [model_runner.py:295] Model loading took 7.64 GiB and 32.96 seconds
+INFO 07-22 [gpu_worker.py:276] Available KV cache memory: 8.11 GiB
+INFO 07-22 [kv_cache_utils.py:829] GPU KV cache size: 178,880 tokens
+"""
+LLAMA_LOG = """load_tensors:        CUDA0 model buffer size =  4403.50 MiB
+load_tensors:   CPU_Mapped model buffer size =   281.81 MiB
+llama_kv_cache:      CUDA0 KV buffer size =  1024.00 MiB
+"""
+
+
+def test_engines_memory_reports_are_read() -> None:
+    assert parse_memory_report(VLLM_LOG) == EngineMemory(round(7.64 * GIB), round(8.11 * GIB), 178_880)
+    assert parse_memory_report(LLAMA_LOG) == EngineMemory(round((4403.5 + 281.81) * MIB), 1024 * MIB, None)
+    assert parse_memory_report("nothing said") == EngineMemory()
+
+
+def test_a_large_miss_is_told_and_a_small_one_is_not() -> None:
+    size = ModelSize(round(7.5 * GIB), 57344, 32768)  # Qwen2-7B-ish
+    est = estimate(size, engine="vllm", gpus_per_node=1, nodes=1, args=["--max-model-len", "8192"])
+    assert misses(est, parse_memory_report(VLLM_LOG)) == []  # 7.64 against 7.5; 47.5 KiB a token against 56
+    far = EngineMemory(round(15 * GIB), None, None)
+    assert misses(est, far) == ["weights: estimated 7.50 GiB per GPU, the engine loaded 15.00"]

@@ -296,3 +296,20 @@ def test_up_reads_the_models_size_on_the_node_and_refuses_what_cannot_fit(gpu_fl
     assert r.returncode == 0, r.stdout + r.stderr
     (rep,) = json_out(r)["replicas"]
     assert rep["memory"]["need_gib"] == 52.12 and rep["memory"]["source"] == str(big)
+
+
+def test_an_engine_whose_memory_is_far_off_the_estimate_is_told(gpu_fleet, tmp_path: Path) -> None:
+    cluster, _, state = gpu_fleet
+    inv = str(cluster.inventory_path)
+    cat = tmp_path / "m.yaml"
+    prof = {"name": "one", "engine": "vllm", "gpu_class": "H200", "gpus": 1, "model": "acme/m", "weights_gib": 10,
+            "kv_gib_per_1k_tokens": 0.125, "args": ["--max-model-len", "8192"],
+            "env": {"STANDIN_MODEL_GIB": "20", "STANDIN_KV_GIB": "64", "STANDIN_KV_TOKENS": "524288"}}  # fmt: skip
+    cat.write_text(yaml.safe_dump({"models": [{"name": "m", "profiles": [prof]}]}))
+    r = ctl(state, "up", "-i", inv, "-c", str(cat), "-o", "json", "--timeout", "60")
+    assert r.returncode == 0, r.stdout + r.stderr
+    with Store(state, readonly=True) as s:
+        (ev,) = [e for e in s.events() if e.message.startswith("memory off the estimate")]
+    # 64 GiB over 524,288 tokens is 128 KiB a token, as estimated: only the weights are off.
+    assert ev.message == "memory off the estimate: weights: estimated 10.00 GiB per GPU, the engine loaded 20.00"
+    assert ev.detail["reported"]["weights_bytes"] == 20 * 1024**3 and ev.detail["estimate"]["weights_gib"] == 10

@@ -127,6 +127,7 @@ async def start(
         rec = await record(store, replace(rec, status=READY, detail=None))
         out.state, out.endpoint = READY, rec.endpoint
         report(rec.name, "ready", rec.endpoint or "")
+        await check_memory(rec, cat, store, first, head.run_dir, report)
     except TakenAway as e:
         # Whatever this run started is its own to stop: the other command could not see it.
         started = replace(rec, shards=tuple(runs))
@@ -235,3 +236,38 @@ async def stop(
     report(rec.name, out.state, out.reason)
     out.seconds = time.monotonic() - t0
     return out
+
+
+async def check_memory(
+    rec: ReplicaRecord, cat: Catalog, store: AsyncStore, node: Any, run_dir: str, report: Report
+) -> None:
+    """Compare what the engine logged of its memory once ready with the placement's estimate;
+    a large miss is reported and recorded as an event, with both figures. Best effort: a
+    log that cannot be read, or says nothing, is no failure of the replica."""
+    from cluster_cli.control.modelsize import cached_sizes
+    from cluster_cli.engines.memreport import parse_memory_report
+    from cluster_cli.placement.fit import catalog_size, misses, need_of
+
+    model = cat.model(rec.replica.model)
+    prof = model.profile(rec.replica.profile) if model is not None else None
+    if prof is None:
+        return
+    try:
+        size = catalog_size(prof) or (await cached_sizes(store)).get(prof.model or "")
+        cfg = cat.engines.get(prof.engine)
+        est = need_of(prof, size, cfg.overhead_gib if cfg is not None else None)
+        if est is None:
+            return
+        got = parse_memory_report(await node.log_tail(run_dir, 2000))
+    except Exception:  # a node that cannot tell fails nothing
+        return
+    off = misses(est, got)
+    if off:
+        said = "memory off the estimate: " + "; ".join(off)
+        report(rec.name, "memory", said)
+        await store.record_event(
+            "note", said, node=rec.shards[0].node, model=rec.replica.model, replica=rec.replica.replica,
+            generation=rec.generation,
+            detail={"estimate": est.to_dict(), "reported": {"weights_bytes": got.weights_bytes,
+                    "kv_bytes": got.kv_bytes, "kv_tokens": got.kv_tokens}},
+        )  # fmt: skip

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from cluster_cli.errors import SSHError
 from cluster_cli.launch import node as nodeops
+from cluster_cli.launch import remote
 
 if TYPE_CHECKING:
     from cluster_cli.launch.node import Beat, Fenced, NodeRuns, Stopped
@@ -50,6 +51,8 @@ class Node(Protocol):
     async def fence(self, run_dir: str, keep: Iterable[str], *, grace_s: float = 10.0) -> Fenced: ...
 
     async def list_runs(self, run_dir: str) -> NodeRuns: ...
+
+    async def log_tail(self, run_dir: str, lines: int) -> str: ...
 
 
 class Nodes(Protocol):
@@ -125,6 +128,11 @@ class SSHNode:
     @_ssh_errors
     async def list_runs(self, run_dir: str) -> NodeRuns:
         return await nodeops.list_runs(self.session, run_dir)
+
+    @_ssh_errors
+    async def log_tail(self, run_dir: str, lines: int) -> str:
+        res = await self.session.run(remote.log_command(run_dir, lines=lines, follow=False), timeout=30.0)
+        return res.stdout
 
 
 class SSHNodes:

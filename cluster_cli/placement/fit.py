@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from cluster_cli.engines.memreport import EngineMemory
 from cluster_cli.facts import ModelSize
 
 if TYPE_CHECKING:
@@ -207,3 +208,32 @@ def need_of(p: Profile, size: ModelSize | None, overhead_gib: float | None = Non
     return estimate(
         size, engine=p.engine, gpus_per_node=p.gpus_per_node, nodes=p.nodes, args=p.args, overhead_gib=overhead_gib
     )
+
+
+MISS = 0.25  # an engine's reading off the estimate by more than this share is worth telling
+
+
+def misses(est: Estimate, got: EngineMemory) -> list[str]:
+    """What the engine reported of its memory (``engines.memreport``) that is off the estimate by
+    more than ``MISS``, so that the defaults can be tuned from real runs (empty: none)."""
+    out = []
+
+    def off(estimated: float, reported: float) -> bool:
+        return estimated > 0 and abs(reported - estimated) > MISS * estimated
+
+    if got.weights_bytes is not None and off(est.weights_bytes, got.weights_bytes):
+        out.append(
+            f"weights: estimated {est.weights_bytes / GIB:.2f} GiB per {est.per}, "
+            f"the engine loaded {got.weights_bytes / GIB:.2f}"
+        )
+    if got.kv_bytes is not None and est.kv_bytes:
+        if got.kv_tokens:  # vLLM fills what is left: compare per token
+            mine = est.kv_bytes / est.context
+            theirs = got.kv_bytes / got.kv_tokens
+            if off(mine, theirs):
+                out.append(f"KV cache: estimated {mine:.0f} bytes a token per {est.per}, the engine {theirs:.0f}")
+        elif off(est.kv_bytes, got.kv_bytes):
+            out.append(
+                f"KV cache: estimated {est.kv_bytes / GIB:.2f} GiB, the engine allocated {got.kv_bytes / GIB:.2f}"
+            )
+    return out
