@@ -3,6 +3,7 @@ arithmetic of what one GPU needs, against published figures for real models."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster_cli.config.catalog import Catalog
+from cluster_cli.control.modelsize import read_sizes
 from cluster_cli.engines.memreport import EngineMemory, parse_memory_report
 from cluster_cli.facts import ModelSize, NodeFacts
 from cluster_cli.placement import plan
@@ -334,3 +336,48 @@ def test_a_large_miss_is_told_and_a_small_one_is_not() -> None:
     assert misses(est, parse_memory_report(VLLM_LOG)) == []  # 7.64 against 7.5; 47.5 KiB a token against 56
     far = EngineMemory(round(15 * GIB), None, None)
     assert misses(est, far) == ["weights: estimated 7.50 GiB per GPU, the engine loaded 15.00"]
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.saved: dict[str, tuple[str, ModelSize]] = {}
+
+    async def model_sizes(self) -> dict[str, tuple[str, ModelSize]]:
+        return dict(self.saved)
+
+    async def save_model_size(self, model: str, key: str, size: ModelSize) -> None:
+        self.saved[model] = (key, size)
+
+
+class _Sessions:
+    """Runs the commands here, counting them."""
+
+    def __init__(self, home: Path) -> None:
+        self.home, self.calls = home, []
+
+    async def get(self, node: str) -> _Sessions:
+        return self
+
+    async def run(self, cmd: str, *, timeout: float) -> Any:
+        self.calls.append("run")
+        return subprocess.CompletedProcess([], 0, _sh(cmd, self.home).decode(), "")
+
+    async def run_raw(self, cmd: str, *, timeout: float) -> tuple[int, bytes, bytes]:
+        self.calls.append("read")
+        return 0, _sh(cmd, self.home), b""
+
+
+def test_a_model_listed_by_the_probe_is_read_once_while_unchanged(tmp_path: Path, ggufs) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(ggufs["F16"])
+    cat = _catalog(model=str(gguf))
+    nodes = [l40s("n1"), l40s("n2")]
+    store, sessions = _Store(), _Sessions(tmp_path)
+    listed = {"n2": {0: _sh(stat_command(str(gguf)), tmp_path).decode()}, "n1": {0: "N\n"}}
+    got, notes = asyncio.run(read_sizes(cat, nodes, sessions, store, listings=listed, models=[str(gguf)]))
+    assert got[str(gguf)].weights_bytes == len(ggufs["F16"]) and notes == [] and sessions.calls == ["read"]
+    got, _ = asyncio.run(read_sizes(cat, nodes, sessions, store, listings=listed, models=[str(gguf)]))
+    assert sessions.calls == ["read"]  # unchanged: the cache answers, nothing more is run
+    gone = {"n1": {0: "N\n"}, "n2": {0: "N\n"}}
+    got, notes = asyncio.run(read_sizes(cat, nodes, sessions, store, listings=gone, models=[str(gguf)]))
+    assert got == {} and notes == [f"{gguf}: not found on any node"]

@@ -8,7 +8,7 @@ result; nothing here prints.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +94,12 @@ class Cluster:
 
     # ---- observe ----------------------------------------------------------
     async def observe(
-        self, *, steady: bool = False, report: Report = _quiet, on_done: Callable[[Any], None] | None = None
+        self,
+        *,
+        steady: bool = False,
+        report: Report = _quiet,
+        on_done: Callable[[Any], None] | None = None,
+        models: Sequence[str] = (),
     ) -> Observed:
         """Probe every node and save its facts (discover's probe), and what the same batch saw
         of the recorded shards and (unless ``steady``) the ports listening. ``steady``: only
@@ -105,7 +110,7 @@ class Cluster:
         observed = Observed()
         facts = await discovery.probe(self.inv, connector=self.sessions.connector_view(), parallel=self.parallel,
                                       store=self.store, observed=observed, ports=not steady, hardware=not steady,
-                                      on_done=on_done)  # fmt: skip
+                                      on_done=on_done, models=models)  # fmt: skip
         await discovery.save(self.store, facts, self.inventory_path, observed)
         down = [f.name for f in facts if not f.reachable]
         report("nodes", "probed", f"{len(facts) - len(down)} answered" + (f", not: {', '.join(down)}" if down else ""))
@@ -155,10 +160,14 @@ class Cluster:
 
         early = await rolled() if expect_version is None else []
 
-        async def sizes(c: Catalog, facts: list[Any]) -> dict[str, Any]:
-            from cluster_cli.control.modelsize import read_sizes
+        from cluster_cli.control.modelsize import read_sizes, unsized
 
-            got, notes = await read_sizes(c, facts, self.sessions, self.store)
+        models = unsized(cat)  # listed by the probe's batch; read apart only when changed
+        seen_by: list[Any] = []
+
+        async def sizes(c: Catalog, facts: list[Any]) -> dict[str, Any]:
+            listings = seen_by[-1].models if seen_by else None
+            got, notes = await read_sizes(c, facts, self.sessions, self.store, listings=listings, models=models)
             for note in notes:
                 report(note.split(":", 1)[0], "size", f"not checked for memory: {note}")
             return got
@@ -169,14 +178,16 @@ class Cluster:
         reprobe = None
 
         async def full() -> Any:
-            seen = await self.observe(report=report)
+            seen = await self.observe(report=report, models=models)
+            seen_by.append(seen)
             return await self.fleet(), seen
 
         if expect_version is None:
             # Every replica the catalog asks for is held: check them, without reading the
             # hardware again unless something has to be placed after all.
             steady = not expects_new(cat, records)
-            observed = await self.observe(steady=steady, report=report, on_done=health.node_done)
+            observed = await self.observe(steady=steady, report=report, on_done=health.node_done, models=models)
+            seen_by.append(observed)
             reprobe = full if steady else None
         res = await up(
             self.inv,

@@ -45,12 +45,14 @@ async def probe(
     observed: Observed | None = None,
     ports: bool = True,
     hardware: bool = True,
+    models: Sequence[str] = (),
 ) -> list[NodeFacts]:
     """Probe ``nodes`` (default: all), the state's launched processes known as its own.
     ``observed`` also gets, from the same batch, whether each recorded shard still runs and
     (``ports``) which ports listen: what ``up`` checks. Without ``hardware``, what does not
     change while engines run is taken from the state's earlier facts where they hold it
-    (``carried``): a check of running replicas, which places nothing new."""
+    (``carried``): a check of running replicas, which places nothing new. ``models``: each
+    node's batch also lists these models' files (``Observed.models``: the memory-fit check)."""
     from cluster_cli.probe.collect import discover
 
     records = await store.records(include_fenced=True) if store is not None else []
@@ -63,7 +65,7 @@ async def probe(
             for run in rec.shards:
                 runs.setdefault(run.node, []).append(run)
         extra = {
-            n.name: node_commands(runs.get(n.name, ()), ports=ports)
+            n.name: node_commands(runs.get(n.name, ()), ports=ports, models=models)
             for n in (nodes if nodes is not None else inv.nodes)
         }
     return await discover(

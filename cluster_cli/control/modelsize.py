@@ -31,22 +31,42 @@ def unsized(cat: Catalog) -> list[str]:
 
 
 async def read_sizes(
-    cat: Catalog, nodes: Sequence[NodeFacts], sessions: Any, store: Any
+    cat: Catalog,
+    nodes: Sequence[NodeFacts],
+    sessions: Any,
+    store: Any,
+    *,
+    listings: dict[str, dict[int, str]] | None = None,
+    models: Sequence[str] | None = None,
 ) -> tuple[dict[str, ModelSize], list[str]]:
     """Sizes of ``cat``'s unsized models (read on ``nodes``, reachable ones first, through
-    ``sessions``; cached in ``store``), and a line for each model that could not be read."""
+    ``sessions``; cached in ``store``), and a line for each model that could not be read.
+    ``listings``: what the probe's batch listed of ``models`` on each node (node -> the
+    model's number -> its listing): the nodes that have a model are asked first, and its
+    files are read only when the cache lacks that listing."""
     cached = await store.model_sizes()
-    names = [n.name for n in nodes if n.reachable][:TRIES]
+    reachable = [n.name for n in nodes if n.reachable]
+    order = list(models) if models is not None else unsized(cat)
     sizes: dict[str, ModelSize] = {}
     notes: list[str] = []
 
     async def one(model: str) -> None:
         last = f"{model}: no reachable node to read it on"
-        for node in names:
+        listed: dict[str, str] = {}
+        if listings is not None and model in order:
+            i = order.index(model)
+            listed = {n: out[i] for n, out in listings.items() if i in out and not out[i].startswith("N")}
+            if not listed and any(order.index(model) in out for out in listings.values()):
+                notes.append(f"{model}: not found on any node")
+                return
+        names = [n for n in reachable if n in listed] + [n for n in reachable if n not in listed]
+        for node in names[:TRIES]:
             try:
                 session = await sessions.get(node)
-                res = await session.run(stat_command(model), timeout=TIMEOUT_S)
-                listing = parse_stat(res.stdout, model)
+                out = listed.get(node)
+                if out is None:
+                    out = (await session.run(stat_command(model), timeout=TIMEOUT_S)).stdout
+                listing = parse_stat(out, model)
                 hit = cached.get(model)
                 if hit is not None and hit[0] == listing.key():
                     sizes[model] = hit[1]

@@ -6,18 +6,21 @@ is pure."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cluster_cli.probe.batch import Inline
+from cluster_cli.probe.modelfiles import stat_command
 from cluster_cli.state.records import ShardRun
 
 STAT, TCP, BOOT = "cc_stat", "cc_tcp", "cc_boot"
+MODEL = "model."  # then the model's number in the list probed
 
 
-def node_commands(runs: Iterable[ShardRun], *, ports: bool = True) -> dict[str, str]:
+def node_commands(runs: Iterable[ShardRun], *, ports: bool = True, models: Sequence[str] = ()) -> dict[str, str]:
     """The probe batch's extra records for a node with these shards on it (``ports``: also
-    the listening TCP ports)."""
+    the listening TCP ports; ``models``: the listing of each of these models' files, for the
+    memory-fit check, records ``model.0``, ``model.1``...)."""
     pids = sorted({r.pid for r in runs if r.pid is not None})
     # The node's boot id: a recorded PID is the same process only on the same boot.
     cmds: dict[str, str] = {
@@ -25,6 +28,8 @@ def node_commands(runs: Iterable[ShardRun], *, ports: bool = True) -> dict[str, 
     }
     if ports:
         cmds[TCP] = "cat /proc/net/tcp /proc/net/tcp6"
+    for i, model in enumerate(models):
+        cmds[f"{MODEL}{i}"] = stat_command(model)
     if pids:
         # PIDs are ints: nothing to quote. A PID that is gone adds no line.
         cmds[STAT] = Inline(
@@ -70,6 +75,7 @@ class Observed:
     started: dict[str, dict[int, int]] = field(default_factory=dict)  # node -> pid -> start time
     listening: dict[str, set[int]] = field(default_factory=dict)
     boot_ids: dict[str, str] = field(default_factory=dict)
+    models: dict[str, dict[int, str]] = field(default_factory=dict)  # node -> model's number -> its listing
 
     def record(self, node: str, outputs: Mapping[str, object]) -> None:
         boot = outputs.get(BOOT)
@@ -78,6 +84,9 @@ class Observed:
         tcp = outputs.get(TCP)
         if tcp is not None and getattr(tcp, "rc", None) == 0:
             self.listening[node] = parse_listening(tcp.stdout)  # type: ignore[attr-defined]
+        for name, out in outputs.items():
+            if name.startswith(MODEL) and getattr(out, "rc", None) == 0:
+                self.models.setdefault(node, {})[int(name[len(MODEL) :])] = out.stdout  # type: ignore[attr-defined]
         stat = outputs.get(STAT)
         if stat is not None and getattr(stat, "rc", None) in (0, 1):  # 1: some PID is gone; not a timeout
             self.started[node] = parse_stat(stat.stdout)  # type: ignore[attr-defined]
