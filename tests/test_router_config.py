@@ -53,7 +53,7 @@ def test_issue_example_parses(tmp_path):
     assert (a.replica, a.draining, b.draining) == ("tiny-0", False, True)
     assert a.metrics.running == "llamacpp:requests_processing" and a.metrics.kv_cache_usage is None
     assert cfg.metric_mapping("vllm").names("kv_cache_usage") == (VLLM_KV_CACHE, VLLM_KV_CACHE_LEGACY)
-    assert cfg.router.policy == "least_load"
+    assert cfg.router.policy == "prefix"
 
 
 @pytest.mark.parametrize(
@@ -330,7 +330,7 @@ def test_cli_help_states_defaults_choices_and_exit_codes():
     for opt, row in rows.items():
         if opt not in ("--config", "--help"):
             assert "default" in row, (opt, row)
-    assert "<least_load|p2c|round_robin|prefix>" in rows["--policy"] and "least_load if unset" in rows["--policy"]
+    assert "<least_load|p2c|round_robin|prefix>" in rows["--policy"] and "prefix if unset" in rows["--policy"]
     assert "<debug|info|warning|error>" in rows["--log-level"] and "[default: warning]" in rows["--log-level"]
     assert "32 MiB" in rows["--max-body-bytes"] and "5 if unset" in rows["--connect-timeout"]
     assert "300 if unset" in rows["--idle-timeout"] and "256 if unset" in rows["--max-queue"]

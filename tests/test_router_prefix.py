@@ -243,7 +243,7 @@ def test_a_model_may_have_its_own_policy() -> None:
         "m": {"endpoints": [{"url": "http://127.0.0.1:9000"}], "policy": "prefix"},
         "n": {"endpoints": [{"url": "http://127.0.0.1:9001"}]},
     }
-    cfg = router_config(models)
+    cfg = router_config(models, {"policy": "least_load"})
     bal = Balancer(build_table(cfg), LeastLoad())
     bal.configure(cfg)
     assert bal.policy_for("m").name == "prefix" and bal.policy_for("n").name == "least_load"

@@ -83,7 +83,7 @@ def serve_router(
         None,
         "--policy",
         help="Load-balancing policy (prefix: to the replica already holding the prompt's beginning, "
-        "guarded by load); default the config's router.policy, least_load if unset.",
+        "guarded by load); default the config's router.policy, prefix if unset.",
         show_default=False,
     ),
     max_body_bytes: int | None = typer.Option(
