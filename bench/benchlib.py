@@ -36,26 +36,40 @@ class Series:
         return min(r.wall_s for r in g) if g and not self.failed else None
 
 
-class LoadSampler:
-    """Samples the 1-minute load average once a second while running."""
+class Sampler:
+    """Calls ``sample()`` every ``every`` seconds on a thread of its own, while in a ``with``."""
+
+    every = 1.0
 
     def __init__(self) -> None:
-        self.samples: list[float] = []
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._stop.wait(1.0)
+    def sample(self) -> None:
+        raise NotImplementedError
 
-    def __enter__(self) -> LoadSampler:
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            self.sample()
+
+    def __enter__(self) -> Sampler:
         self._t.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._t.join()
+
+
+class LoadSampler(Sampler):
+    """Samples the 1-minute load average once a second while running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples: list[float] = [os.getloadavg()[0]]
+
+    def sample(self) -> None:
+        self.samples.append(os.getloadavg()[0])
 
     def summary(self) -> str:
         if not self.samples:

@@ -19,6 +19,18 @@ whole text equals an uncut reply; such a reply's chunks carry ``"sim_continued_f
 Streams send their response head at once (as vLLM does) and tokens as they come.
 A client that disconnects frees its slot at once (``aborted`` counts it).
 
+A prefix cache, off by default (``prefix_cache_tokens``, ``prefill_ms_per_1k``): a token is 4
+characters of the prompt (chat: each message's role and content, in order); a sequence
+given a slot looks up its longest cached prefix (whole blocks of ``cache_block_tokens``, as
+vLLM's), then inserts its prompt's blocks into a per-engine LRU of ``prefix_cache_tokens``;
+once served, its prompt and reply (chat: as the next turn's assistant message) too.
+Its uncached tokens cost ``prefill_ms_per_1k`` per 1,000 before its first token: each step
+prefills at most ``prefill_chunk_tokens`` of them, first come first served, and lasts as
+long as that prefill or the token delay, whichever is longer (chunked prefill beside the
+decoding sequences). Responses then carry ``usage.prompt_tokens`` and
+``usage.prompt_tokens_details.cached_tokens`` (streams: with ``stream_options.include_usage``),
+and ``/metrics`` the engine's prefix-cache counters in tokens.
+
 In-process: ``await SimEngine(...).start()`` on any asyncio loop; ``LoopThread`` runs a
 loop in a background thread for synchronous tests. As a process:
 ``python tests/simengine.py --port 9001 --capacity 8 --token-delay-ms 10``.
@@ -34,7 +46,7 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -50,7 +62,22 @@ REASONS = {
 
 
 class _Seq:
-    __slots__ = ("conn", "done", "i", "kind", "lead", "n", "rid", "start", "stream")
+    __slots__ = (
+        "cached",
+        "conn",
+        "done",
+        "i",
+        "kind",
+        "lead",
+        "n",
+        "prefill_left",
+        "prompt",
+        "prompt_tokens",
+        "rid",
+        "start",
+        "stream",
+        "usage_chunk",
+    )
 
     def __init__(
         self, conn: _Conn, n: int, stream: bool, kind: str, rid: int, start: int = 0, lead: bytes = b""
@@ -60,6 +87,48 @@ class _Seq:
         self.lead = lead  # the rest of a piece the given text ends inside of, sent first
         self.i = 0
         self.done: asyncio.Future[bool] | None = None
+        self.prompt: str | None = None  # the normalised prompt (prefix-cache mode only)
+        self.prompt_tokens = 0
+        self.cached = 0  # prompt tokens found in the prefix cache
+        self.prefill_left = 0  # uncached prompt tokens still to prefill
+        self.usage_chunk = False  # a stream whose client asked for usage at the end
+
+
+CHARS_PER_TOKEN = 4
+
+
+def prompt_of(path: bytes, req: dict) -> str | None:
+    """A request's prompt as the prefix cache sees it: chat, each message's role and content in
+    order; completions, the prompt. None when there is none."""
+    if b"chat" in path:
+        msgs = req.get("messages")
+        if not isinstance(msgs, list):
+            return None
+        parts = []
+        for m in msgs:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            if isinstance(content, list):  # content parts
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"{m.get('role', '')}\n{content if isinstance(content, str) else ''}\x1e")
+        return "".join(parts)
+    prompt = req.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
+
+
+def prompt_blocks(text: str, block_tokens: int) -> tuple[int, list[int]]:
+    """(prompt tokens, chain hashes of its whole blocks): block i's hash covers blocks 0..i.
+    The last token is always computed (as vLLM does), so a block that would hold it is left out."""
+    tokens = max(1, -(-len(text) // CHARS_PER_TOKEN))
+    size = block_tokens * CHARS_PER_TOKEN
+    out, h = [], 0
+    for i in range((tokens - 1) // block_tokens):
+        h = hash((h, text[i * size : (i + 1) * size]))
+        out.append(h)
+    return tokens, out
 
 
 def held_pieces(text: str) -> tuple[int, str] | None:
@@ -119,6 +188,10 @@ class SimEngine:
         tokens: int = 16,
         metrics_style: str = "vllm",
         speed: float = 1.0,
+        prefix_cache_tokens: int = 0,
+        prefill_ms_per_1k: float = 0.0,
+        prefill_chunk_tokens: int = 2048,
+        cache_block_tokens: int = 16,
     ) -> None:
         self.model = model
         self.capacity = capacity
@@ -140,6 +213,13 @@ class SimEngine:
         self.aborted = 0
         self.requests = 0
         self.continued = 0  # requests that went on from text the engine had produced
+        self.prefix_cache_tokens = prefix_cache_tokens  # LRU capacity; 0: no prefix cache
+        self.prefill_ms_per_1k = prefill_ms_per_1k
+        self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)
+        self.cache_block_tokens = max(1, cache_block_tokens)
+        self.prompt_tokens_total = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.cached_tokens_total = 0  # of them, found in the cache (prefix_cache_hits)
+        self._cache: OrderedDict[int, None] = OrderedDict()  # block chain hash, least recent first
         self.port = 0
         self._queue: deque[_Seq] = deque()
         self._active: list[_Seq] = []
@@ -240,7 +320,7 @@ class SimEngine:
 
     def _final(self, seq: _Seq) -> bytes:
         text = b"".join(self._seq_piece(seq, i) for i in range(seq.n)).decode()
-        usage = {"prompt_tokens": 1, "completion_tokens": seq.n, "total_tokens": seq.n + 1}
+        usage = self._usage(seq)
         if seq.kind == "chat":
             obj = {
                 "id": f"chatcmpl-{seq.rid}",
@@ -261,6 +341,27 @@ class SimEngine:
             }
         return json.dumps(obj).encode()
 
+    def _usage(self, seq: _Seq) -> dict:
+        if seq.prompt is None:
+            return {"prompt_tokens": 1, "completion_tokens": seq.n, "total_tokens": seq.n + 1}
+        return {
+            "prompt_tokens": seq.prompt_tokens,
+            "completion_tokens": seq.n,
+            "total_tokens": seq.prompt_tokens + seq.n,
+            "prompt_tokens_details": {"cached_tokens": seq.cached},
+        }
+
+    def _usage_event(self, seq: _Seq) -> bytes:
+        obj = {
+            "id": f"{'chatcmpl' if seq.kind == 'chat' else 'cmpl'}-{seq.rid}",
+            "object": "chat.completion.chunk" if seq.kind == "chat" else "text_completion",
+            "created": 0,
+            "model": self.model,
+            "choices": [],
+            "usage": self._usage(seq),
+        }
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
     def _emit(self, seq: _Seq) -> bool:
         """One token for seq; True when it is finished (or its client is gone)."""
         if seq.conn.closed:
@@ -272,9 +373,65 @@ class SimEngine:
                 seq.conn.cut()  # the scheduler finishes seq (this loop is walking _active)
                 return True
             if seq.i >= seq.n:
-                out += self._chunk(seq, b"", b"length") + b"data: [DONE]\n\n"
+                out += self._chunk(seq, b"", b"length")
+                out += (self._usage_event(seq) if seq.usage_chunk else b"") + b"data: [DONE]\n\n"
             seq.conn.write_chunk(out)
         return seq.i >= seq.n
+
+    @property
+    def prefix_mode(self) -> bool:
+        return self.prefix_cache_tokens > 0 or self.prefill_ms_per_1k > 0
+
+    def _admit(self, seq: _Seq) -> None:
+        """seq got a slot: its longest cached prefix, then its blocks into the LRU (the first
+        block the most recently used, so a prompt's tail goes first)."""
+        if seq.prompt is None:
+            return
+        tokens, hashes = prompt_blocks(seq.prompt, self.cache_block_tokens)
+        hit = 0
+        if self.prefix_cache_tokens > 0:
+            cache = self._cache
+            for h in hashes:
+                if h not in cache:
+                    break
+                hit += 1
+            self._insert(hashes)
+        seq.prompt_tokens = tokens
+        seq.cached = hit * self.cache_block_tokens
+        seq.prefill_left = tokens - seq.cached if self.prefill_ms_per_1k > 0 else 0
+        self.prompt_tokens_total += tokens
+        self.cached_tokens_total += seq.cached
+
+    def _insert(self, hashes: list[int]) -> None:
+        cache = self._cache
+        for h in reversed(hashes):
+            cache[h] = None
+            cache.move_to_end(h)
+        room = self.prefix_cache_tokens // self.cache_block_tokens
+        while len(cache) > room:
+            cache.popitem(last=False)
+
+    def _cache_reply(self, seq: _Seq) -> None:
+        """A finished sequence's reply is cached too (vLLM keeps its decoded blocks), as the
+        next turn's prompt holds it: chat, an assistant message after the prompt."""
+        reply = b"".join(self._seq_piece(seq, i) for i in range(seq.n)).decode()
+        full = seq.prompt + (f"assistant\n{reply}\x1e" if seq.kind == "chat" else reply)  # type: ignore[operator]
+        self._insert(prompt_blocks(full, self.cache_block_tokens)[1])
+
+    def _prefill_step(self) -> float:
+        """Prefill this step's share (at most prefill_chunk_tokens, first come first served);
+        the seconds it takes."""
+        budget = self.prefill_chunk_tokens
+        done = 0
+        for seq in self._active:
+            if seq.prefill_left > 0:
+                take = min(seq.prefill_left, budget)
+                seq.prefill_left -= take
+                budget -= take
+                done += take
+                if budget <= 0:
+                    break
+        return done * self.prefill_ms_per_1k / 1e6 / max(self.speed, 1e-9)
 
     async def _scheduler(self) -> None:
         loop = asyncio.get_running_loop()
@@ -290,10 +447,16 @@ class SimEngine:
                     continue
                 self.running += 1
                 self._active.append(seq)
+                if seq.prompt is not None:
+                    self._admit(seq)
             t0 = loop.time()
+            if self.prefill_ms_per_1k > 0 and (work := self._prefill_step()) > 0:
+                await asyncio.sleep(work)  # the step lasts as long as its prefill, or the token delay
             keep = []
             for seq in self._active:
-                if self._emit(seq):
+                if seq.prefill_left > 0:
+                    keep.append(seq)  # still prefilling: no token yet
+                elif self._emit(seq):
                     self.running -= 1
                     self._finish(seq, aborted=seq.conn.closed or seq.i < seq.n)
                 else:
@@ -308,6 +471,8 @@ class SimEngine:
             self.aborted += 1
         else:
             self.served += 1
+            if seq.prompt is not None and self.prefix_cache_tokens > 0:
+                self._cache_reply(seq)
         if seq.done is not None and not seq.done.done():
             seq.done.set_result(not aborted)
 
@@ -324,12 +489,21 @@ class SimEngine:
 
     async def generate(self, seq: _Seq) -> bool:
         if self.token_delay_s <= 0:
+            if seq.prompt is not None:
+                self._admit(seq)
+                if seq.prefill_left:  # no scheduler steps here: its prefill alone
+                    await asyncio.sleep(seq.prefill_left * self.prefill_ms_per_1k / 1e6 / max(self.speed, 1e-9))
+                    seq.prefill_left = 0
+                    if seq.conn.closed:
+                        self._finish(seq, aborted=True)
+                        return False
             if seq.stream:
                 parts = []
                 for i in range(seq.n):
                     seq.i = i + 1
                     parts.append(self._chunk(seq, self._seq_piece(seq, i)))
-                parts.append(self._chunk(seq, b"", b"length") + b"data: [DONE]\n\n")
+                parts.append(self._chunk(seq, b"", b"length"))
+                parts.append((self._usage_event(seq) if seq.usage_chunk else b"") + b"data: [DONE]\n\n")
                 seq.conn.write_chunk(b"".join(parts))
             seq.i = seq.n
             self._finish(seq, aborted=False)
@@ -360,6 +534,22 @@ class SimEngine:
                 "# TYPE llamacpp:requests_deferred gauge",
                 f"llamacpp:requests_deferred {self.waiting}",
             ]
+        if self.prefix_mode:
+            q, h = self.prompt_tokens_total, self.cached_tokens_total
+            if self.metrics_style == "vllm":
+                lines += [
+                    "# TYPE vllm:prefix_cache_queries_total counter",
+                    f"vllm:prefix_cache_queries_total{lab} {q}",
+                    "# TYPE vllm:prefix_cache_hits_total counter",
+                    f"vllm:prefix_cache_hits_total{lab} {h}",
+                ]
+            else:  # llama-server counts the prompt tokens it processed, and those it took from its cache
+                lines += [
+                    "# TYPE llamacpp:prompt_tokens_total counter",
+                    f"llamacpp:prompt_tokens_total {q - h}",
+                    "# TYPE llamacpp:prompt_tokens_cached_total counter",
+                    f"llamacpp:prompt_tokens_cached_total {h}",
+                ]
         lines += ["# TYPE sim_requests_served_total counter", f"sim_requests_served_total {self.served}"]
         lines += ["# TYPE sim_requests_continued_total counter", f"sim_requests_continued_total {self.continued}"]
         return ("\n".join(lines) + "\n").encode()
@@ -405,6 +595,10 @@ class SimEngine:
         seq = _Seq(
             conn, max(1, n), bool(req.get("stream")), "chat" if b"chat" in path else "text", self._rid, start, lead
         )
+        if self.prefix_mode:
+            seq.prompt = prompt_of(path, req) or ""
+            so = req.get("stream_options")
+            seq.usage_chunk = seq.stream and isinstance(so, dict) and so.get("include_usage") is True
         if seq.stream:
             hdr = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n"
             conn.write(hdr + (b"" if keep else b"Connection: close\r\n") + b"\r\n")
@@ -569,6 +763,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--metrics-style", choices=["vllm", "llamacpp"], default="vllm")
+    p.add_argument("--prefix-cache-tokens", type=int, default=0, help="prefix cache capacity in tokens (0: none)")
+    p.add_argument("--prefill-ms-per-1k", type=float, default=0.0, help="prompt time per 1,000 uncached tokens")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=2048, help="prompt tokens prefilled per step at most")
+    p.add_argument("--cache-block-tokens", type=int, default=16, help="the prefix cache's block")
     a = p.parse_args(argv)
     try:
         import uvloop
@@ -585,6 +783,10 @@ def main(argv: list[str] | None = None) -> None:
             tokens=a.tokens,
             metrics_style=a.metrics_style,
             speed=a.speed,
+            prefix_cache_tokens=a.prefix_cache_tokens,
+            prefill_ms_per_1k=a.prefill_ms_per_1k,
+            prefill_chunk_tokens=a.prefill_chunk_tokens,
+            cache_block_tokens=a.cache_block_tokens,
         )
         await eng.start(a.host, a.port)
         stop = asyncio.get_running_loop().create_future()
