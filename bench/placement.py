@@ -55,7 +55,8 @@ def fleet(n: int, seed: int = 7) -> list[NodeFacts]:
                 problems = (f"foreign-process: pid {4000 + g} (python)",)
             elif roll < 0.025:
                 problems = ("lost: GPU has fallen off the bus",)
-            used = rnd.randint(300, 4000) if roll < 0.1 else rnd.randint(0, 600)  # MiB: some are partly in use
+            # MiB in use: a few GPUs hold enough of another's memory that vLLM's share is no longer free
+            used = rnd.randint(10_000, 30_000) if roll < 0.03 else rnd.randint(0, 600)
             gpus.append(Gpu(g, f"GPU-{i}-{g}", f"NVIDIA {cls}", cls, memory_total_mib=MEMORY_GIB[cls] * 1024,
                             memory_used_mib=used, lost=problems[:1] == ("lost",), problems=problems))  # fmt: skip
         domains = ((0, 1), (2, 3), (4, 5), (6, 7)) if cls == "A100" else (() if cls == "L40S" else (tuple(range(8)),))

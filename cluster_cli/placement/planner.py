@@ -399,11 +399,7 @@ class _Planner:
         m = base.copy()
         if req.gpu_class:
             cls = req.gpu_class
-            key = (cls, _ANY) if req.multi_node else (cls, None)
-            b = self._group(key, req)
-            if req.need is not None:
-                for (kind, dim, reason), n in self.fit_rejected.get((key, _need_key(req)), {}).items():
-                    m.add(kind, dim, reason, n)
+            b = self._group((cls, _ANY) if req.multi_node else (cls, None), req)
             m.add("exhausted", "gpus", "insufficient gpus", b.below(req.gpus) if b else 0)
             if req.multi_node:
                 for fab in self.fabrics:
@@ -426,6 +422,11 @@ class _Planner:
             if req.multi_node:
                 unattached = self.has_class.get(cls, 0) - self.has_class_attached.get(cls, 0)
                 m.add("filtered", "fabric", "no active ib port", unattached)
+            if req.need is not None:  # memory does not change during a plan: static too
+                key = (cls, _ANY) if req.multi_node else (cls, None)
+                self._group(key, req)
+                for (kind, dim, reason), n in self.fit_rejected.get((key, _need_key(req)), {}).items():
+                    m.add(kind, dim, reason, n)
         return m
 
     def _try(self, model: Model, r: int, p: Profile, req: Request, m: PlacementMetrics) -> Replica | None:

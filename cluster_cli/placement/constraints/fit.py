@@ -56,6 +56,9 @@ class Fit:
 
 
 def verdict(why: str) -> Verdict:
+    """A shortfall as a verdict. ``weights do not fit (needs 38.2 GiB per GPU, 22.5 free)`` is
+    counted as it is (GPUs of one kind give one figure); memory others hold now differs from
+    GPU to GPU, so it is counted as ``not enough free memory``, its figures in the detail."""
     if why.startswith(REASON_PREFIX):
         return Verdict.reject(Fit.name, why, why, Kind.REJECT)
-    return Verdict.exhausted(Fit.name, "memory", why, why)
+    return Verdict.exhausted(Fit.name, "memory", why.split(" (", 1)[0], why)
