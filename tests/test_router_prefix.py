@@ -354,3 +354,20 @@ def test_concurrent_requests_never_pass_the_guard_for_affinity(ops) -> None:
         w.inflight += 1
         flight.append(w)
         assert len(p.indexes["m"]) <= spec.max_nodes
+
+
+def test_affinity_lost_to_a_full_replica_is_counted_as_full() -> None:
+    models = {"m": {"endpoints": [{"url": f"http://127.0.0.1:{9000 + i}", "max_inflight": 1} for i in range(2)]}}
+    cfg = router_config(models, {"policy": "prefix"})
+    table = build_table(cfg)
+    bal = Balancer(table, PrefixAffinity(cfg.router.prefix))
+    bal.configure(cfg)
+    prompt = "a long shared conversation " * 40
+    first = bal.try_acquire(table.models["m"], (), h1 := Affinity("m", blocks(prompt, 64, 100)))
+    assert first is not None and h1.outcome == "miss"
+    again = bal.try_acquire(table.models["m"], (), h2 := Affinity("m", blocks(prompt + " more", 64, 100)))
+    assert again is not None and again.endpoint is not first.endpoint  # the holder is full
+    assert h2.outcome == "full" and h2.matched == 0
+    first.release(True)
+    third = bal.try_acquire(table.models["m"], (), h3 := Affinity("m", blocks(prompt + " more", 64, 100)))
+    assert third is not None and h3.outcome == "matched" and third.endpoint is first.endpoint

@@ -180,14 +180,15 @@ class Affinity:
     """One request's affinity: its model, prompt blocks and session key; the policy writes
     back what it decided (for the metrics and the access log)."""
 
-    __slots__ = ("blocks", "matched", "model", "outcome", "session")
+    __slots__ = ("blocks", "full", "matched", "model", "outcome", "session")
 
     def __init__(self, model: str, blocks: tuple[int, ...], session: str | None = None) -> None:
         self.model = model
         self.blocks = blocks
         self.session = session
+        self.full: tuple[Any, ...] = ()  # eligible endpoints left out for being saturated
         self.matched = 0  # blocks the chosen endpoint already held
-        self.outcome = ""  # session, matched, overridden, miss, short
+        self.outcome = ""  # session, matched, overridden, full, miss, short
 
     def note(self, block_chars: int) -> str:
         return f"affinity {self.outcome}: {self.matched * block_chars}/{len(self.blocks) * block_chars} chars"

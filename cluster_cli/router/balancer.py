@@ -126,6 +126,8 @@ class Balancer:
                 cands = untried
             elif any(w not in exclude and w.unavailable_reason() is None for w in entry.endpoints):
                 return None
+        if hint is not None:  # replicas left out for being full: a deeper match there is affinity lost to load
+            hint.full = tuple(w for w in entry.endpoints if w.unavailable_reason() is None and w.saturated(now))
         w = self.model_policies.get(entry.name, self.policy).select(cands, now, hint)
         if w is None:
             return None

@@ -217,7 +217,8 @@ class _RequestCollector(Collector):
         aff = CounterMetricFamily(
             "clusterctl_router_prefix_decisions",
             "The prefix policy's decisions: session, matched (longest prefix), overridden (by the load"
-            " guard), short (match below min_match_chars), miss.",
+            " guard), full (a saturated replica held more of the prompt), short (match below"
+            " min_match_chars), miss.",
             labels=["model", "outcome"],
         )
         for (model, outcome), n in list(self.affinity.items()):

@@ -10,6 +10,9 @@ recently served which prompt prefixes. A request goes, in order of preference:
    the least loaded of them);
 3. otherwise to the least loaded endpoint (``least_load``).
 
+A saturated replica is never a candidate: when one held more of the prompt than any
+candidate, the decision is counted as ``full`` (affinity lost to load), whatever it was.
+
 The guard: an endpoint is too busy for affinity when its load exceeds the least loaded
 candidate's by more than ``balance_abs`` requests *and* is more than ``balance_rel`` times it
 (the two thresholds of the SGLang gateway's cache-aware policy). The chosen endpoint then
@@ -94,6 +97,11 @@ class PrefixAffinity:
                     choice, hint.outcome, hint.matched = least, "overridden", 0
                 else:
                     choice, hint.outcome, hint.matched = best, "matched", depth
+        if hint.full and hint.outcome != "session":
+            # A full replica held more of the prompt than any candidate: affinity lost to load.
+            deeper, _ = index.match(hint.blocks, {w.url: w.cache_gen for w in hint.full})
+            if deeper > depth and deeper * spec.block_chars >= spec.min_match_chars:
+                hint.outcome = "full"
         index.insert(hint.blocks, choice.url, choice.cache_gen)
         if sessions is not None and hint.session is not None:
             sessions.put(hint.session, choice.url, choice.cache_gen)
