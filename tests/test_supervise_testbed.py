@@ -81,7 +81,9 @@ def _records(state: Path) -> dict[str, Any]:
 def supervised(fleet: dict[str, Any]) -> Iterator[dict[str, Any]]:  # noqa: F811 - the imported fixture
     """Two replicas up behind a router, ``supervise`` running."""
     state, inv, tmp = fleet["state"], fleet["inventory"], fleet["tmp"]
-    cat = _catalog(tmp / "two.yaml", fleet["model"], fleet["binary"], replicas=2)
+    # Room for a continuation's prompt: the tiny model's words come back from the text streamed
+    # so far as letters (tests/test_router_continue_fidelity.py), several tokens each.
+    cat = _catalog(tmp / "two.yaml", fleet["model"], fleet["binary"], replicas=2, args=["-c", "16384"])
     config = state.parent / "router.yaml"
     config.parent.mkdir(parents=True)
     # An engine that stops answering mid-stream (a frozen node) is given up on after 5 s.
