@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.state.backend import Tx
+from cluster_cli.state.meta import set_meta
 from cluster_cli.state.records import replica_name
 
 KEEP_DAYS = 30.0
@@ -163,10 +164,7 @@ class EventLog:
         with self._tx() as tx:
             for key, value in (("events_keep_days", days), ("events_keep_max", max_events)):
                 if value is not None:
-                    tx.execute(
-                        "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value=excluded.value",
-                        (key, str(value)),
-                    )
+                    set_meta(tx, key, str(value))
             self._prune(tx)
             return _retention(tx)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster_cli.facts import NodeFacts
 from cluster_cli.state.backend import Tx
+from cluster_cli.state.meta import bump, get_meta, set_meta
 
 _KEY = "gpu-cordon:"
 PROBLEM = "cordoned"  # the GPU problem's key: not free, yet healthy (its replicas stay)
@@ -56,16 +57,13 @@ class GpuCordons:
         """Cordon GPU ``gpu`` of ``node``; the cordon it replaced (``reason``, ``created_at``), if any.
         The same reason again changes nothing."""
         with self._tx() as tx:
-            row = tx.execute("SELECT value FROM meta WHERE key=?", (_key(node, gpu),)).fetchone()
-            was = json.loads(row[0]) if row else None
+            found = get_meta(tx, _key(node, gpu))
+            was = json.loads(found) if found is not None else None
             if was is not None and was["reason"] == reason:
                 return was
             doc = {"reason": reason, "created_at": was["created_at"] if was else time.time()}
-            tx.execute(
-                "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value=excluded.value",
-                (_key(node, gpu), json.dumps(doc)),
-            )
-            tx.execute("UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) WHERE key = 'state_version'")
+            set_meta(tx, _key(node, gpu), json.dumps(doc))
+            bump(tx)
             said = f"GPU {gpu}: {reason}" + (f" (was: {was['reason']})" if was else "")
             self._event(tx, "cordon", said, node=node)
         return was
@@ -75,9 +73,7 @@ class GpuCordons:
         with self._tx() as tx:
             n = tx.execute("DELETE FROM meta WHERE key=?", (_key(node, gpu),)).rowcount
             if n:
-                tx.execute(
-                    "UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) WHERE key = 'state_version'"
-                )
+                bump(tx)
                 self._event(tx, "uncordon", f"GPU {gpu}: cordon lifted", node=node)
         return n > 0
 

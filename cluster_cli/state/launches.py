@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from cluster_cli.errors import StateError
 from cluster_cli.facts import Replica, Shard
 from cluster_cli.state.backend import Tx
+from cluster_cli.state.meta import bump as _bump
 from cluster_cli.state.records import (
     DOWN,
     FENCED,
@@ -466,10 +467,6 @@ def _where(r: Replica) -> str:
 def _version(tx: Tx) -> int:
     row = tx.execute("SELECT value FROM meta WHERE key='state_version'").fetchone()
     return int(row[0]) if row else 0
-
-
-def _bump(tx: Tx) -> None:
-    tx.execute("UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) WHERE key = 'state_version'")
 
 
 def _stale(path: Any, version: int, expected: int) -> StaleVersion:

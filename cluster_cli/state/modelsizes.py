@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster_cli.facts import ModelSize
 from cluster_cli.state.backend import Tx
+from cluster_cli.state.meta import set_meta
 
 _KEY = "model-size:"
 
@@ -28,10 +29,7 @@ class ModelSizes:
 
     def save_model_size(self, model: str, listing_key: str, size: ModelSize) -> None:
         with self._tx() as tx:
-            tx.execute(
-                "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value=excluded.value",
-                (_KEY + model, json.dumps({"listing": listing_key, "size": size.to_dict()})),
-            )
+            set_meta(tx, _KEY + model, json.dumps({"listing": listing_key, "size": size.to_dict()}))
 
 
 def _sizes(tx: Tx) -> dict[str, tuple[str, ModelSize]]:

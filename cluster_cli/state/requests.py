@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cluster_cli.state.backend import Tx
+from cluster_cli.state.meta import set_meta
 
 _ASKED, _DONE = "drain:", "drained:"
 
@@ -46,10 +47,7 @@ class Requests:
         req = DrainRequest(node, reason, deadline_s, force, time.time(), self.actor)
         with self._tx() as tx:
             tx.execute("DELETE FROM meta WHERE key=?", (_DONE + node,))
-            tx.execute(
-                "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value=excluded.value",
-                (_ASKED + node, json.dumps(req.to_dict())),
-            )
+            set_meta(tx, _ASKED + node, json.dumps(req.to_dict()))
             self._event(tx, "note", f"drain of {node} asked of the supervisor ({reason})", node=node)
         return req
 
@@ -69,10 +67,7 @@ class Requests:
         for the asker (``drain_result``)."""
         with self._tx() as tx:
             tx.execute("DELETE FROM meta WHERE key=?", (_ASKED + node,))
-            tx.execute(
-                "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value=excluded.value",
-                (_DONE + node, json.dumps(result)),
-            )
+            set_meta(tx, _DONE + node, json.dumps(result))
             done = "every replica moved" if result.get("complete") else "not every replica could be moved"
             self._event(tx, "note", f"drain of {node} done by the supervisor: {done}", node=node)
 

@@ -39,6 +39,9 @@ from cluster_cli.state.gpucordons import PROBLEM as GPU_CORDON
 from cluster_cli.state.gpucordons import GpuCordons, apply_gpu_cordons, gpu_cordons_of
 from cluster_cli.state.launches import LaunchTable
 from cluster_cli.state.leases import Lease, Leases
+from cluster_cli.state.meta import bump as _bump
+from cluster_cli.state.meta import get_meta as _meta
+from cluster_cli.state.meta import set_meta as _set_meta
 from cluster_cli.state.modelsizes import ModelSizes
 from cluster_cli.state.records import DOWN
 from cluster_cli.state.requests import Requests
@@ -444,27 +447,11 @@ class Store(LaunchTable, FenceTable, EventLog, Leases, Desired, Requests, GpuCor
             return _cordons(tx)
 
 
-def _meta(tx: Tx, key: str) -> str | None:
-    row = tx.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-    return row[0] if row else None
-
-
-def _set_meta(tx: Tx, key: str, value: str) -> None:
-    tx.execute(
-        "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value=excluded.value", (key, value)
-    )
-
-
 def _cordons(tx: Tx) -> dict[str, dict[str, Any]]:
     return {
         node: {"reason": reason, "created_at": at}
         for node, reason, at in tx.execute("SELECT node, reason, created_at FROM cordons").fetchall()
     }
-
-
-def _bump(tx: Tx) -> None:
-    """A new state version: what a plan computed from the old one must not be applied."""
-    tx.execute("UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) WHERE key = 'state_version'")
 
 
 _VOLATILE = ("probed_at", "last_seen_at", "error")
