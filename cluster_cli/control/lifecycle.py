@@ -244,7 +244,6 @@ async def check_memory(
     """Compare what the engine logged of its memory once ready with the placement's estimate;
     a large miss is reported and recorded as an event, with both figures. Best effort: a
     log that cannot be read, or says nothing, is no failure of the replica."""
-    from cluster_cli.control.modelsize import cached_sizes
     from cluster_cli.engines.memreport import parse_memory_report
     from cluster_cli.placement.fit import catalog_size, misses, need_of
 
@@ -253,7 +252,7 @@ async def check_memory(
     if prof is None:
         return
     try:
-        size = catalog_size(prof) or (await cached_sizes(store)).get(prof.model or "")
+        size = catalog_size(prof) or (await store.known_model_sizes()).get(prof.model or "")
         cfg = cat.engines.get(prof.engine)
         est = need_of(prof, size, cfg.overhead_gib if cfg is not None else None)
         if est is None:

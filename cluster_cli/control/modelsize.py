@@ -50,13 +50,13 @@ async def read_sizes(
     sizes: dict[str, ModelSize] = {}
     notes: list[str] = []
 
-    async def one(model: str) -> None:
+    async def one(i: int, model: str) -> None:
         last = f"{model}: no reachable node to read it on"
         listed: dict[str, str] = {}
-        if listings is not None and model in order:
-            i = order.index(model)
+        if listings is not None:
+            answered = [out[i] for out in listings.values() if i in out]
             listed = {n: out[i] for n, out in listings.items() if i in out and not out[i].startswith("N")}
-            if not listed and any(order.index(model) in out for out in listings.values()):
+            if answered and not listed:
                 notes.append(f"{model}: not found on any node")
                 return
         names = [n for n in reachable if n in listed] + [n for n in reachable if n not in listed]
@@ -71,10 +71,10 @@ async def read_sizes(
                 if hit is not None and hit[0] == listing.key():
                     sizes[model] = hit[1]
                     return
-                rc, out, err = await session.run_raw(read_command(listing), timeout=TIMEOUT_S)
-                if rc != 0 and not out:
+                rc, content, err = await session.run_raw(read_command(listing), timeout=TIMEOUT_S)
+                if rc != 0 and not content:
                     raise ModelFileError(f"{model}: {err.decode('utf-8', 'replace').strip()[:200] or f'rc {rc}'}")
-                size = size_of(listing, out, model)
+                size = size_of(listing, content, model)
             except ModelFileError as e:
                 last = f"{e} ({node})"
                 continue
@@ -86,10 +86,5 @@ async def read_sizes(
             return
         notes.append(last)
 
-    await asyncio.gather(*(one(m) for m in unsized(cat)))
+    await asyncio.gather(*(one(i, m) for i, m in enumerate(order)))
     return sizes, notes
-
-
-async def cached_sizes(store: Any) -> dict[str, ModelSize]:
-    """The sizes the state cached (what ``place --dry-run`` uses: it reads no node)."""
-    return {m: size for m, (_, size) in (await store.model_sizes()).items()}

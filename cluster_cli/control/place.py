@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster_cli.config.inventory import Inventory, load_inventory
 from cluster_cli.errors import ClusterctlError, ConfigError
-from cluster_cli.facts import NodeFacts, Replica
+from cluster_cli.facts import ModelSize, NodeFacts, Replica
 from cluster_cli.state.gpucordons import apply_gpu_cordons
 from cluster_cli.state.store import Store
 from cluster_cli.state.view import for_inventory, with_fenced
@@ -70,7 +70,7 @@ def place(
     warns: list[str] = []
     inv = load_inventory(inventory)
     cat = load_catalog(catalog)
-    nodes, current, version, source = _inputs(warns, inv, state_path, facts)
+    nodes, current, version, source, sizes = _inputs(warns, inv, state_path, facts)
     _warn_other_inventory(warns, inventory, state_path, facts)
     _warn_unknown_classes(warns, catalog, cat, inv, nodes)
     _warn_odd_tensor_parallel(warns, catalog, cat)
@@ -78,16 +78,7 @@ def place(
     prefixes = inv.declared_prefixes()
     warns += [f"fabric conflict: {line}" for line in fabric_warnings(nodes, prefixes)]
     nodes = distrust_conflicting_ports(nodes, prefixes)
-    sizes = _cached_sizes(state_path)
     return PlaceResult(plan(nodes, cat, current, trace=trace, sizes=sizes), version, source, len(nodes), warns)
-
-
-def _cached_sizes(state_path: Path) -> dict[str, Any]:
-    """The models' sizes the last ``up`` read on the nodes (none without a state)."""
-    if not state_path.exists():
-        return {}
-    with Store(state_path, readonly=True) as store:
-        return {m: size for m, (_, size) in store.model_sizes().items()}
 
 
 def _warn_other_inventory(warns: list[str], inventory: Path, state_path: Path, facts: Path | None) -> None:
@@ -201,13 +192,15 @@ def _warn_unmatched_aliases(warns: list[str], path: Path, inv: Inventory, nodes:
 
 def _inputs(
     warns: list[str], inv: Inventory, state_path: Path, facts_path: Path | None
-) -> tuple[list[NodeFacts], list[Replica], int | None, str]:
-    """Facts of the inventory's nodes, current allocations, state version, and where facts came from."""
+) -> tuple[list[NodeFacts], list[Replica], int | None, str, dict[str, ModelSize]]:
+    """Facts of the inventory's nodes, current allocations, state version, where facts came
+    from, and the models' sizes the last ``up`` read on the nodes (for the memory-fit check)."""
     store = Store(state_path, readonly=True) if facts_path is None or state_path.exists() else None
     try:
         with store.snapshot() if store is not None else nullcontext():
             raw, current, version, source, cordons = _read(store, facts_path, state_path)
             held = store.held_apart() if store is not None else {}  # GPUs of replicas being stopped, fenced
+            sizes = store.known_model_sizes() if store is not None else {}
     finally:
         if store is not None:
             store.close()
@@ -224,7 +217,7 @@ def _inputs(
             warns.append(f"{facts_path}: ignoring facts of nodes not in the inventory: {', '.join(extra)}")
     # A node cordoned before its first discover has no facts: its placeholder carries the cordon.
     nodes = for_inventory(inv, raw, from_state=facts_path is None, cordons=cordons)
-    return with_fenced(nodes, held), current, version, source
+    return with_fenced(nodes, held), current, version, source, sizes
 
 
 def _some(names: list[str], most: int = 5) -> str:

@@ -130,9 +130,7 @@ async def up(
     dead = await find_dead(current, nodes, seen, busy, theirs, checks)
     planned: list[Any] | None = None  # with --check-version: the starts of the plan made at that version
 
-    from cluster_cli.control.modelsize import cached_sizes
-
-    model_sizes = await sizes(cat, view.nodes) if sizes is not None else await cached_sizes(store)
+    model_sizes = await sizes(cat, view.nodes) if sizes is not None else await store.known_model_sizes()
     for attempt in range(4):
         result: Plan = plan(view.nodes, cat, _held(current, theirs), sizes=model_sizes)
         away = _away(result)

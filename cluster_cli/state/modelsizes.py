@@ -27,6 +27,10 @@ class ModelSizes:
         with self._read() as tx:
             return _sizes(tx)
 
+    def known_model_sizes(self) -> dict[str, ModelSize]:
+        """Model -> its size, as last read (what ``place`` plans with: it reads no node)."""
+        return {m: size for m, (_, size) in self.model_sizes().items()}
+
     def save_model_size(self, model: str, listing_key: str, size: ModelSize) -> None:
         with self._tx() as tx:
             set_meta(tx, _KEY + model, json.dumps({"listing": listing_key, "size": size.to_dict()}))
