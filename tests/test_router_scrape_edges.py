@@ -480,3 +480,6 @@ def test_a_scrape_keeps_the_cache_counters_and_a_restart_empties_the_cache(monke
     assert w.cache_gen == gen
     _scrape(monkeypatch, w, b"%s 1\nvllm:prefix_cache_hits_total 0\nvllm:prefix_cache_queries_total 9\n" % RUN.encode())
     assert w.cache_gen == gen + 1 and w.scraped.cache == (0.0, 9.0)  # counters went back: a new process
+    _scrape(monkeypatch, w, b"", status=503)  # the engine down a while: its scrapes fail
+    _scrape(monkeypatch, w, b"%s 1\nvllm:prefix_cache_hits_total 0\nvllm:prefix_cache_queries_total 2\n" % RUN.encode())
+    assert w.cache_gen == gen + 2  # back with counters below the last read: another new process

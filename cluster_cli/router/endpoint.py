@@ -60,6 +60,7 @@ class Endpoint:
     __slots__ = (
         "_cap_obs",
         "_clock",
+        "_prompt_tokens_seen",
         "_rate_mark",
         "_sent",
         "breaker",
@@ -103,6 +104,7 @@ class Endpoint:
         # Bumped whenever the engine's cache must be taken as gone (it restarted, failed,
         # was drained or removed): what the prefix policy learned of it before no longer holds.
         self.cache_gen = 0
+        self._prompt_tokens_seen: float | None = None  # the engine's prompt-token counter, last read
         self.inflight = 0
         self.completed = 0
         self.failed = 0
@@ -140,6 +142,7 @@ class Endpoint:
             self.cap_confirmed_at = -1e18
         if new_engine:
             self.scraped = Scraped()
+            self._prompt_tokens_seen = None  # another engine's counters: nothing to compare with
             self.engine_gen += 1  # a scrape started before this is the old engine's: dropped
         if new_engine or (view.draining and not self.view.draining):
             self.cache_gen += 1
@@ -236,10 +239,23 @@ class Endpoint:
         self._rate_mark = (now, self.completed)
 
     def on_scrape(
-        self, running: float | None, waiting: float | None, kv: float | None, now: float, started: float | None = None
+        self,
+        running: float | None,
+        waiting: float | None,
+        kv: float | None,
+        now: float,
+        started: float | None = None,
+        cache: tuple[float, float] | None = None,
     ) -> None:
-        """A scrape's readings, taken between ``started`` (when it was asked for) and ``now``."""
-        self.scraped = Scraped(running, waiting, kv, now, self.inflight, None)
+        """A scrape's readings, taken between ``started`` (when it was asked for) and ``now``;
+        ``cache``: the engine's prompt-cache counters (tokens from its cache, prompt tokens).
+        Those counters going back mean a new process, with an empty cache, however many failed
+        scrapes came between."""
+        self.scraped = Scraped(running, waiting, kv, now, self.inflight, None, cache)
+        if cache is not None:
+            if self._prompt_tokens_seen is not None and cache[1] < self._prompt_tokens_seen:
+                self.cache_gen += 1
+            self._prompt_tokens_seen = cache[1]
         if running is None or waiting is None:
             return
         obs = self._cap_obs

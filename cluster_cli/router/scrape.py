@@ -63,11 +63,7 @@ async def scrape_one(w: Endpoint, timeout: float, now: Callable[[], float]) -> N
         if key not in _warned:
             _warned.add(key)
             log.warning("%s: unusable value in /metrics, taken as unknown: %s", w.url, note)
-    before = w.scraped.cache
-    w.on_scrape(running, waiting, kv, now(), started)
-    w.scraped.cache = cache
-    if cache is not None and before is not None and cache[1] < before[1]:
-        w.cache_gen += 1  # its counters went back: a new process, with an empty cache
+    w.on_scrape(running, waiting, kv, now(), started, cache)
 
 
 def _retrieve(what: str, w: Endpoint, task: asyncio.Task[object]) -> None:
