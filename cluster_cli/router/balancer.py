@@ -119,15 +119,19 @@ class Balancer:
         has been tried, any of them may take it.
         """
         now = self.clock()
-        cands = [w for w in entry.endpoints if w.unavailable_reason() is None and not w.saturated(now)]
+        cands: list[Endpoint] = []
+        full: list[Endpoint] = []  # eligible, and saturated: a deeper prefix there is affinity lost to load
+        for w in entry.endpoints:
+            if w.unavailable_reason() is None:
+                (full if w.saturated(now) else cands).append(w)
         if exclude:
             untried = [w for w in cands if w not in exclude]
             if untried:
                 cands = untried
             elif any(w not in exclude and w.unavailable_reason() is None for w in entry.endpoints):
                 return None
-        if hint is not None:  # replicas left out for being full: a deeper match there is affinity lost to load
-            hint.full = tuple(w for w in entry.endpoints if w.unavailable_reason() is None and w.saturated(now))
+        if hint is not None:
+            hint.full = tuple(full)
         w = self.model_policies.get(entry.name, self.policy).select(cands, now, hint)
         if w is None:
             return None
