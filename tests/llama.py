@@ -16,8 +16,15 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from simengine import LoopThread
+
+    from cluster_cli.router.app import Router
+    from cluster_cli.router.config import RouterConfig
 
 LLAMA_SERVER_ENV = "LLAMA_SERVER"
 # Cache layout written by scripts/install-llama-server.sh; keep the two in sync.
@@ -226,3 +233,38 @@ def run_llama_server(
                 f.write(f"{proc.pid}\n")
             stack.pop_all()  # healthy: it stays up (the caller's pid file says how to stop it)
         yield base_url
+
+
+def router_config(
+    urls: Sequence[str], *, alias: str = "tiny", router: dict | None = None, **extra: object
+) -> RouterConfig:
+    """A router config with the ``llama-server`` replicas at ``urls`` as endpoints of ``alias``
+    (named ``tiny-0``, ``tiny-1``...), scraped and checked often; ``router`` adds to its
+    ``router:`` section, ``extra`` are other top-level sections (``engines``)."""
+    from cluster_cli.router.config import RouterConfig
+
+    eps = [{"url": u, "engine": "llamacpp", "replica": f"tiny-{i}"} for i, u in enumerate(urls)]
+    doc = {
+        **extra,
+        "models": {alias: {"endpoints": eps}},
+        "router": {"scrape_interval_s": 0.2, "health_interval_s": 0.5, **(router or {})},
+    }
+    return RouterConfig.model_validate(doc)
+
+
+@contextlib.contextmanager
+def router_running(cfg: RouterConfig) -> Iterator[tuple[str, Router, LoopThread]]:
+    """The router of ``cfg`` serving on a free port, on a loop of its own: its base URL, the
+    router and the loop (``simengine.LoopThread``); stopped on exit."""
+    from simengine import LoopThread
+
+    from cluster_cli.router.app import Router
+
+    lt = LoopThread()
+    router = Router(cfg)
+    try:
+        port = lt.run(router.start("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{port}", router, lt
+    finally:
+        lt.run(router.stop(1))
+        lt.close()

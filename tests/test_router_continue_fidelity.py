@@ -34,11 +34,10 @@ from pathlib import Path
 import openai
 import pytest
 from gguf_tiny import MIN_VOCAB, make_tiny_gguf
-from llama import find_llama_server, free_port, run_llama_server
+from llama import find_llama_server, free_port, router_config, router_running, run_llama_server
 from simengine import LoopThread
 
 from cluster_cli.router.app import Router
-from cluster_cli.router.config import RouterConfig
 
 pytestmark = pytest.mark.llama
 ALIAS = "tiny"
@@ -125,7 +124,7 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     tmp = tmp_path_factory.mktemp("fidelity")
     model = make_tiny_gguf(tmp / "tiny.gguf", n_vocab=VOCABS[request.param])
     arm = Arm()
-    lt = LoopThread()
+    relay_loop = LoopThread()
     with contextlib.ExitStack() as stack:
         engines = [
             stack.enter_context(
@@ -134,30 +133,16 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             for _ in range(2)
         ]
         relays = [CuttingRelay(f"tiny-{i}", int(u.rsplit(":", 1)[1]), arm) for i, u in enumerate(engines)]
-        ports = [lt.run(r.start()) for r in relays]
-        cfg = RouterConfig.model_validate(
-            {
-                "models": {
-                    ALIAS: {
-                        "endpoints": [
-                            {"url": f"http://127.0.0.1:{p}", "engine": "llamacpp", "replica": r.name}
-                            for p, r in zip(ports, relays, strict=True)
-                        ]
-                    }
-                },
-                # Every cut is its replica's failure: a few in a row on one would open its breaker.
-                "router": {"scrape_interval_s": 0.5, "health_interval_s": 0.5, "breaker": {"failure_threshold": 1000}},
-            }
-        )
-        router = Router(cfg)
-        port = lt.run(router.start("127.0.0.1", 0))
+        urls = [f"http://127.0.0.1:{relay_loop.run(r.start())}" for r in relays]
+        # Every cut is its replica's failure: a few in a row on one would open its breaker.
+        cfg = router_config(urls, router={"scrape_interval_s": 0.5, "breaker": {"failure_threshold": 1000}})
         try:
-            yield Fleet(request.param, f"http://127.0.0.1:{port}", engines[0], arm, router, lt)
+            with router_running(cfg) as (base, router, lt):
+                yield Fleet(request.param, base, engines[0], arm, router, lt)
         finally:
-            lt.run(router.stop(1))
             for r in relays:
-                lt.run(r.stop())
-            lt.close()
+                relay_loop.run(r.stop())
+            relay_loop.close()
 
 
 @dataclass

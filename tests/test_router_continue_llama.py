@@ -20,11 +20,10 @@ from pathlib import Path
 import openai
 import pytest
 from gguf_tiny import make_tiny_gguf
-from llama import find_llama_server, free_port, run_llama_server
+from llama import find_llama_server, free_port, router_config, router_running, run_llama_server
 from simengine import LoopThread
 
 from cluster_cli.router.app import Router
-from cluster_cli.router.config import RouterConfig
 
 pytestmark = pytest.mark.llama
 ALIAS = "tiny"
@@ -54,26 +53,8 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, di
                 leave_running=pidfile,
             ) as url:
                 pids[url] = int(pidfile.read_text().split()[0])
-        cfg = RouterConfig.model_validate(
-            {
-                "models": {
-                    ALIAS: {
-                        "endpoints": [
-                            {"url": u, "engine": "llamacpp", "replica": f"tiny-{i}"} for i, u in enumerate(pids)
-                        ]
-                    }
-                },
-                "router": {"scrape_interval_s": 0.2, "health_interval_s": 0.5},
-            }
-        )
-        lt = LoopThread()
-        router = Router(cfg)
-        port = lt.run(router.start("127.0.0.1", 0))
-        try:
-            yield f"http://127.0.0.1:{port}", pids, router, lt
-        finally:
-            lt.run(router.stop(1))
-            lt.close()
+        with router_running(router_config(list(pids))) as (base, router, lt):
+            yield base, pids, router, lt
     finally:
         for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):

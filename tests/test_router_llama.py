@@ -14,11 +14,10 @@ import httpx
 import openai
 import pytest
 from gguf_tiny import make_tiny_gguf
-from llama import find_llama_server, free_port, run_llama_server
+from llama import find_llama_server, free_port, router_config, router_running, run_llama_server
 from simengine import LoopThread
 
 from cluster_cli.router.app import Router
-from cluster_cli.router.config import RouterConfig
 
 pytestmark = pytest.mark.llama
 ALIAS = "tiny"
@@ -37,31 +36,10 @@ def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list
             )
             for _ in range(2)
         ]
-        cfg = RouterConfig.model_validate(
-            {
-                "engines": {
-                    "llamacpp": {
-                        "metrics": {"running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred"}
-                    }
-                },
-                "models": {
-                    ALIAS: {
-                        "endpoints": [
-                            {"url": u, "engine": "llamacpp", "replica": f"tiny-{i}"} for i, u in enumerate(urls)
-                        ]
-                    }
-                },
-                "router": {"scrape_interval_s": 0.2, "health_interval_s": 0.5},
-            }
-        )
-        lt = LoopThread()
-        router = Router(cfg)
-        port = lt.run(router.start("127.0.0.1", 0))
-        try:
-            yield f"http://127.0.0.1:{port}", urls, router, lt
-        finally:
-            lt.run(router.stop(1))
-            lt.close()
+        mapping = {"running": "llamacpp:requests_processing", "waiting": "llamacpp:requests_deferred"}
+        cfg = router_config(urls, engines={"llamacpp": {"metrics": mapping}})
+        with router_running(cfg) as (base, router, lt):
+            yield base, urls, router, lt
 
 
 def test_openai_client_non_stream_and_stream(routed):

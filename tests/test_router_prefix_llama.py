@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 from gguf_tiny import make_tiny_gguf
-from llama import find_llama_server, free_port, run_llama_server
+from llama import find_llama_server, free_port, router_config, router_running, run_llama_server
 from simengine import LoopThread
 
 from cluster_cli.router.app import Router
@@ -32,16 +32,7 @@ TURNS = 5
 
 
 def _config(urls: list[str], policy: str) -> RouterConfig:
-    return RouterConfig.model_validate(
-        {
-            "models": {
-                ALIAS: {
-                    "endpoints": [{"url": u, "engine": "llamacpp", "replica": f"tiny-{i}"} for i, u in enumerate(urls)]
-                }
-            },
-            "router": {"policy": policy, "scrape_interval_s": 0.2, "health_interval_s": 0.5},
-        }
-    )
+    return router_config(urls, router={"policy": policy})
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +55,8 @@ def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list
             )
             for _ in range(2)
         ]
-        lt = LoopThread()
-        router = Router(_config(urls, "prefix"))
-        port = lt.run(router.start("127.0.0.1", 0))
-        try:
-            yield f"http://127.0.0.1:{port}", urls, router, lt
-        finally:
-            lt.run(router.stop(1))
-            lt.close()
+        with router_running(_config(urls, "prefix")) as (base, router, lt):
+            yield base, urls, router, lt
 
 
 def _conversation(c: openai.OpenAI, topic: str) -> list[tuple[int, int]]:
