@@ -161,11 +161,16 @@ class Conn:
         self.r: asyncio.StreamReader | None = None
         self.w: asyncio.StreamWriter | None = None
 
-    async def exchange(self, req: bytes, t0: float) -> tuple[float, float, bool]:
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The kept-alive connection, opened when there is none (no Nagle delay on it)."""
         if self.w is None:
             self.r, self.w = await asyncio.open_connection("127.0.0.1", self.port)
             self.w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        r, w = self.r, self.w
+        assert self.r is not None
+        return self.r, self.w
+
+    async def exchange(self, req: bytes, t0: float) -> tuple[float, float, bool]:
+        r, w = await self._open()
         w.write(req)
         head = await r.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
@@ -440,7 +445,7 @@ def run_balance(a: argparse.Namespace, rundir: Path) -> dict:
 FAILOVER_CONTENDERS = ("clusterctl", "clusterctl-noresume", "nginx", "vllm-router", "litellm")
 
 
-class SSEConn:
+class SSEConn(Conn):
     """One keep-alive connection for streamed chat completions, read event by event.
 
     ``stream`` returns what the client saw of one response: status, text, content chunks,
@@ -450,10 +455,8 @@ class SSEConn:
     """
 
     def __init__(self, port: int, auth: str | None = None) -> None:
-        self.port = port
+        super().__init__(port)
         self.auth = auth
-        self.r: asyncio.StreamReader | None = None
-        self.w: asyncio.StreamWriter | None = None
 
     def request(self, model: str, max_tokens: int) -> bytes:
         body = json.dumps(
@@ -472,10 +475,7 @@ class SSEConn:
 
     async def stream(self, req: bytes, rec: dict) -> None:
         """Fill ``rec`` as the response comes; raises on a connection error (``rec`` keeps what came)."""
-        if self.w is None:
-            self.r, self.w = await asyncio.open_connection("127.0.0.1", self.port)
-            self.w.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        r, w = self.r, self.w
+        r, w = await self._open()
         w.write(req)
         head = await r.readuntil(b"\r\n\r\n")
         rec["status"] = int(head[9:12])
