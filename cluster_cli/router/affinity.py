@@ -180,15 +180,24 @@ class Affinity:
     """One request's affinity: its model, prompt blocks and session key; the policy writes
     back what it decided (for the metrics and the access log)."""
 
-    __slots__ = ("blocks", "full", "matched", "model", "outcome", "session")
+    __slots__ = ("block_chars", "blocks", "full", "matched", "model", "outcome", "session")
 
-    def __init__(self, model: str, blocks: tuple[int, ...], session: str | None = None) -> None:
+    def __init__(self, model: str, blocks: tuple[int, ...], session: str | None = None, block_chars: int = 64) -> None:
         self.model = model
         self.blocks = blocks
+        self.block_chars = block_chars  # what ``blocks`` were cut at: matched blocks as characters
         self.session = session
         self.full: tuple[Any, ...] = ()  # eligible endpoints left out for being saturated
         self.matched = 0  # blocks the chosen endpoint already held
         self.outcome = ""  # session, matched, overridden, full, miss, short
 
-    def note(self, block_chars: int) -> str:
-        return f"affinity {self.outcome}: {self.matched * block_chars}/{len(self.blocks) * block_chars} chars"
+    @property
+    def matched_chars(self) -> int:
+        return self.matched * self.block_chars
+
+    @property
+    def prompt_chars(self) -> int:
+        return len(self.blocks) * self.block_chars
+
+    def note(self) -> str:
+        return f"affinity {self.outcome}: {self.matched_chars}/{self.prompt_chars} chars"

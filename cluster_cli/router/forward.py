@@ -392,14 +392,13 @@ def affinity_of(router: Lifecycle, req: Request, model: str, body: dict[str, Any
     if text is None and not session:
         return None
     hashed = blocks(text or "", spec.block_chars, spec.max_prompt_chars // spec.block_chars)
-    return Affinity(model, hashed, session[:256] if session else None)
+    return Affinity(model, hashed, session[:256] if session else None, spec.block_chars)
 
 
 def _affinity_decided(router: Lifecycle, hint: Affinity, replica: str, trace: Trace) -> None:
-    chars = router.balancer.policy_for(hint.model).spec.block_chars  # type: ignore[attr-defined]
-    router.metrics.affinity(hint.model, hint.outcome, hint.matched * chars, len(hint.blocks) * chars)
+    router.metrics.affinity(hint.model, hint.outcome, hint.matched_chars, hint.prompt_chars)
     if log.isEnabledFor(logging.DEBUG):
-        trace.affinity = hint.note(chars)  # on the access-log line too
+        trace.affinity = hint.note()  # on the access-log line too
         log.debug("%s -> %s: %s", hint.model, replica, trace.affinity)
     hint.outcome = ""  # a retry decides again
 
